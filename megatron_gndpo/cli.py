@@ -1,0 +1,120 @@
+"""The ``megatron-gndpo`` command.
+
+    megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [section.key=value ...]
+    megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
+
+Without ``--config`` the embedded default (a tiny student and teacher) is used. Overrides are
+dotted ``section.key=value`` pairs whose values are read as YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_gndpo.config import ConfigError, load_config, save_resolved, to_yaml, validate
+from megatron_gndpo.config.docs import format_fields
+from megatron_gndpo.version import __version__
+
+_EPILOG_HEAD = """\
+Every configuration field (set in the YAML file or as section.key=value overrides):
+"""
+
+
+def _add_config_args(parser: argparse.ArgumentParser, *, world_default: int | None) -> None:
+    parser.add_argument("--config", "-c", type=Path, help="YAML config (default: embedded)")
+    parser.add_argument(
+        "--world-size",
+        "-n",
+        type=int,
+        default=world_default,
+        help="number of ranks (GPUs) to plan for / validate against",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="dotted config overrides"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fields = _EPILOG_HEAD + format_fields()
+    parser = argparse.ArgumentParser(
+        prog="megatron-gndpo",
+        description="On-policy distillation with GNDPO on megatron-core.",
+        epilog=fields,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p_plan = sub.add_parser(
+        "plan",
+        help="print the parallel layout and per-rank parameters of both models (no GPU needed)",
+        description="Validate the config for N ranks and print both models' parallel layouts, "
+        "per-rank parameter counts and the resolved config. Needs no GPU and starts nothing.",
+        epilog=fields,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_args(p_plan, world_default=8)
+    p_plan.add_argument("--ranks", action="store_true", help="also list every rank's coordinates")
+    p_plan.add_argument("--out", type=Path, help="write the resolved config to OUT/config.yaml")
+
+    p_cfg = sub.add_parser(
+        "config",
+        help="show, validate or document the configuration",
+        epilog=fields,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_cfg.add_argument("action", choices=("show", "validate", "fields"))
+    _add_config_args(p_cfg, world_default=None)
+    return parser
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_gndpo.plan import format_model_plan, plan
+
+    cfg = validate(load_config(args.config, args.overrides), args.world_size)
+    student, teacher = plan(cfg, args.world_size)
+    print(f"megatron-gndpo {__version__} plan for {args.world_size} ranks")
+    print(format_model_plan(student, per_rank=args.ranks))
+    print(format_model_plan(teacher, per_rank=args.ranks))
+    batch = cfg.rollout.rollout_batch_size
+    print(
+        f"rollout: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} "
+        f"samples = {batch} sequences per step, {batch // student.layout.dp} per student "
+        f"data-parallel rank; GNDPO statistics all-reduced over DPxCP "
+        f"({student.layout.dp * student.layout.cp} ranks)"
+    )
+    print("--- resolved config ---")
+    print(to_yaml(cfg), end="")
+    if args.out:
+        print(f"wrote {save_resolved(cfg, args.out)}")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    if args.action == "fields":
+        print(format_fields())
+        return 0
+    cfg = validate(load_config(args.config, args.overrides), args.world_size)
+    if args.action == "show":
+        print(to_yaml(cfg), end="")
+    else:
+        where = f" for {args.world_size} ranks" if args.world_size else ""
+        print(f"config is valid{where}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"plan": _cmd_plan, "config": _cmd_config}
+    try:
+        return handlers[args.command](args)
+    except ConfigError as err:
+        print(f"megatron-gndpo: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Run megatron-core on a machine without CUDA (tests, the embedded demo, ``plan``).
+
+megatron-core assumes CUDA in a few dozen places: ``torch.cuda.current_device()`` used as a
+device, CUDA RNG state get/set, ``torch.cuda.synchronize``/``set_device``, literal
+``device="cuda"`` and ``pin_memory=True`` in tensor factories, ``Tensor.cuda()``, and
+``torch.cuda.Event``/``Stream``. This module redirects exactly those, and nothing else:
+
+- **module redirects**: in each listed megatron module the global name ``torch`` is replaced by a
+  proxy that forwards everything to torch except ``torch.cuda`` (a CPU stand-in) and the tensor
+  factories (``device="cuda"`` becomes ``"cpu"``, ``pin_memory`` is dropped);
+- **function patches**: megatron's private CUDA RNG helpers become the CPU generator's;
+- **tensor patch**: ``Tensor.cuda()`` returns the tensor itself (on a CPU-only machine it could
+  only raise).
+
+Nothing happens on import. :func:`enable` applies every patch and returns a handle whose
+``disable()`` restores the originals; it refuses to run where CUDA is available, because there
+megatron-core needs none of this. :func:`report` tells, for the installed megatron-core, which
+patches still find the CUDA assumption they exist for (a patch that no longer does is a candidate
+for deletion), and which megatron modules outside the list mention CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import logging
+import re
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_CPU = torch.device("cpu")
+
+# Source patterns that mark a CUDA assumption a CPU run trips over.
+_CUDA_MARKERS = re.compile(
+    r"torch\.cuda\.(current_device|synchronize|set_device|Event|Stream|current_stream|stream|"
+    r"manual_seed|get_rng_state|set_rng_state|default_generators|empty_cache|FloatTensor)"
+    r"|device=['\"]cuda['\"]|pin_memory=True|\.cuda\(\)"
+)
+
+# Tensor factories whose ``device=`` / ``pin_memory=`` arguments are rewritten.
+_FACTORIES = (
+    "tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", "randn", "rand",
+    "randint", "empty_like", "zeros_like", "ones_like", "full_like", "eye", "linspace",
+    "empty_strided",
+)  # fmt: skip
+
+
+def _to_cpu_device(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int):  # a CUDA ordinal from torch.cuda.current_device()
+        return _CPU
+    if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
+        return _CPU
+    return device
+
+
+def _cpu_factory(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event``: on CPU every op is finished when it returns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _NullStream(_NullEvent):
+    """Stands in for ``torch.cuda.Stream``; usable as a context manager."""
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _CpuCuda:
+    """``torch.cuda`` as megatron-core sees it inside redirected modules on a CPU machine."""
+
+    Event = _NullEvent
+    Stream = _NullStream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return _CPU
+
+    @staticmethod
+    def current_stream(*args: Any, **kwargs: Any) -> _NullStream:
+        return _NullStream()
+
+    @staticmethod
+    def stream(*args: Any, **kwargs: Any) -> _NullStream:
+        return _NullStream()
+
+    @staticmethod
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        pass
+
+    @staticmethod
+    def set_device(*args: Any, **kwargs: Any) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def memory_allocated(*args: Any, **kwargs: Any) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(*args: Any, **kwargs: Any) -> int:
+        return 0
+
+
+class _CpuTorch(types.ModuleType):
+    """The ``torch`` module with its CUDA entry points redirected to the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+# --------------------------------------------------------------------------------------------
+# The patches
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One redirect of a CUDA assumption in megatron-core.
+
+    ``target`` is ``"module"`` (replace the module's global ``torch``) or ``"module:attr"``
+    (replace one function). ``why`` says what fails on CPU without it.
+    """
+
+    target: str
+    why: str
+    replacement: Callable[[], Any] | None = None
+
+    @property
+    def module_name(self) -> str:
+        return self.target.split(":")[0]
+
+    def _resolve(self) -> tuple[types.ModuleType, str]:
+        module = importlib.import_module(self.module_name)
+        attr = self.target.split(":")[1] if ":" in self.target else "torch"
+        if not hasattr(module, attr):
+            raise AttributeError(
+                f"megatron-core changed: {self.module_name} has no {attr!r}; update "
+                f"megatron_gndpo/compat/cpu.py for this version"
+            )
+        return module, attr
+
+    def apply(self) -> Callable[[], None]:
+        """Apply; return the function that undoes it."""
+        module, attr = self._resolve()
+        original = getattr(module, attr)
+        new = _CPU_TORCH if self.replacement is None else self.replacement()
+        setattr(module, attr, new)
+        return lambda: setattr(module, attr, original)
+
+    def still_needed(self) -> bool:
+        """Whether the installed megatron-core still has the CUDA assumption this patch covers."""
+        module, attr = self._resolve()
+        source_of = getattr(module, attr) if ":" in self.target else module
+        return bool(_CUDA_MARKERS.search(inspect.getsource(source_of)))
+
+
+def _cpu_get_rng_state(*args: Any, clone: bool = False, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+_RANDOM = "megatron.core.tensor_parallel.random"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(f"{_RANDOM}:_get_cuda_rng_state", "indexes torch.cuda.default_generators",
+          lambda: _cpu_get_rng_state),
+    Patch(f"{_RANDOM}:_set_cuda_rng_state", "indexes torch.cuda.default_generators",
+          lambda: _cpu_set_rng_state),
+    Patch(_RANDOM, "model_parallel_cuda_manual_seed and the tracker seed the CUDA generator"),
+    Patch("megatron.core.models.common.embeddings.rotary_pos_embedding",
+          "inv_freq and frequencies are built on torch.cuda.current_device()"),
+    Patch("megatron.core.tensor_parallel.layers",
+          "weights and all-gather buffers are allocated on torch.cuda.current_device()"),
+    Patch("megatron.core.tensor_parallel.mappings",
+          "gather/scatter buffers are allocated on torch.cuda.current_device()"),
+    Patch("megatron.core.tensor_parallel.data", "broadcast buffers use the current CUDA device"),
+    Patch("megatron.core.tensor_parallel.utils", "split buffers use torch.cuda.current_device()"),
+    Patch("megatron.core.utils", "global memory buffer and helpers allocate on CUDA"),
+    Patch("megatron.core.pipeline_parallel.schedules",
+          "token counts are created with device='cuda'"),
+    Patch("megatron.core.pipeline_parallel.p2p_communication",
+          "receive buffers are allocated on CUDA and sends call torch.cuda.synchronize()"),
+    Patch("megatron.core.pipeline_parallel.utils", "pipeline helpers use CUDA streams"),
+    Patch("megatron.core.distributed.distributed_data_parallel",
+          "gradient buffers are allocated on torch.cuda.current_device()"),
+    Patch("megatron.core.distributed.param_and_grad_buffer",
+          "parameter and gradient buffers are allocated on CUDA"),
+    Patch("megatron.core.optimizer.optimizer", "found-inf and grad-norm tensors are made on CUDA"),
+    Patch("megatron.core.optimizer.clip_grads", "the grad-norm accumulator is made on CUDA"),
+    Patch("megatron.core.optimizer.distrib_optimizer", "shard buffers are allocated on CUDA"),
+    Patch("megatron.core.optimizer.grad_scaler", "loss-scale tensors are made on CUDA"),
+    Patch("megatron.core.dist_checkpointing.exchange_utils",
+          "checkpoint shards are exchanged through CUDA tensors"),
+    Patch("megatron.core.dist_checkpointing.strategies.fully_parallel",
+          "load exchange allocates on torch.cuda.current_device()"),
+    Patch("megatron.core.transformer.transformer_layer", "layer offsets use CUDA tensors"),
+    Patch("megatron.core.transformer.utils", "the default causal mask is built with device='cuda'"),
+)  # fmt: skip
+
+_CPU_TORCH = _CpuTorch()
+
+
+class _QuietForkWarning(logging.Filter):
+    # On CPU the "CUDA" generator the RNG tracker forks IS the CPU generator, so the tracker's
+    # check that the CPU state did not change inside fork() always fires. It is expected here.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _tensor_cuda_noop(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+@dataclasses.dataclass
+class CpuCompat:
+    """Handle returned by :func:`enable`; ``disable()`` restores everything it changed."""
+
+    _undo: list[Callable[[], None]]
+
+    def disable(self) -> None:
+        global _ACTIVE
+        while self._undo:
+            self._undo.pop()()
+        _ACTIVE = None
+
+
+_ACTIVE: CpuCompat | None = None
+
+
+def enable() -> CpuCompat:
+    """Redirect megatron-core's CUDA assumptions to the CPU. Idempotent; never call it on GPUs."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return _ACTIVE
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron_gndpo.compat.cpu.enable() is for machines without CUDA; this one has "
+            f"{torch.cuda.device_count()} GPU(s). Call enable_if_no_cuda() in entry points."
+        )
+    undo: list[Callable[[], None]] = []
+    for patch in PATCHES:
+        undo.append(patch.apply())
+    original_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = _tensor_cuda_noop  # type: ignore[method-assign]
+    undo.append(lambda: setattr(torch.Tensor, "cuda", original_cuda))
+    fork_filter = _QuietForkWarning()
+    random_logger = logging.getLogger(_RANDOM)
+    random_logger.addFilter(fork_filter)
+    undo.append(lambda: random_logger.removeFilter(fork_filter))
+    _ACTIVE = CpuCompat(undo)
+    return _ACTIVE
+
+
+def enable_if_no_cuda() -> CpuCompat | None:
+    """What entry points call: enable on a CPU-only machine, do nothing where CUDA exists."""
+    return None if torch.cuda.is_available() else enable()
+
+
+def is_enabled() -> bool:
+    return _ACTIVE is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchStatus:
+    target: str
+    why: str
+    needed: bool
+
+
+def report() -> tuple[list[PatchStatus], list[str]]:
+    """Which patches the installed megatron-core still needs, and unpatched CUDA mentions.
+
+    Returns ``(statuses, unlisted)`` where ``unlisted`` names imported ``megatron.core`` modules
+    outside the patch list whose source still has a CUDA assumption (paths a CPU run has not
+    exercised; a new failure on CPU is likely to be in one of them).
+    """
+    statuses = [PatchStatus(p.target, p.why, p.still_needed()) for p in PATCHES]
+    listed = {p.module_name for p in PATCHES}
+    unlisted = []
+    for name, module in sorted(_megatron_modules()):
+        if name in listed:
+            continue
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError):
+            continue
+        if _CUDA_MARKERS.search(source):
+            unlisted.append(name)
+    return statuses, unlisted
+
+
+def _megatron_modules() -> Iterator[tuple[str, types.ModuleType]]:
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and isinstance(module, types.ModuleType):
+            yield name, module

@@ -1,0 +1,47 @@
+"""Typed, frozen configuration: schema, strict YAML/override loading, validation, field docs."""
+
+from megatron_gndpo.config.loader import (
+    ConfigError,
+    load_config,
+    parse_overrides,
+    save_resolved,
+    to_dict,
+    to_yaml,
+)
+from megatron_gndpo.config.schema import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RolloutConfig,
+    TeacherConfig,
+    TrainerConfig,
+)
+from megatron_gndpo.config.validate import check_environment, layout_of, validate
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RolloutConfig",
+    "TeacherConfig",
+    "TrainerConfig",
+    "check_environment",
+    "layout_of",
+    "load_config",
+    "parse_overrides",
+    "save_resolved",
+    "to_dict",
+    "to_yaml",
+    "validate",
+]

@@ -1,0 +1,75 @@
+"""Field documentation, read from the string literal under each field in ``schema.py``.
+
+Each field is documented once, where it is defined; ``megatron-gndpo --help`` and
+``megatron-gndpo config fields`` print what this module collects.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import textwrap
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+from megatron_gndpo.config.loader import _type_name
+from megatron_gndpo.config.schema import Config
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` for a dataclass whose fields carry attribute docstrings."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldDoc:
+    key: str
+    type: str
+    default: Any
+    doc: str
+
+
+def iter_fields(cls: type = Config, prefix: str = "") -> Iterator[FieldDoc]:
+    """Every leaf field of the config tree, in definition order, with its dotted key."""
+    return _iter_nested(cls, cls(), prefix)
+
+
+def _iter_nested(cls: type, value: Any, prefix: str) -> Iterator[FieldDoc]:
+    # Nested sections may have defaults different from the class's (teacher.model is larger).
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        sub = getattr(value, f.name)
+        if dataclasses.is_dataclass(tp):
+            yield from _iter_nested(tp, sub, f"{prefix}{f.name}.")
+        else:
+            yield FieldDoc(f"{prefix}{f.name}", _type_name(tp), sub, docs.get(f.name, ""))
+
+
+def format_fields(width: int = 100) -> str:
+    """A plain-text reference of every field: key, type, default, and its documentation."""
+    lines = []
+    for fd in iter_fields():
+        default = "null" if fd.default is None else repr(fd.default)
+        lines.append(f"  {fd.key} ({fd.type}; default {default})")
+        lines.extend(textwrap.wrap(fd.doc, width=width, initial_indent="      ",
+                                   subsequent_indent="      "))  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,244 @@
+"""YAML + dotted command-line overrides -> typed, frozen :class:`Config`.
+
+    cfg = load_config("examples/tiny.yaml", ["algorithm.kl_clip=3.0", "parallel.tensor_parallel=2"])
+
+Strict: an unknown key (with a did-you-mean), a value of the wrong type, a key set twice (in the
+file or among the overrides) and a section given a scalar are all :class:`ConfigError` naming the
+dotted key and the fix. Values are never coerced between kinds, with one exception: a float field
+accepts a string that parses as a float, because YAML 1.1 reads ``1e-6`` as a string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from megatron_gndpo.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and how to fix it."""
+
+
+# --------------------------------------------------------------------------------------------
+# YAML with duplicate-key detection
+
+
+class _StrictLoader(yaml.SafeLoader):
+    pass
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(
+                f"key {key!r} is set twice in {node.start_mark.name} (lines {seen[key]} and "
+                f"{line}); keep one of them"
+            )
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# Overrides
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``; values are parsed as YAML."""
+    nested: dict[str, Any] = {}
+    seen: set[str] = set()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().removeprefix("--")
+        if not sep or not key:
+            raise ConfigError(
+                f"override {item!r} is not of the form section.key=value "
+                "(for example algorithm.kl_clip=3.0)"
+            )
+        if key in seen:
+            raise ConfigError(f"override {key!r} is given twice on the command line; keep one")
+        seen.add(key)
+        try:
+            value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from err
+        node = nested
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {key!r} conflicts with override {prefix!r}")
+            node = child
+        if isinstance(node.get(parts[-1]), dict):
+            raise ConfigError(f"override {key!r} conflicts with an override of one of its keys")
+        node[parts[-1]] = value
+    return nested
+
+
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive merge; ``update`` wins. Sections merge key by key."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Typed construction
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if get_origin(tp) is tuple:
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+_NO_MATCH = object()
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} is a section: expected a mapping, got {value!r}")
+        return build(tp, value, prefix=f"{key}.")  # type: ignore[arg-type]
+    if origin in (types.UnionType, typing.Union):
+        for arg in get_args(tp):
+            result = _try_convert(value, arg, key)
+            if result is not _NO_MATCH:
+                return result
+    elif origin is Literal:
+        if value in get_args(tp) and type(value) is not bool:
+            return value
+    elif origin is tuple:
+        if isinstance(value, list | tuple):
+            return tuple(_convert(v, get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value))
+    else:
+        result = _try_convert(value, tp, key)
+        if result is not _NO_MATCH:
+            return result
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _try_convert(value: Any, tp: Any, key: str) -> Any:
+    if tp is type(None):
+        return None if value is None else _NO_MATCH
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO_MATCH
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO_MATCH
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 as a string
+            try:
+                return float(value)
+            except ValueError:
+                return _NO_MATCH
+        return _NO_MATCH
+    if tp is str:
+        return value if isinstance(value, str) else _NO_MATCH
+    try:
+        return _convert(value, tp, key)
+    except ConfigError:
+        return _NO_MATCH
+
+
+def build[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping, strictly (see the module docstring)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), list(fields), n=1)
+        hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+        section = prefix.rstrip(".") or "the top level"
+        raise ConfigError(
+            f"unknown key {prefix}{key}{hint} (keys of {section}: {', '.join(fields)})"
+        )
+    kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain mapping (tuples as lists) that :func:`build` turns back into the same config."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        return value
+
+    result = plain(cfg)
+    assert isinstance(result, dict)
+    return result
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, base: Config | None = None
+) -> Config:
+    """Defaults (or ``base``) <- YAML file <- dotted overrides, strictly typed."""
+    data = to_dict(base) if base is not None else {}
+    if path is not None:
+        data = merge(data, read_yaml(path))
+    data = merge(data, parse_overrides(overrides))
+    return build(Config, data)
+
+
+def save_resolved(cfg: Config, run_dir: str | Path) -> Path:
+    """Write the resolved config to ``run_dir/config.yaml``; return its path."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg), encoding="utf-8")
+    tmp.replace(path)  # atomic: a crash never leaves a half-written config
+    return path

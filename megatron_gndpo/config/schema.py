@@ -1,0 +1,303 @@
+"""The configuration: one typed, frozen dataclass per component.
+
+Each field is documented once, by the string literal right below it; ``megatron-gndpo --help``
+and ``megatron-gndpo config fields`` print these. A component receives only its own section
+(the rollout engine gets a ``RolloutConfig``, the loss gets an ``AlgorithmConfig``).
+Nothing here rewrites a user value: derived quantities are properties, and cross-field rules
+live in ``validate.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a megatron-core GPT model (Llama, Qwen2/2.5 and Qwen3 families)."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    ffn_hidden_size: int = 256
+    """Width of the MLP (per branch for SwiGLU)."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: int | None = None
+    """Number of key/value heads for grouped-query attention; null means one per query head."""
+    kv_channels: int | None = None
+    """Per-head dimension; null means hidden_size / num_attention_heads."""
+    vocab_size: int = 128
+    """Embedding rows (Hugging Face config.vocab_size), before padding to a multiple of the TP
+    size."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this times the TP size; padding takes no mass."""
+    max_position_embeddings: int = 4096
+    """Longest sequence (prompt + response) the model is built for."""
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    """Position encoding: rotary (all supported families) or learned absolute positions."""
+    rotary_base: float = 10000.0
+    """RoPE base frequency (1e6 for Qwen2.5/Qwen3, 5e5 for Llama 3)."""
+    rotary_scaling_factor: float | None = None
+    """Llama-3.1-style RoPE frequency scaling factor; null for none."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Normalisation layer."""
+    norm_epsilon: float = 1e-6
+    """Epsilon of the normalisation layers."""
+    swiglu: bool = True
+    """Gated SiLU MLP (Llama/Qwen) instead of a plain GELU MLP."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection (Qwen2/Qwen2.5)."""
+    add_bias_linear: bool = False
+    """Bias on the other linear layers (false for Llama/Qwen)."""
+    qk_layernorm: bool = False
+    """RMSNorm on queries and keys per head (Qwen3)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_method_std: float = 0.02
+    """Standard deviation of the random initialisation (ignored when loading a checkpoint)."""
+    params_dtype: Dtype = "bf16"
+    """Parameter dtype (fp32 master weights are kept by the optimizer for bf16/fp16)."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Layer implementation: megatron-core's local spec, or Transformer Engine (needs the `te`
+    extra and a GPU)."""
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    """FP8 format for Transformer Engine layers; null for none. Needs transformer_impl:
+    transformer_engine."""
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    """FP8 scaling recipe passed to megatron-core."""
+    fp8_amax_history_len: int = 1024
+    """Amax history length for delayed scaling."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How a model is split over the ranks; the data-parallel size is what remains."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size (shards heads, MLP and vocabulary)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size (splits the layers into stages)."""
+    context_parallel: int = 1
+    """Context-parallel size (splits long sequences; needs Transformer Engine)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the TP region (needs tensor_parallel > 1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    """The frozen teacher: its own architecture, layout and weights, scoring the student's ids."""
+
+    model: ModelConfig = dataclasses.field(
+        default_factory=lambda: ModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512)
+    )
+    """The teacher's architecture (its vocabulary must equal the student's)."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """The teacher's TP/PP/CP layout over the same ranks; may differ from the student's."""
+    load: str | None = None
+    """Megatron dist-checkpoint directory of the teacher; null builds it randomly (tests)."""
+    temperature: float = 1.0
+    """Temperature of the teacher's distribution when scoring (1.0 as in the paper)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How the student samples responses."""
+
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """Generation engine: built-in megatron-core generation, or vLLM (needs the `vllm` extra)."""
+    prompts_per_step: int = 32
+    """Prompts drawn per training step (over all data-parallel ranks)."""
+    samples_per_prompt: int = 16
+    """Responses sampled per prompt."""
+    max_prompt_length: int = 1024
+    """Prompts longer than this (in tokens) are an error, not silently truncated."""
+    max_response_length: int = 2048
+    """Maximum number of generated tokens per response."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 disables it)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables it)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM only: fraction of GPU memory the engine may take while awake."""
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences per step: prompts_per_step * samples_per_prompt."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """The advantage estimator and policy loss (see ALGORITHMS.md in the docs)."""
+
+    estimator: str = "gndpo"
+    """Advantage estimator: gndpo, opd, grpo, reinforce_pp, vopd or mix."""
+    kl_clip: float = 5.0
+    """Clamp C on the per-token score teacher_logp - student_logp (release default 5.0)."""
+    policy_loss: str = "gspo"
+    """Policy loss: gspo (token form, the release's), ppo_clip or is_pg (plain importance-sampled
+    policy gradient)."""
+    clip_low: float = 0.2
+    """Lower clip range eps_low of the ratio."""
+    clip_high: float = 0.2
+    """Upper clip range eps_high of the ratio."""
+    dual_clip: float | None = None
+    """Dual-clip bound c (> 1) for negative advantages with ppo_clip; null disables it."""
+    aggregation: str = "token-mean"
+    """Loss aggregation over the global batch: token-mean or seq-mean-token-mean."""
+    distill_estimator: str = "gndpo"
+    """With estimator mix: the distillation part (gndpo, opd or vopd)."""
+    outcome_estimator: str = "grpo"
+    """With estimator mix: the outcome part (grpo or reinforce_pp)."""
+    outcome_weight: float = 0.0
+    """With estimator mix: weight w in A = A_distill + w * A_outcome."""
+    vopd_top_k: int = 100
+    """vOPD: KL over the student's top-k tokens renormalised; 0 uses the full vocabulary."""
+    gamma: float = 1.0
+    """Discount of reinforce_pp returns."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """megatron-core optimizer and learning-rate schedule."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer (adam is AdamW: decoupled weight decay)."""
+    lr: float = 1e-6
+    """Peak learning rate (release default 1e-6)."""
+    min_lr: float = 0.0
+    """Final learning rate of a decaying schedule."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (the pre-clip norm is logged; a non-finite norm skips the step)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over the data-parallel group (megatron-core distributed optimizer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """The outer loop."""
+
+    steps: int = 100
+    """Training steps (one rollout batch each)."""
+    seed: int = 1234
+    """Seed of data order, sampling and initialisation."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward micro-batch."""
+    optimizer_steps_per_rollout: int = 1
+    """Optimizer steps per rollout batch (1 is strictly on-policy, as the release)."""
+    eval_interval: int = 0
+    """Evaluate every this many steps; 0 disables evaluation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Prompt data and tokenizer."""
+
+    train: str = "builtin:arithmetic"
+    """Training prompts: a JSONL/Parquet path, or builtin:NAME for a built-in task."""
+    eval: str | None = None
+    """Held-out prompts for evaluation (same formats); null disables evaluation data."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    answer_key: str = "answer"
+    """Column holding the reference answer (for verifiable rewards and evaluation)."""
+    tokenizer: str | None = None
+    """SentencePiece model file or Hugging Face tokenizer directory; null for the built-in
+    task's tokenizer."""
+    vocab_size: int | None = None
+    """Token ids the tokenizer can produce. Both models' distributions are restricted to these ids
+    (embedding rows beyond them take no probability mass), so a student and a teacher of one
+    tokenizer family with differently padded embeddings (Qwen2.5-1.5B: 151936 rows, 7B: 152064)
+    score the same support. null means model.vocab_size."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming (megatron-core dist-checkpointing)."""
+
+    save: str | None = None
+    """Directory for checkpoints; null disables saving."""
+    load: str | None = None
+    """Checkpoint to resume from; null starts fresh (or resumes from save if it has one)."""
+    save_interval: int = 0
+    """Save every this many steps; 0 saves only at the end."""
+    keep_last: int = 2
+    """Older checkpoints beyond this many are deleted after a successful save."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Where metrics and the resolved config go."""
+
+    run_dir: str = "runs/gndpo"
+    """Run directory: resolved config, metrics JSONL, plots."""
+    log_interval: int = 1
+    """Print metrics every this many steps."""
+    wandb_project: str | None = None
+    """Weights & Biases project; null disables W&B."""
+    wandb_run_name: str | None = None
+    """Weights & Biases run name; null lets W&B choose."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to run_dir/tensorboard."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole GNDPO run: the student, its teacher, and how they are trained."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The student's architecture."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """The student's parallel layout."""
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    """The frozen teacher."""
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """Sampling."""
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    """Advantage estimator and loss."""
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    """Optimizer and schedule."""
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    """The outer loop."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Prompts and tokenizer."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Logging."""

@@ -1,0 +1,259 @@
+"""Cross-field rules: combinations that cannot run, each reported with the fix.
+
+:func:`validate` collects every problem and raises one :class:`ConfigError` listing them all, so a
+user fixes a config in one round. :func:`check_environment` is separate: it checks that the
+packages a config asks for (Transformer Engine, vLLM) are importable here, which ``plan`` (run
+from a laptop for a cluster) does not require.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from megatron_gndpo.algorithms import AGGREGATIONS, ESTIMATORS, POLICY_LOSSES
+from megatron_gndpo.config.loader import ConfigError
+from megatron_gndpo.config.schema import Config, ModelConfig, ParallelConfig
+from megatron_gndpo.parallel.groups import ParallelLayout
+
+_DISTILL_ESTIMATORS = ("gndpo", "opd", "vopd")
+_OUTCOME_ESTIMATORS = ("grpo", "reinforce_pp")
+
+
+def layout_of(parallel: ParallelConfig, world_size: int) -> ParallelLayout:
+    """The ParallelLayout of a config section, with the config's key names in the error."""
+    try:
+        return ParallelLayout(
+            world_size=world_size,
+            tp=parallel.tensor_parallel,
+            pp=parallel.pipeline_parallel,
+            cp=parallel.context_parallel,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def _one_of(problems: list[str], key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        problems.append(f"{key}: unknown name {value!r}; use one of {', '.join(allowed)}")
+
+
+def _positive(problems: list[str], key: str, value: float, *, strict: bool = True) -> None:
+    if value <= 0 if strict else value < 0:
+        bound = "> 0" if strict else ">= 0"
+        problems.append(f"{key} must be {bound}, got {value}")
+
+
+def _model_problems(
+    model: ModelConfig, parallel: ParallelConfig, who: str, max_tokens: int
+) -> list[str]:
+    p: list[str] = []
+    section = "model" if who == "student" else "teacher.model"
+    psection = "parallel" if who == "student" else "teacher.parallel"
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "make_vocab_size_divisible_by",
+    ):
+        _positive(p, f"{section}.{name}", getattr(model, name))  # fmt: skip
+    for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        _positive(p, f"{psection}.{name}", getattr(parallel, name))
+    if p:
+        return p
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    if model.kv_channels is None and model.hidden_size % model.num_attention_heads:
+        p.append(
+            f"{section}.hidden_size ({model.hidden_size}) is not divisible by "
+            f"num_attention_heads ({model.num_attention_heads}); set kv_channels explicitly"
+        )
+    if model.num_attention_heads % model.query_groups:
+        p.append(
+            f"{section}.num_attention_heads ({model.num_attention_heads}) is not a multiple of "
+            f"num_query_groups ({model.query_groups})"
+        )
+    if model.num_attention_heads % tp or model.query_groups % tp:
+        p.append(
+            f"{psection}.tensor_parallel={tp} must divide {section}.num_attention_heads "
+            f"({model.num_attention_heads}) and the number of KV heads ({model.query_groups}); "
+            "lower tensor_parallel"
+        )
+    if model.ffn_hidden_size % tp:
+        p.append(f"{psection}.tensor_parallel={tp} must divide {section}.ffn_hidden_size")
+    if model.num_layers % pp:
+        p.append(
+            f"{psection}.pipeline_parallel={pp} must divide {section}.num_layers "
+            f"({model.num_layers}) so every stage holds the same number of layers"
+        )
+    if parallel.sequence_parallel and tp == 1:
+        p.append(f"{psection}.sequence_parallel needs tensor_parallel > 1; set it to false")
+    if model.fp8 is not None and model.transformer_impl != "transformer_engine":
+        p.append(
+            f"{section}.fp8={model.fp8} needs {section}.transformer_impl=transformer_engine "
+            "(FP8 runs only in Transformer Engine layers)"
+        )
+    if parallel.context_parallel > 1 and model.transformer_impl != "transformer_engine":
+        p.append(
+            f"{psection}.context_parallel > 1 needs {section}.transformer_impl="
+            "transformer_engine (megatron-core's local attention has no context parallelism)"
+        )
+    if max_tokens > model.max_position_embeddings:
+        p.append(
+            f"rollout.max_prompt_length + rollout.max_response_length = {max_tokens} exceeds "
+            f"{section}.max_position_embeddings ({model.max_position_embeddings}); shorten the "
+            "rollout or raise max_position_embeddings"
+        )
+    return p
+
+
+def _algorithm_problems(cfg: Config) -> list[str]:
+    a, p = cfg.algorithm, []
+    _one_of(p, "algorithm.estimator", a.estimator, ESTIMATORS)
+    _one_of(p, "algorithm.policy_loss", a.policy_loss, POLICY_LOSSES)
+    _one_of(p, "algorithm.aggregation", a.aggregation, AGGREGATIONS)
+    _positive(p, "algorithm.kl_clip", a.kl_clip)
+    _positive(p, "algorithm.clip_low", a.clip_low)
+    _positive(p, "algorithm.clip_high", a.clip_high)
+    if a.dual_clip is not None and a.dual_clip <= 1.0:
+        p.append(f"algorithm.dual_clip must be > 1 (or null to disable it), got {a.dual_clip}")
+    if a.dual_clip is not None and a.policy_loss != "ppo_clip":
+        p.append("algorithm.dual_clip applies to policy_loss=ppo_clip only; set it to null")
+    if a.vopd_top_k < 0:
+        p.append(f"algorithm.vopd_top_k must be >= 0 (0 = full vocabulary), got {a.vopd_top_k}")
+    if not 0.0 <= a.gamma <= 1.0:
+        p.append(f"algorithm.gamma must be in [0, 1], got {a.gamma}")
+    if a.estimator == "mix":
+        _one_of(p, "algorithm.distill_estimator", a.distill_estimator, _DISTILL_ESTIMATORS)
+        _one_of(p, "algorithm.outcome_estimator", a.outcome_estimator, _OUTCOME_ESTIMATORS)
+        if a.outcome_weight <= 0:
+            p.append(
+                "algorithm.estimator=mix needs algorithm.outcome_weight > 0 "
+                "(with 0 use the distillation estimator alone)"
+            )
+    uses_grpo = a.estimator == "grpo" or (a.estimator == "mix" and a.outcome_estimator == "grpo")
+    if uses_grpo and cfg.rollout.samples_per_prompt < 2:
+        p.append(
+            "grpo compares samples of the same prompt: rollout.samples_per_prompt must be >= 2"
+        )
+    return p
+
+
+def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
+    r, t, p = cfg.rollout, cfg.trainer, []
+    for name in (
+        "prompts_per_step",
+        "samples_per_prompt",
+        "max_prompt_length",
+        "max_response_length",
+        "temperature",
+    ):
+        _positive(p, f"rollout.{name}", getattr(r, name))  # fmt: skip
+    if not 0.0 < r.top_p <= 1.0:
+        p.append(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    _positive(p, "rollout.top_k", r.top_k, strict=False)
+    if not 0.0 < r.gpu_memory_utilization < 1.0:
+        p.append(
+            f"rollout.gpu_memory_utilization must be in (0, 1), got {r.gpu_memory_utilization}"
+        )
+    for name in ("steps", "micro_batch_size", "optimizer_steps_per_rollout"):
+        _positive(p, f"trainer.{name}", getattr(t, name))
+    _positive(p, "trainer.eval_interval", t.eval_interval, strict=False)
+    if p or world_size is None:
+        return p
+    try:
+        dp = layout_of(cfg.parallel, world_size).dp
+    except ConfigError:
+        return p  # reported with the layout problems
+    batch = r.rollout_batch_size
+    if batch % dp:
+        p.append(
+            f"the rollout batch (rollout.prompts_per_step x rollout.samples_per_prompt = {batch}) "
+            f"is not divisible by the student's data-parallel size {dp}; make it a multiple of {dp}"
+        )
+        return p
+    per_rank = batch // dp
+    mini = t.optimizer_steps_per_rollout * t.micro_batch_size
+    if per_rank % mini:
+        p.append(
+            f"each data-parallel rank holds {per_rank} sequences per step, which does not split "
+            f"into trainer.optimizer_steps_per_rollout ({t.optimizer_steps_per_rollout}) "
+            f"mini-batches of whole micro-batches of trainer.micro_batch_size "
+            f"({t.micro_batch_size}); make {per_rank} a multiple of {mini}"
+        )
+    return p
+
+
+def _other_problems(cfg: Config) -> list[str]:
+    p: list[str] = []
+    o = cfg.optimizer
+    _positive(p, "optimizer.lr", o.lr, strict=False)
+    _positive(p, "optimizer.clip_grad", o.clip_grad)
+    _positive(p, "optimizer.warmup_steps", o.warmup_steps, strict=False)
+    _positive(p, "teacher.temperature", cfg.teacher.temperature)
+    _positive(p, "checkpoint.save_interval", cfg.checkpoint.save_interval, strict=False)
+    _positive(p, "checkpoint.keep_last", cfg.checkpoint.keep_last)
+    _positive(p, "logging.log_interval", cfg.logging.log_interval)
+    vocab = cfg.data.vocab_size if cfg.data.vocab_size is not None else cfg.model.vocab_size
+    _positive(p, "data.vocab_size", vocab)
+    if vocab > cfg.model.vocab_size:
+        p.append(
+            f"data.vocab_size ({vocab}) exceeds model.vocab_size ({cfg.model.vocab_size}): the "
+            "student has no embedding row for some token ids; check the tokenizer"
+        )
+    if vocab > cfg.teacher.model.vocab_size:
+        p.append(
+            f"teacher.model.vocab_size ({cfg.teacher.model.vocab_size}) is smaller than the "
+            f"vocabulary the student samples from ({vocab}): the teacher scores the student's "
+            "token ids, so both must share a tokenizer. Use a teacher of the student's family, "
+            "or, if the tokenizer really has fewer ids than the student's embedding, set "
+            "data.vocab_size to its size"
+        )
+    return p
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Raise one ConfigError listing every problem; return ``cfg`` unchanged when it is sound.
+
+    With ``world_size`` the parallel layouts and batch divisibility are checked too.
+    """
+    max_tokens = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
+    problems = _model_problems(cfg.model, cfg.parallel, "student", max_tokens)
+    problems += _model_problems(cfg.teacher.model, cfg.teacher.parallel, "teacher", max_tokens)
+    if world_size is not None:
+        _positive(problems, "world size", world_size)
+        if world_size > 0:
+            for name, parallel in (
+                ("parallel", cfg.parallel),
+                ("teacher.parallel", cfg.teacher.parallel),
+            ):
+                try:
+                    layout_of(parallel, world_size)
+                except ConfigError as err:
+                    problems.append(f"{name}: {err}")
+    problems += _algorithm_problems(cfg)
+    problems += _rollout_problems(cfg, world_size if world_size and world_size > 0 else None)
+    problems += _other_problems(cfg)
+    if problems:
+        lines = "\n".join(f"  - {msg}" for msg in problems)
+        raise ConfigError(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
+    return cfg
+
+
+def check_environment(cfg: Config) -> None:
+    """Fail clearly when the config asks for an optional package this machine lacks."""
+    needs_te = any(
+        m.transformer_impl == "transformer_engine" for m in (cfg.model, cfg.teacher.model)
+    )
+    if needs_te and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(
+            "transformer_impl=transformer_engine (or fp8) needs Transformer Engine, which is not "
+            "installed: use the NGC PyTorch container (it ships TE) or `pip install "
+            "'megatron-gndpo[te]'` on a CUDA machine; or set model.transformer_impl=local"
+        )
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine=vllm needs vLLM, which is not installed: `pip install "
+            "'megatron-gndpo[vllm]'` on a CUDA machine, or set rollout.engine=builtin"
+        )

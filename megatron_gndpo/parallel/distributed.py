@@ -1,0 +1,208 @@
+"""Distributed start-up: one place reads the launcher's environment and starts torch.distributed.
+
+Three launchers are understood, in this order of precedence:
+
+- ``torchrun`` (also one torchrun per node started by Slurm's ``srun``): ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+- Slurm's ``srun`` with one task per GPU: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+  ``SLURM_NTASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``; the rendezvous host is the first node of
+  ``SLURM_JOB_NODELIST`` and the port is derived from ``SLURM_JOB_ID`` unless ``MASTER_PORT``
+  is set.
+- Nothing: a single process (rank 0 of 1) on a free local port.
+
+The backend is NCCL when CUDA is available and gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Launcher = Literal["torchrun", "slurm", "single"]
+
+# Slurm job ids are large integers; ports below 10000 are often taken by system services.
+_SLURM_PORT_BASE = 10000
+_SLURM_PORT_SPAN = 20000
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: Launcher
+
+
+def free_port() -> int:
+    """A TCP port that was free on localhost a moment ago (for single-process and test runs)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list such as ``"gpu-[001-003,007],login1"`` into host names.
+
+    Handles comma-separated entries, bracketed ranges with zero padding, and several bracket
+    groups in one name (``"rack[1-2]-node[01-02]"``).
+    """
+    hosts: list[str] = []
+    for entry in _split_top_level(nodelist.strip()):
+        hosts.extend(_expand_entry(entry))
+    if not hosts:
+        raise ValueError(f"SLURM_JOB_NODELIST {nodelist!r} names no host")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if current:
+        parts.append("".join(current))
+    return [p for p in parts if p]
+
+
+def _expand_entry(entry: str) -> list[str]:
+    match = re.search(r"\[([^\]]+)\]", entry)
+    if match is None:
+        return [entry]
+    head, tail = entry[: match.start()], entry[match.end() :]
+    names: list[str] = []
+    for item in match.group(1).split(","):
+        if "-" in item:
+            lo, hi = item.split("-", 1)
+            width = len(lo)
+            names.extend(f"{head}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+        else:
+            names.append(f"{head}{item}")
+    return [expanded for name in names for expanded in _expand_entry(name + tail)]
+
+
+def _slurm_tasks_on_first_node(env: Mapping[str, str]) -> int:
+    # SLURM_TASKS_PER_NODE looks like "8(x4),4"; SLURM_NTASKS_PER_NODE is a plain number.
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    spec = env.get("SLURM_TASKS_PER_NODE", "1").split(",")[0]
+    return int(spec.split("(")[0])
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> DistributedEnv:
+    """Read the launcher's variables (``os.environ`` by default); pure, so it is unit-testable."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return DistributedEnv(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise RuntimeError(
+                "SLURM_PROCID is set but SLURM_JOB_NODELIST is not: start the job with srun "
+                "inside an sbatch allocation, or use torchrun"
+            )
+        if "MASTER_PORT" in env:
+            port = int(env["MASTER_PORT"])
+        else:
+            port = _SLURM_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % _SLURM_PORT_SPAN
+        return DistributedEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            local_world_size=_slurm_tasks_on_first_node(env),
+            master_addr=env.get("MASTER_ADDR") or expand_slurm_nodelist(nodelist)[0],
+            master_port=port,
+            launcher="slurm",
+        )
+    return DistributedEnv(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+        launcher="single",
+    )
+
+
+def default_backend() -> str:
+    """NCCL on GPUs, gloo on CPUs."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(
+    env: DistributedEnv | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 1800.0,
+) -> DistributedEnv:
+    """Initialise the default process group once for this process and return where it sits.
+
+    Calling it again in a process that is already initialised checks that the world matches and
+    returns. On GPUs the current device is set to ``local_rank`` before any collective.
+    """
+    env = detect_env() if env is None else env
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the launcher says rank {env.rank} of "
+                f"{env.world_size}; do not initialise it twice"
+            )
+        return env
+    backend = backend or default_backend()
+    if backend == "nccl":
+        if torch.cuda.device_count() <= env.local_rank:
+            raise RuntimeError(
+                f"local rank {env.local_rank} has no GPU (this node has "
+                f"{torch.cuda.device_count()}): start at most one process per GPU"
+            )
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return env
+
+
+def shutdown_distributed() -> None:
+    """Destroy megatron-core's and torch's process groups (safe to call when not initialised)."""
+    if not dist.is_initialized():
+        return
+    # Only when megatron-core is already loaded: importing it just to tear down costs ~6 s.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -1,0 +1,58 @@
+"""Installation for megatron_gndpo.
+
+    pip install -e ".[test]"          # development and CI (CPU, gloo)
+    pip install ".[te,vllm,modelopt]"  # inside an NGC PyTorch container on GPUs
+
+apex is not on PyPI: the NGC PyTorch container ships it. Nothing in this package requires it;
+megatron-core falls back to its torch implementations when apex is absent.
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+version: dict[str, str] = {}
+exec((ROOT / "megatron_gndpo" / "version.py").read_text(), version)
+
+setup(
+    name="megatron-gndpo",
+    version=version["__version__"],
+    description=(
+        "On-policy distillation of reasoning LLMs/MLLMs with GNDPO "
+        "(globally normalized distillation policy optimization) on megatron-core"
+    ),
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_gndpo", "megatron_gndpo.*"]),
+    package_data={"megatron_gndpo": ["py.typed", "configs/*.yaml"]},
+    install_requires=[
+        # torch above 2.14.1 is not installable on the CPU build machines; NGC containers
+        # bring their own torch, which pip keeps when it satisfies this range.
+        "torch>=2.6,<=2.14.1",
+        "megatron-core>=0.19,<0.20",
+        # megatron-core needs these but does not declare them: psutil for the checkpoint
+        # writer (without it the writer dies and its parent waits forever), tqdm for the
+        # static inference engine.
+        "psutil>=5.9",
+        "tqdm>=4.66",
+        "numpy>=1.26",
+        "pyyaml>=6.0",
+        "sentencepiece>=0.2",
+        "wandb>=0.18",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]>=2.4"],
+        "vllm": ["vllm>=0.11"],
+        "modelopt": ["nvidia-modelopt[torch]>=0.35"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.8", "mypy>=1.13"],
+    },
+    entry_points={"console_scripts": ["megatron-gndpo=megatron_gndpo.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3.12",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
