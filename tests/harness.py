@@ -80,7 +80,8 @@ def run_distributed(
         ctx.Process(
             target=_child,
             args=(fn, rank, world_size, port, tuple(args), results, timeout_s),
-            daemon=True,
+            # not daemonic: megatron's checkpoint writer starts a Manager process of its own
+            daemon=False,
         )
         for rank in range(world_size)
     ]

@@ -9,8 +9,9 @@ device, CUDA RNG state get/set, ``torch.cuda.synchronize``/``set_device``, liter
   proxy that forwards everything to torch except ``torch.cuda`` (a CPU stand-in) and the tensor
   factories (``device="cuda"`` becomes ``"cpu"``, ``pin_memory`` is dropped);
 - **function patches**: megatron's private CUDA RNG helpers become the CPU generator's;
-- **tensor patch**: ``Tensor.cuda()`` returns the tensor itself (on a CPU-only machine it could
-  only raise).
+- **tensor patches**: ``Tensor.cuda()`` returns the tensor itself (on a CPU-only machine it could
+  only raise); ``Tensor.type()``, called from a listed megatron module, names CPU tensors as
+  their CUDA types (the distributed optimizer and gradient clipping compare those names).
 
 Nothing happens on import. :func:`enable` applies every patch and returns a handle whose
 ``disable()`` restores the originals; it refuses to run where CUDA is available, because there
@@ -27,6 +28,7 @@ import importlib
 import inspect
 import logging
 import re
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -184,12 +186,15 @@ class _CpuTorch(types.ModuleType):
 class Patch:
     """One redirect of a CUDA assumption in megatron-core.
 
-    ``target`` is ``"module"`` (replace the module's global ``torch``) or ``"module:attr"``
-    (replace one function). ``why`` says what fails on CPU without it.
+    ``target`` is ``"module"`` or ``"module:attr"``. ``kind`` says what is redirected:
+    ``"torch"`` replaces the module's global ``torch`` with the CPU proxy, ``"function"`` replaces
+    ``attr`` with ``replacement()``, ``"type_names"`` makes ``Tensor.type()`` called from the
+    module return CUDA type names. ``why`` says what fails on CPU without it.
     """
 
     target: str
     why: str
+    kind: str = "torch"
     replacement: Callable[[], Any] | None = None
 
     @property
@@ -209,16 +214,36 @@ class Patch:
     def apply(self) -> Callable[[], None]:
         """Apply; return the function that undoes it."""
         module, attr = self._resolve()
+        if self.kind == "type_names":
+            _TYPE_NAME_CALLERS.add(module.__name__)
+            return lambda: _TYPE_NAME_CALLERS.discard(module.__name__)
         original = getattr(module, attr)
-        new = _CPU_TORCH if self.replacement is None else self.replacement()
+        new = _CPU_TORCH if self.kind == "torch" else self.replacement()  # type: ignore[misc]
         setattr(module, attr, new)
         return lambda: setattr(module, attr, original)
 
     def still_needed(self) -> bool:
         """Whether the installed megatron-core still has the CUDA assumption this patch covers."""
         module, attr = self._resolve()
-        source_of = getattr(module, attr) if ":" in self.target else module
-        return bool(_CUDA_MARKERS.search(inspect.getsource(source_of)))
+        source = inspect.getsource(getattr(module, attr) if ":" in self.target else module)
+        markers = _CUDA_TYPE_NAMES if self.kind == "type_names" else _CUDA_MARKERS
+        return bool(markers.search(source))
+
+
+# Tensor.type() compared with CUDA type names.
+_CUDA_TYPE_NAMES = re.compile(r"\.type\(\)\s*(==|in)\s*\[?\s*['\"]torch\.cuda\.")
+_TYPE_NAME_CALLERS: set[str] = set()
+_ORIGINAL_TENSOR_TYPE = torch.Tensor.type
+
+
+def _tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    name = _ORIGINAL_TENSOR_TYPE(self, *args, **kwargs)
+    if args or kwargs or self.device.type != "cpu":
+        return name
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    if caller in _TYPE_NAME_CALLERS and name.startswith("torch."):
+        return "torch.cuda." + name.removeprefix("torch.")
+    return name
 
 
 def _cpu_get_rng_state(*args: Any, clone: bool = False, **kwargs: Any) -> torch.Tensor:
@@ -233,9 +258,9 @@ _RANDOM = "megatron.core.tensor_parallel.random"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(f"{_RANDOM}:_get_cuda_rng_state", "indexes torch.cuda.default_generators",
-          lambda: _cpu_get_rng_state),
+          "function", lambda: _cpu_get_rng_state),
     Patch(f"{_RANDOM}:_set_cuda_rng_state", "indexes torch.cuda.default_generators",
-          lambda: _cpu_set_rng_state),
+          "function", lambda: _cpu_set_rng_state),
     Patch(_RANDOM, "model_parallel_cuda_manual_seed and the tracker seed the CUDA generator"),
     Patch("megatron.core.models.common.embeddings.rotary_pos_embedding",
           "inv_freq and frequencies are built on torch.cuda.current_device()"),
@@ -259,12 +284,34 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.optimizer.clip_grads", "the grad-norm accumulator is made on CUDA"),
     Patch("megatron.core.optimizer.distrib_optimizer", "shard buffers are allocated on CUDA"),
     Patch("megatron.core.optimizer.grad_scaler", "loss-scale tensors are made on CUDA"),
+    Patch("megatron.core.optimizer.optimizer", "fp32/bf16 params are told apart by CUDA type name",
+          "type_names"),
+    Patch("megatron.core.optimizer.distrib_optimizer",
+          "shards are built only for parameters whose type name is torch.cuda.*", "type_names"),
+    Patch("megatron.core.optimizer.clip_grads", "asserts grads are torch.cuda.FloatTensor",
+          "type_names"),
     Patch("megatron.core.dist_checkpointing.exchange_utils",
           "checkpoint shards are exchanged through CUDA tensors"),
+    Patch("megatron.core.dist_checkpointing.strategies.filesystem_async",
+          "the writer calls torch.cuda.synchronize() before copying tensors"),
+    Patch("megatron.core.dist_checkpointing.strategies.state_dict_saver",
+          "save verification flags are made with device='cuda'"),
+    Patch("megatron.core.dist_checkpointing.strategies.async_utils",
+          "the save caller synchronises CUDA and exchanges flags on the current device"),
+    Patch("megatron.core.dist_checkpointing.tensor_aware_state_dict",
+          "tensors are synchronised with torch.cuda.synchronize() before saving"),
     Patch("megatron.core.dist_checkpointing.strategies.fully_parallel",
           "load exchange allocates on torch.cuda.current_device()"),
     Patch("megatron.core.transformer.transformer_layer", "layer offsets use CUDA tensors"),
     Patch("megatron.core.transformer.utils", "the default causal mask is built with device='cuda'"),
+    Patch("megatron.core.transformer.attention", "inference KV buffers use the current device"),
+    Patch("megatron.core.transformer.dot_product_attention",
+          "inference and context buffers use the current device"),
+    Patch("megatron.core.models.gpt.gpt_model", "inference logits buffers use the current device"),
+    Patch("megatron.core.models.common.embeddings.rope_utils",
+          "context-parallel index tensors are pinned"),
+    Patch("megatron.core.rerun_state_machine", "validation flags are made with device='cuda'"),
+    Patch("megatron.core.timers", "timers synchronise CUDA and gather on the current device"),
 )  # fmt: skip
 
 _CPU_TORCH = _CpuTorch()
@@ -313,6 +360,8 @@ def enable() -> CpuCompat:
     original_cuda = torch.Tensor.cuda
     torch.Tensor.cuda = _tensor_cuda_noop  # type: ignore[method-assign]
     undo.append(lambda: setattr(torch.Tensor, "cuda", original_cuda))
+    torch.Tensor.type = _tensor_type  # type: ignore[method-assign]
+    undo.append(lambda: setattr(torch.Tensor, "type", _ORIGINAL_TENSOR_TYPE))
     fork_filter = _QuietForkWarning()
     random_logger = logging.getLogger(_RANDOM)
     random_logger.addFilter(fork_filter)

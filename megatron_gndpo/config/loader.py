@@ -57,7 +57,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+        # From the open file, not its text, so error marks name the file ("<unicode string>" else).
+        with path.open(encoding="utf-8") as stream:
+            data = yaml.load(stream, Loader=_StrictLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from err
     if data is None:

@@ -45,6 +45,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
+        pipeline_dtype=dtype,  # activations exchanged between stages
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         tensor_model_parallel_size=parallel.tensor_parallel,

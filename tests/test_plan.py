@@ -1,0 +1,185 @@
+"""``plan``'s parameter arithmetic: real model sizes, shards that add up, stages that cover.
+
+Pure arithmetic, no processes. The sharded counts are checked against the unsharded total plus
+exactly what sharding duplicates: per-layer norms (and qk-norms and row-parallel biases), the
+final norm and learned position embeddings are replicated on every TP rank; the vocabulary is
+padded; a tied output layer is a second copy of the embedding on the last stage when PP > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatron_gndpo.config import Config, ModelConfig, ParallelConfig, load_config
+from megatron_gndpo.plan import layer_params, plan, plan_model, stage_params, total_params
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str) -> Config:
+    return load_config(EXAMPLES_DIR / name)
+
+
+# Published parameter counts (Hugging Face safetensors metadata of each model).
+KNOWN_TOTALS = [
+    ("qwen2.5-1.5b_from_7b.yaml", "student", 1_543_714_304),  # Qwen2.5-1.5B, tied embeddings
+    ("qwen2.5-1.5b_from_7b.yaml", "teacher", 7_615_616_512),  # Qwen2.5-7B
+    ("llama3.1-8b_from_70b.yaml", "student", 8_030_261_248),  # Llama-3.1-8B
+]
+
+
+def model_of(cfg: Config, who: str) -> ModelConfig:
+    return cfg.model if who == "student" else cfg.teacher.model
+
+
+@pytest.mark.parametrize(("name", "who", "expected"), KNOWN_TOTALS)
+def test_known_real_parameter_totals(name: str, who: str, expected: int) -> None:
+    assert total_params(model_of(example(name), who)) == expected
+
+
+def test_plan_reports_the_totals() -> None:
+    cfg = example("qwen2.5-1.5b_from_7b.yaml")
+    student, teacher = plan(cfg, 8)
+    assert (student.name, student.total_params) == ("student", 1_543_714_304)
+    assert (teacher.name, teacher.total_params) == ("teacher", 7_615_616_512)
+
+
+def _norm(model: ModelConfig, width: int) -> int:
+    return width * (2 if model.normalization == "LayerNorm" else 1)
+
+
+def replicated_per_tp_rank(model: ModelConfig) -> int:
+    """Parameters every TP rank holds in full (not split), summed over the whole model."""
+    h = model.hidden_size
+    per_layer = 2 * _norm(model, h)  # input and pre-MLP norms
+    if model.qk_layernorm:
+        per_layer += 2 * _norm(model, model.head_dim)
+    if model.add_bias_linear:
+        per_layer += 2 * h  # biases of the row-parallel projection and fc2
+    out = model.num_layers * per_layer + _norm(model, h)  # + final norm
+    if model.position_embedding == "learned_absolute":
+        out += model.max_position_embeddings * h
+    return out
+
+
+def expected_shard_sum(model: ModelConfig, tp: int, pp: int) -> int:
+    """Sum of params_per_rank over one TP group of every stage."""
+    h, vocab, padded = model.hidden_size, model.vocab_size, model.padded_vocab_size(tp)
+    vocab_copies = 1 if model.tie_embeddings and pp == 1 else 2  # embedding (+ output layer)
+    vocab_unique = 1 if model.tie_embeddings else 2
+    return (
+        total_params(model)
+        + (tp - 1) * replicated_per_tp_rank(model)
+        + vocab_copies * padded * h
+        - vocab_unique * vocab * h
+    )
+
+
+def _variants() -> list[tuple[str, ModelConfig]]:
+    out = []
+    for path in sorted(EXAMPLES_DIR.glob("*.yaml")):
+        cfg = load_config(path)
+        out += [(f"{path.stem}:student", cfg.model), (f"{path.stem}:teacher", cfg.teacher.model)]
+    tiny = dataclasses.replace(load_config(EXAMPLES_DIR / "tiny.yaml").model, num_layers=4)
+    layernorm = dataclasses.replace(
+        tiny, normalization="LayerNorm", add_bias_linear=True, swiglu=False
+    )
+    learned = dataclasses.replace(
+        tiny, position_embedding="learned_absolute", tie_embeddings=True, vocab_size=100
+    )
+    qk_norm = dataclasses.replace(tiny, qk_layernorm=True, add_qkv_bias=True, kv_channels=32)
+    out += [("tiny:layernorm-biases", layernorm), ("tiny:learned-positions-tied", learned)]
+    out += [("tiny:qk-norm-qkv-bias", qk_norm)]
+    return out
+
+
+VARIANTS = _variants()
+SHAPES = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
+CASES = [
+    pytest.param(model, tp, pp, id=f"{label}-tp{tp}-pp{pp}")
+    for label, model in VARIANTS
+    for tp, pp in SHAPES
+    if model.num_attention_heads % tp == 0
+    and model.query_groups % tp == 0
+    and model.num_layers % pp == 0
+]
+
+
+@pytest.mark.parametrize(("model", "tp", "pp"), CASES)
+def test_shards_sum_to_the_total_plus_what_is_replicated(
+    model: ModelConfig, tp: int, pp: int
+) -> None:
+    world = tp * pp * 2  # DP=2: replicas hold the same shards and must not be counted twice
+    mp = plan_model("m", model, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), world)
+    assert len(mp.stages) == pp
+    assert sum(st.params_per_rank for st in mp.stages) * tp == expected_shard_sum(model, tp, pp)
+    # Layers are split evenly, so only the stages with the embedding/output layer differ.
+    per_stage_layers = layer_params(model, tp) * (model.num_layers // pp)
+    for st in mp.stages[1:-1]:
+        assert st.params_per_rank == per_stage_layers
+
+
+def test_tp1_pp1_unpadded_stage_is_the_total() -> None:
+    for _, model in VARIANTS:
+        unpadded = dataclasses.replace(model, make_vocab_size_divisible_by=1)
+        layout = plan_model("m", unpadded, ParallelConfig(), 1).layout
+        assert stage_params(unpadded, layout, 0) == total_params(model)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("vocab", [1, 127, 128, 151_665, 151_936, 152_064, 128_256])
+@pytest.mark.parametrize("divisible_by", [1, 64, 128])
+def test_padded_vocab_is_the_smallest_multiple(tp: int, vocab: int, divisible_by: int) -> None:
+    model = ModelConfig(vocab_size=vocab, make_vocab_size_divisible_by=divisible_by)
+    padded = model.padded_vocab_size(tp)
+    multiple = divisible_by * tp
+    assert padded % multiple == 0
+    assert vocab <= padded < vocab + multiple
+
+
+def test_plan_pads_each_models_vocab_for_its_own_tp() -> None:
+    cfg = example("qwen2.5-1.5b_from_7b.yaml")  # student TP=1, teacher TP=2
+    student, teacher = plan(cfg, 8)
+    assert student.padded_vocab == 151_936  # already a multiple of 128
+    assert teacher.padded_vocab == 152_064  # a multiple of 256
+    llama = example("llama3.1-8b_from_70b.yaml")  # 128256 rows: TP=4 -> 512, TP=8 -> 1024
+    student, teacher = plan(llama, 64)
+    assert student.padded_vocab == 128_512
+    assert teacher.padded_vocab == 129_024
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "cp"),
+    [(1, 1, 1, 1), (8, 2, 2, 1), (16, 2, 4, 2), (64, 8, 2, 1), (256, 8, 4, 1), (32, 1, 8, 4)],
+)
+def test_stage_ranks_partition_the_world(world: int, tp: int, pp: int, cp: int) -> None:
+    model = ModelConfig(num_layers=16, num_attention_heads=8, hidden_size=64)
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
+    mp = plan_model("m", model, parallel, world)
+    all_ranks = [r for st in mp.stages for r in st.ranks]
+    assert sorted(all_ranks) == list(range(world))  # every rank in exactly one stage
+    for st in mp.stages:
+        assert len(st.ranks) == world // pp
+        assert all(mp.layout.coords(r)["pp"] == st.stage for r in st.ranks)
+    # Layers: contiguous, in order, covering 0..L-1.
+    layers = [i for st in mp.stages for i in range(st.first_layer, st.last_layer + 1)]
+    assert layers == list(range(model.num_layers))
+
+
+def test_tied_embedding_is_copied_to_the_last_stage() -> None:
+    tiny = load_config(EXAMPLES_DIR / "tiny.yaml").model
+    tied = dataclasses.replace(tiny, tie_embeddings=True)
+    untied = dataclasses.replace(tiny, tie_embeddings=False)
+    vocab_shard = tiny.padded_vocab_size(1) * tiny.hidden_size
+    one = plan_model("m", tied, ParallelConfig(), 1).stages
+    assert total_params(untied) - total_params(tied) == tiny.vocab_size * tiny.hidden_size
+    assert (
+        one[0].params_per_rank
+        == plan_model("m", untied, ParallelConfig(), 1).stages[0].params_per_rank - vocab_shard
+    )
+    two_tied = plan_model("m", tied, ParallelConfig(pipeline_parallel=2), 2).stages
+    two_untied = plan_model("m", untied, ParallelConfig(pipeline_parallel=2), 2).stages
+    assert [s.params_per_rank for s in two_tied] == [s.params_per_rank for s in two_untied]
