@@ -10,6 +10,7 @@ dotted ``section.key=value`` pairs whose values are read as YAML.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,13 +108,23 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse fills a positional list only once: overrides after an option (`config validate
+    # -n 8 a.b=1`, `plan a.b=1 -n 8 c.d=2`) come back unparsed. They are overrides all the same.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [arg for arg in extra if arg.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
     handlers = {"plan": _cmd_plan, "config": _cmd_config}
     try:
         return handlers[args.command](args)
     except ConfigError as err:
         print(f"megatron-gndpo: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `megatron-gndpo plan ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.parallel.groups import ORDER, ParallelLayout
+from megatron_gndpo.parallel.groups import ORDER, ParallelGroups, ParallelLayout
 from tests.harness import run_distributed
 
 # (world, tp, pp, cp)
@@ -142,24 +142,34 @@ def test_groups_equal_megatron_rank_generator(world: int, tp: int, pp: int, cp: 
 # --------------------------------------------------------------------------------------------
 # Process groups on 4 gloo ranks
 
+# ParallelGroups field -> the dimensions its ranks differ along
+FIELD_DIMS = {
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "dp_cp": ("cp", "dp"),  # the group that owns distinct tokens (GNDPO statistics)
+    "mp": ("tp", "pp"),
+    "tp_cp": ("tp", "cp"),
+}
 
-def _ranks(group: object) -> list[int]:
+
+def _ranks(group: dist.ProcessGroup) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def _membership(groups: object, layout: ParallelLayout, rank: int) -> dict[str, list[int]]:
-    from megatron_gndpo.parallel.groups import _GROUP_DIMS
-
+def _membership(groups: ParallelGroups, rank: int) -> dict[str, list[int]]:
+    """Each group's members, asserted equal to the layout arithmetic's on this rank."""
     out = {}
-    for field, dims in _GROUP_DIMS.items():
+    for field, dims in FIELD_DIMS.items():
         out[field] = _ranks(getattr(groups, field))
-        assert out[field] == layout.group_of(rank, dims), (groups.name, field)  # type: ignore[attr-defined]
+        assert out[field] == groups.layout.group_of(rank, dims), (groups.name, field)
     return out
 
 
-def _dp_cp_sum(group: object, rank: int) -> int:
+def _dp_cp_sum(group: dist.ProcessGroup, rank: int) -> int:
     t = torch.tensor([float(rank)])
-    dist.all_reduce(t, group=group)  # type: ignore[arg-type]
+    dist.all_reduce(t, group=group)
     return int(t.item())
 
 
@@ -174,8 +184,8 @@ def _groups_body(rank: int, world_size: int) -> dict[str, object]:
     teacher = build_groups(teacher_layout, name="teacher")
     out: dict[str, object] = {
         "names": (student.name, teacher.name),
-        "student": _membership(student, student_layout, rank),
-        "teacher": _membership(teacher, teacher_layout, rank),
+        "student": _membership(student, rank),
+        "teacher": _membership(teacher, rank),
         # Stage groups: the teacher's first and last stages share the tied embedding.
         "teacher_embd": _ranks(teacher.embd),
         "teacher_pos_embd": None if teacher.pos_embd is None else _ranks(teacher.pos_embd),
@@ -238,5 +248,5 @@ def test_building_groups_without_torch_distributed_is_a_clear_error() -> None:
 
     if dist.is_initialized():
         pytest.skip("torch.distributed is initialised in this process")
-    with pytest.raises(RuntimeError, match="call .*init_distributed"):
+    with pytest.raises(RuntimeError, match=r"call .*init_distributed"):
         build_groups(ParallelLayout(1))

@@ -7,6 +7,8 @@ the same weights at TP=1. The TP=1 reference is built on the same world from a *
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -75,6 +77,7 @@ def _tp2_equals_tp1(rank: int, world_size: int) -> dict[str, float]:
     from megatron_gndpo.plan import stage_params
 
     model = _tiny()
+    assert model.core_attention == "sdpa"
     student = build_student_groups(ParallelLayout(world_size, tp=2), seed=1234)
     reference_groups = build_groups(ParallelLayout(world_size, tp=1), name="reference")
 
@@ -92,6 +95,14 @@ def _tp2_equals_tp1(rank: int, world_size: int) -> dict[str, float]:
         (logits.log_softmax(-1) * weights).sum().backward()
         logits_by_tp[tp] = logits.detach()
     out["logit_diff"] = (logits_by_tp[1] - logits_by_tp[2]).abs().max().item()
+
+    # megatron's own local attention with the same weights equals the SDPA core attention
+    local_cfg = dataclasses.replace(model, core_attention="local")
+    local = build_gpt(local_cfg, ParallelConfig(tensor_parallel=2), student)
+    local.load_state_dict(sharded.state_dict())
+    with torch.no_grad():
+        local_logits = _gathered_logits(local, tokens, student.tp)[..., :VOCAB]
+    out["sdpa_vs_local"] = (local_logits - logits_by_tp[2]).abs().max().item()
 
     # Gradients: this rank's TP=2 shard against the matching slice of the TP=1 gradient.
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
@@ -120,6 +131,7 @@ def test_tp2_logits_and_grads_equal_tp1() -> None:
     for r in results:
         print(r)
         assert r["logit_diff"] < 1e-5, r
+        assert r["sdpa_vs_local"] < 1e-5, r
         assert r["grad_diff"] < 1e-5 * max(1.0, r["grad_scale"]), r
         # plan's arithmetic agrees with the real shards
         assert r["params_tp2"] == r["plan_tp2"]
@@ -186,7 +198,9 @@ def _training_stack(rank: int, world_size: int, ckpt_dir: str) -> dict[str, obje
         forward_only=False,
     )
     updated, grad_norm, _ = optimizer.step()
-    unchanged = [n for (n, p), b in zip(model.named_parameters(), before, strict=True) if torch.equal(p, b)]
+    unchanged = [
+        n for (n, p), b in zip(model.named_parameters(), before, strict=True) if torch.equal(p, b)
+    ]
 
     def state() -> dict[str, object]:
         sharded = model.sharded_state_dict()  # the inner model: DDP's keys carry "module."

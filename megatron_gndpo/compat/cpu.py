@@ -358,9 +358,9 @@ def enable() -> CpuCompat:
     for patch in PATCHES:
         undo.append(patch.apply())
     original_cuda = torch.Tensor.cuda
-    torch.Tensor.cuda = _tensor_cuda_noop  # type: ignore[method-assign]
+    torch.Tensor.cuda = _tensor_cuda_noop  # type: ignore[method-assign,assignment]
     undo.append(lambda: setattr(torch.Tensor, "cuda", original_cuda))
-    torch.Tensor.type = _tensor_type  # type: ignore[method-assign]
+    torch.Tensor.type = _tensor_type  # type: ignore[method-assign,assignment]
     undo.append(lambda: setattr(torch.Tensor, "type", _ORIGINAL_TENSOR_TYPE))
     fork_filter = _QuietForkWarning()
     random_logger = logging.getLogger(_RANDOM)

@@ -21,7 +21,13 @@ from megatron_gndpo.config.schema import (
     TeacherConfig,
     TrainerConfig,
 )
-from megatron_gndpo.config.validate import check_environment, layout_of, validate
+from megatron_gndpo.config.validate import (
+    MissingExtraError,
+    check_environment,
+    layout_of,
+    require_package,
+    validate,
+)
 
 __all__ = [
     "AlgorithmConfig",
@@ -30,6 +36,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "LoggingConfig",
+    "MissingExtraError",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
@@ -40,6 +47,7 @@ __all__ = [
     "layout_of",
     "load_config",
     "parse_overrides",
+    "require_package",
     "save_resolved",
     "to_dict",
     "to_yaml",

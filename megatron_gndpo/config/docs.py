@@ -58,7 +58,7 @@ def _iter_nested(cls: type, value: Any, prefix: str) -> Iterator[FieldDoc]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         sub = getattr(value, f.name)
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from _iter_nested(tp, sub, f"{prefix}{f.name}.")
         else:
             yield FieldDoc(f"{prefix}{f.name}", _type_name(tp), sub, docs.get(f.name, ""))

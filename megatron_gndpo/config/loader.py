@@ -38,7 +38,7 @@ class _StrictLoader(yaml.SafeLoader):
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
         if key in seen:
             raise ConfigError(
@@ -130,7 +130,7 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in get_args(tp))
     if get_origin(tp) is tuple:
         return f"a list of {_type_name(get_args(tp)[0])}"
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return f"a mapping ({tp.__name__})"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))

@@ -65,6 +65,9 @@ class ModelConfig:
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer implementation: megatron-core's local spec, or Transformer Engine (needs the `te`
     extra and a GPU)."""
+    core_attention: Literal["sdpa", "local"] = "sdpa"
+    """Core attention of the local spec: torch scaled_dot_product_attention (flash/efficient
+    kernels, 2x megatron's local attention on an H200) or megatron-core's own local attention."""
     fp8: Literal["e4m3", "hybrid"] | None = None
     """FP8 format for Transformer Engine layers; null for none. Needs transformer_impl:
     transformer_engine."""

@@ -109,7 +109,7 @@ def _model_problems(
 
 
 def _algorithm_problems(cfg: Config) -> list[str]:
-    a, p = cfg.algorithm, []
+    a, p = cfg.algorithm, list[str]()
     _one_of(p, "algorithm.estimator", a.estimator, ESTIMATORS)
     _one_of(p, "algorithm.policy_loss", a.policy_loss, POLICY_LOSSES)
     _one_of(p, "algorithm.aggregation", a.aggregation, AGGREGATIONS)
@@ -141,7 +141,7 @@ def _algorithm_problems(cfg: Config) -> list[str]:
 
 
 def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
-    r, t, p = cfg.rollout, cfg.trainer, []
+    r, t, p = cfg.rollout, cfg.trainer, list[str]()
     for name in (
         "prompts_per_step",
         "samples_per_prompt",
@@ -241,19 +241,31 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     return cfg
 
 
+class MissingExtraError(ConfigError):
+    """The config asks for an optional package (an extra) that is not installed here."""
+
+
+def require_package(module: str, *, what: str, extra: str, instead: str) -> None:
+    """Raise MissingExtraError naming the extra to install unless ``module`` is importable."""
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(
+            f"{what} needs the Python package {module!r}, which is not installed here: use the "
+            f"NGC PyTorch container or `pip install 'megatron-gndpo[{extra}]'` on a CUDA machine; "
+            f"or {instead}"
+        )
+
+
 def check_environment(cfg: Config) -> None:
     """Fail clearly when the config asks for an optional package this machine lacks."""
-    needs_te = any(
-        m.transformer_impl == "transformer_engine" for m in (cfg.model, cfg.teacher.model)
-    )
-    if needs_te and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError(
-            "transformer_impl=transformer_engine (or fp8) needs Transformer Engine, which is not "
-            "installed: use the NGC PyTorch container (it ships TE) or `pip install "
-            "'megatron-gndpo[te]'` on a CUDA machine; or set model.transformer_impl=local"
-        )
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError(
-            "rollout.engine=vllm needs vLLM, which is not installed: `pip install "
-            "'megatron-gndpo[vllm]'` on a CUDA machine, or set rollout.engine=builtin"
+    for section, model in (("model", cfg.model), ("teacher.model", cfg.teacher.model)):
+        if model.transformer_impl == "transformer_engine" or model.fp8:
+            require_package(
+                "transformer_engine",
+                what=f"{section}.transformer_impl=transformer_engine (or fp8)",
+                extra="te",
+                instead=f"set {section}.transformer_impl=local (and {section}.fp8=null)",
+            )
+    if cfg.rollout.engine == "vllm":
+        require_package(
+            "vllm", what="rollout.engine=vllm", extra="vllm", instead="set rollout.engine=builtin"
         )

@@ -1,32 +1,55 @@
-"""Build a megatron-core GPTModel from a :class:`ModelConfig` on a given parallel layout.
+"""Build megatron-core GPT models (student and teacher) from a :class:`ModelConfig`.
 
-This is the foundation's builder (local spec, any TP/PP through the layout's process groups);
-the model issue extends it with the Transformer Engine spec, FP8 and SDPA core attention.
+Each model is built on the process groups of its own layout (``ParallelGroups``), so the teacher
+may use a TP/PP different from the student's on the same ranks. Layer specs:
+
+- ``transformer_impl: transformer_engine``: megatron-core's Transformer Engine spec, with the FP8
+  format, recipe and amax history passed through to the TransformerConfig. Needs the ``te``
+  extra; asking for it (or for FP8) without TE is a clear error.
+- ``transformer_impl: local``: megatron-core's local spec, with its core attention replaced by
+  :class:`SDPAttention` (``core_attention: sdpa``, the default) or left as megatron's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from megatron_gndpo.config.validate import require_package
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _require_transformer_engine(model: ModelConfig) -> None:
+    require_package(
+        "transformer_engine",
+        what=f"fp8={model.fp8}" if model.fp8 else "transformer_impl=transformer_engine",
+        extra="te",
+        instead="set transformer_impl=local and fp8=null",
+    )
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
     """megatron-core's TransformerConfig for this architecture and layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if model.transformer_impl != "local":
-        raise NotImplementedError(
-            "transformer_impl=transformer_engine is not built yet in this version; use local"
-        )
+    use_te = model.transformer_impl == "transformer_engine"
+    if use_te or model.fp8:
+        _require_transformer_engine(model)
     on_cpu = not torch.cuda.is_available()
     dtype = _DTYPES[model.params_dtype]
+    fp8: dict[str, Any] = {}
+    if model.fp8:
+        fp8 = dict(
+            fp8=model.fp8,
+            fp8_recipe=model.fp8_recipe,
+            fp8_amax_history_len=model.fp8_amax_history_len,
+        )
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -53,17 +76,41 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
         context_parallel_size=parallel.context_parallel,
         sequence_parallel=parallel.sequence_parallel,
         # Initialise full weights on the CPU and shard them: the same seed gives the same model
-        # at every TP size (what the invariance tests compare), and it is the only path on CPU.
+        # at every TP size (for models without fused gate/up rows) and it is the only path on CPU.
+        # Real runs load checkpoints, so the slower init does not matter there.
         use_cpu_initialization=True,
         # Fused kernels are CUDA-only.
-        bias_activation_fusion=False if on_cpu else model.swiglu,
+        bias_activation_fusion=model.swiglu and not on_cpu,
         masked_softmax_fusion=not on_cpu,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=not on_cpu,
         calculate_per_token_loss=True,
+        **fp8,
     )
+
+
+def layer_spec(model: ModelConfig) -> Any:
+    """The transformer-layer ModuleSpec for this model (see the module docstring)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if model.transformer_impl == "transformer_engine":
+        _require_transformer_engine(model)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=model.qk_layernorm
+        )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=model.qk_layernorm, normalization=model.normalization
+    )
+    if model.core_attention == "sdpa":
+        from megatron_gndpo.models.attention import SDPAttention
+
+        attention = spec.submodules.self_attention
+        attention.submodules = dataclasses.replace(
+            attention.submodules, core_attention=SDPAttention
+        )
+    return spec
 
 
 def build_gpt(
@@ -75,11 +122,10 @@ def build_gpt(
 ) -> Any:
     """A GPTModel holding this rank's shard (its TP slice of its PP stage's layers).
 
-    ``parallel_output=True`` keeps logits vocab-sharded ``[s, b, V/tp]`` (what the log-prob code
+    ``parallel_output=True`` keeps logits vocab-sharded ``[b, s, V/tp]`` (what the log-prob code
     wants); the vocabulary is padded to ``model.padded_vocab_size(tp)``.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layout = groups.layout
     if layout.tp != parallel.tensor_parallel or layout.pp != parallel.pipeline_parallel:
@@ -87,12 +133,12 @@ def build_gpt(
             f"the groups are for {groups.layout.describe()} but the parallel config asks for "
             f"TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel}"
         )
-    spec = get_gpt_layer_local_spec(
-        qk_layernorm=model.qk_layernorm, normalization=model.normalization
-    )
-    gpt = GPTModel(
+    scaling: dict[str, Any] = {}
+    if model.rotary_scaling_factor is not None:
+        scaling = dict(rope_scaling=True, rope_scaling_factor=model.rotary_scaling_factor)
+    return GPTModel(
         config=transformer_config(model, parallel),
-        transformer_layer_spec=spec,
+        transformer_layer_spec=layer_spec(model),
         vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=model.max_position_embeddings,
         pre_process=groups.is_first_stage,
@@ -102,5 +148,13 @@ def build_gpt(
         position_embedding_type=model.position_embedding,
         rotary_base=int(model.rotary_base),
         pg_collection=groups.pg_collection(),
+        **scaling,
     )
-    return gpt
+
+
+def build_teacher(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups) -> Any:
+    """The frozen teacher: eval mode, no gradients, no optimizer state, its own layout."""
+    teacher = build_gpt(model, parallel, groups)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher

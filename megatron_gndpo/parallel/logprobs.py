@@ -1,0 +1,519 @@
+"""Sampled-token log-probs over a vocab-parallel output layer: chunked, fused, with recompute.
+
+Shape legend (suffixes on tensor names):
+    T   tokens in the call (batch × sequence, flattened); the same tokens on every TP rank
+    C   tokens in one chunk (at most ``chunk_tokens``)
+    H   hidden size
+    V   vocabulary rows held by this TP rank (the whole padded vocabulary without TP)
+    K   top-k candidates
+    P   ranks in the tensor-parallel group
+
+The math, per token t with target id y_t and temperature τ (the full vocabulary is the
+concatenation of the TP shards in rank order, Megatron's contiguous split
+``VocabUtility.vocab_range_from_per_partition_vocab_size``: rank r holds ids [r·V, (r+1)·V))::
+
+    z_t    = hidden_t · W^T / τ,   z_tv = −inf for v ≥ vocab_size (padding: no probability mass)
+    lse_t  = m_t + log Σ_v exp(z_tv − m_t),           m_t = max_v z_tv
+    logp_t = z_t,y_t − lse_t
+    ∂logp_t/∂z_t = onehot(y_t) − softmax(z_t)
+
+Per chunk of tokens, each rank does the arithmetic on its own shard and the autograd function
+only orders it around the collectives (as Megatron's ``tensor_parallel/cross_entropy.py`` does):
+
+    forward    local max ─ all_reduce(MAX) ─ local [Σ exp(z − m), z_y − m] ─ all_reduce(SUM)
+    backward   recompute z ─ local grad_z ─ grad_hidden_C = grad_z · W, grad_W += grad_zᵀ · hidden_C
+               ─ after the last chunk, ONE all_reduce(SUM) of grad_hidden
+
+Every collective runs over the tensor-parallel group and nothing else: its ranks hold the same
+tokens and different slices of the vocabulary, so a vocabulary sum (or max) is a sum (or max)
+over that group. Data- and context-parallel ranks hold other tokens and are never involved.
+With ``tp_group=None`` there is no collective at all and torch.distributed need not be
+initialised.
+
+Memory: only ``[C, V]`` logits exist at a time (a few such buffers inside one chunk), never
+``[T, V]``. The forward saves hidden, weight, targets and the float32 ``lse [T]``; the backward
+recomputes each chunk's logits (one extra matmul per chunk, the usual recompute trade) and keeps a
+float32 weight-gradient accumulator of the weight's size.
+
+Precision: the chunk matmul runs in the inputs' dtype (on GPUs a bf16 GEMM accumulates in
+float32 and rounds its output to bf16), then the logits are cast to float32 and everything after
+that is float32, the same numerics as Megatron's ``GPTModel`` output layer followed by
+``vocab_parallel_cross_entropy``. The weight gradient is summed over chunks in float32 and cast to
+the weight's dtype once; the hidden gradient is reduced over TP in the hidden's dtype, as
+Megatron's column-parallel output layer does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+# vocab_parallel_logprobs_from_logits receives logits that already exist; its float32 working
+# copies are bounded by this many rows at a time (the same default as the fused path).
+_FROM_LOGITS_CHUNK_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class _VocabShard:
+    """This rank's slice of the vocabulary and the per-call constants; fixed for one call."""
+
+    group: dist.ProcessGroup | None  # None: this rank holds the whole vocabulary, no collectives
+    start: int  # global id of this shard's first row
+    rows: int  # V: rows of this shard, padding included
+    real_rows: int  # rows of this shard below vocab_size; the rest are padding
+    vocab_size: int  # real (unpadded) size of the full vocabulary
+    temperature: float
+    chunk_tokens: int
+
+
+@dataclasses.dataclass
+class TokenStats:
+    """Per-token diagnostics from :func:`vocab_parallel_token_stats` (all over the full vocab).
+
+    ``logprobs [T]`` float32 log-prob of the target; ``entropy [T]`` float32 entropy of the
+    (temperature-scaled) distribution; ``topk_logprobs [T, K]`` float32, descending, and
+    ``topk_ids [T, K]`` int64 global token ids of the K most likely tokens.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+
+
+class _ShardMath:
+    """Per-shard arithmetic of one chunk: no collectives, no autograd."""
+
+    @staticmethod
+    def logits(raw_CV: torch.Tensor, shard: _VocabShard, *, owned: bool) -> torch.Tensor:
+        """float32 ``raw / τ`` with padding columns at −inf, ``[C, V]``.
+
+        ``owned``: ``raw_CV`` is a fresh buffer that may be overwritten (a matmul output). A
+        borrowed float32 input is copied first, since ``.float()`` would return it unchanged.
+        """
+        logits_CV = raw_CV.float() if owned else raw_CV.to(torch.float32, copy=True)
+        if shard.temperature != 1.0:
+            logits_CV.div_(shard.temperature)
+        if shard.real_rows < shard.rows:
+            logits_CV[:, shard.real_rows :] = -math.inf
+        return logits_CV
+
+    @staticmethod
+    def linear_logits(
+        hidden_CH: torch.Tensor, weight_VH: torch.Tensor, shard: _VocabShard
+    ) -> torch.Tensor:
+        """This shard's logits of one chunk, ``hidden_CH · weight_VHᵀ / τ``: float32 ``[C, V]``."""
+        return _ShardMath.logits(hidden_CH @ weight_VH.t(), shard, owned=True)
+
+    @staticmethod
+    def local_targets(
+        targets_C: torch.Tensor, shard: _VocabShard
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Targets as column indices into this shard (0 where not owned) and the ownership mask."""
+        local_C = targets_C - shard.start
+        owned_C = (local_C >= 0) & (local_C < shard.rows)
+        return local_C.masked_fill(~owned_C, 0), owned_C
+
+    @staticmethod
+    def shifted_exp_sums(
+        logits_CV: torch.Tensor,
+        max_C: torch.Tensor,
+        targets_C: torch.Tensor,
+        shard: _VocabShard,
+        *,
+        entropy: bool = False,
+    ) -> torch.Tensor:
+        """This shard's partial sums, ``[2, C]`` (``[3, C]`` with ``entropy``), to be summed over TP.
+
+        Rows: ``Σ_v exp(z − m)``; ``z_y − m`` where this shard holds ``y``, else 0; with
+        ``entropy`` also ``Σ_v exp(z − m)·(z − m)``. ``m`` is the global max. Overwrites
+        ``logits_CV`` (it ends holding ``exp(z − m)``).
+        """
+        shifted_CV = logits_CV.sub_(max_C.unsqueeze(-1))
+        local_C, owned_C = _ShardMath.local_targets(targets_C, shard)
+        target_C = shifted_CV.gather(-1, local_C.unsqueeze(-1)).squeeze(-1)
+        target_C = target_C.masked_fill(~owned_C, 0.0)
+        exp_CV = shifted_CV.exp_()
+        rows = [exp_CV.sum(dim=-1), target_C]
+        if entropy:
+            # e·log e = e·(z − m), and 0 where e = 0 (padding: z = −inf) instead of 0·(−inf) = NaN.
+            rows.append(torch.special.xlogy(exp_CV, exp_CV).sum(dim=-1))
+        return torch.stack(rows)
+
+    @staticmethod
+    def logprob_and_lse(
+        max_C: torch.Tensor, sums: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the global max and summed partials: ``logp = (z_y − m) − log S``, ``lse = m + log S``."""
+        log_sum_C = sums[0].log()
+        return sums[1] - log_sum_C, max_C + log_sum_C
+
+    @staticmethod
+    def entropy(sums: torch.Tensor) -> torch.Tensor:
+        """``H = lse − Σ p·z = log S − Σ exp(z − m)·(z − m) / S`` from the summed partials."""
+        return sums[0].log() - sums[2] / sums[0]
+
+    @staticmethod
+    def grad_logits_(
+        logits_CV: torch.Tensor,
+        lse_C: torch.Tensor,
+        grad_C: torch.Tensor,
+        targets_C: torch.Tensor,
+        shard: _VocabShard,
+    ) -> torch.Tensor:
+        """``∂L/∂(hidden·Wᵀ) = g · (onehot(y) − softmax(z)) / τ``, written over ``logits_CV``."""
+        scale_C = grad_C.float() / shard.temperature
+        grad_CV = logits_CV.sub_(lse_C.unsqueeze(-1)).exp_()  # softmax; padding: exp(−inf) = 0
+        grad_CV.mul_(-scale_C.unsqueeze(-1))
+        local_C, owned_C = _ShardMath.local_targets(targets_C, shard)
+        grad_CV.scatter_add_(-1, local_C.unsqueeze(-1), (scale_C * owned_C).unsqueeze(-1))
+        return grad_CV
+
+    @staticmethod
+    def topk_candidates(logits_CV: torch.Tensor, k: int, shard: _VocabShard) -> torch.Tensor:
+        """This shard's best ``min(k, V)`` logits and their global ids, packed ``[2, C, K]``.
+
+        float64 holds both the float32 values and the ids exactly, so one all-gather moves both.
+        Padding columns are −inf and lose to every real entry.
+        """
+        values_CK, index_CK = logits_CV.topk(min(k, shard.rows), dim=-1)
+        return torch.stack([values_CK.double(), (index_CK + shard.start).double()])
+
+    @staticmethod
+    def global_topk(candidates: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best ``k`` of every rank's candidates ``[P, 2, C, K]``: float32 logits, int64 ids."""
+        values_CPK, ids_CPK = candidates.permute(1, 2, 0, 3).flatten(2).unbind(0)
+        best_CK, position_CK = values_CPK.topk(k, dim=-1)
+        return best_CK.float(), ids_CPK.gather(-1, position_CK).long()
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every TP rank's ``tensor`` stacked in rank order, ``[P, ...]``."""
+    if group is None:
+        return tensor.unsqueeze(0)
+    out = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
+    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    return out
+
+
+def _chunks(num_tokens: int, chunk_tokens: int) -> Iterator[slice]:
+    for start in range(0, num_tokens, chunk_tokens):
+        yield slice(start, min(start + chunk_tokens, num_tokens))
+
+
+def _reduce_chunk(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, shard: _VocabShard, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global max ``[C]`` and summed partials ``[2 or 3, C]`` of one chunk; overwrites logits.
+
+    Every rank of the TP group must call this for every chunk (the chunking depends only on T,
+    which all TP ranks share).
+    """
+    max_C = logits_CV.max(dim=-1).values
+    # The shift must be the same on every shard for the partial sums to add up.
+    _all_reduce(max_C, dist.ReduceOp.MAX, shard.group)
+    sums = _ShardMath.shifted_exp_sums(logits_CV, max_C, targets_C, shard, entropy=entropy)
+    # One reduction for all partials: the target term is nonzero on the one rank that owns y.
+    _all_reduce(sums, dist.ReduceOp.SUM, shard.group)
+    return max_C, sums
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """``logp [T]`` from hidden ``[T, H]`` and this rank's output-layer shard ``[V, H]``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden_TH: torch.Tensor,
+        weight_VH: torch.Tensor,
+        targets_T: torch.Tensor,
+        shard: _VocabShard,
+    ) -> torch.Tensor:
+        num_tokens = hidden_TH.shape[0]
+        logp_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
+        lse_T = torch.empty_like(logp_T)
+        for rows in _chunks(num_tokens, shard.chunk_tokens):
+            logits_CV = _ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
+            max_C, sums = _reduce_chunk(logits_CV, targets_T[rows], shard)
+            logp_T[rows], lse_T[rows] = _ShardMath.logprob_and_lse(max_C, sums)
+        ctx.save_for_backward(hidden_TH, weight_VH, targets_T, lse_T)
+        ctx.shard = shard
+        return logp_T
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_T: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden_TH, weight_VH, targets_T, lse_T = ctx.saved_tensors
+        shard: _VocabShard = ctx.shard
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden_TH = (
+            torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
+            if want_hidden
+            else None
+        )
+        # Summed over chunks in float32, cast to the weight's dtype once at the end.
+        accumulate_dtype = torch.promote_types(weight_VH.dtype, torch.float32)
+        grad_weight_VH = torch.zeros_like(weight_VH, dtype=accumulate_dtype) if want_weight else None
+        for rows in _chunks(hidden_TH.shape[0], shard.chunk_tokens):
+            logits_CV = _ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
+            grad_CV = _ShardMath.grad_logits_(
+                logits_CV, lse_T[rows], grad_T[rows], targets_T[rows], shard
+            ).to(weight_VH.dtype)
+            if grad_hidden_TH is not None:
+                torch.mm(grad_CV, weight_VH, out=grad_hidden_TH[rows])
+            if grad_weight_VH is not None:
+                if grad_weight_VH.dtype == grad_CV.dtype:
+                    grad_weight_VH.addmm_(grad_CV.t(), hidden_TH[rows])
+                else:
+                    grad_weight_VH.add_(grad_CV.t() @ hidden_TH[rows])
+        if grad_hidden_TH is not None:
+            # hidden is replicated over TP and each rank's product covers only its vocab rows:
+            # the full gradient is the sum over the TP group. The weight gradient needs no
+            # collective: each rank owns its rows.
+            _all_reduce(grad_hidden_TH, dist.ReduceOp.SUM, shard.group)
+        return (
+            grad_hidden_TH,
+            grad_weight_VH.to(weight_VH.dtype) if grad_weight_VH is not None else None,
+            None,
+            None,
+        )
+
+
+class _LogitsLogprobs(torch.autograd.Function):
+    """``logp [T]`` from already computed vocab-parallel logits ``[T, V]``; never writes them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits_TV: torch.Tensor, targets_T: torch.Tensor, shard: _VocabShard
+    ) -> torch.Tensor:
+        num_tokens = logits_TV.shape[0]
+        logp_T = logits_TV.new_empty(num_tokens, dtype=torch.float32)
+        lse_T = torch.empty_like(logp_T)
+        for rows in _chunks(num_tokens, shard.chunk_tokens):
+            scaled_CV = _ShardMath.logits(logits_TV[rows], shard, owned=False)
+            max_C, sums = _reduce_chunk(scaled_CV, targets_T[rows], shard)
+            logp_T[rows], lse_T[rows] = _ShardMath.logprob_and_lse(max_C, sums)
+        ctx.save_for_backward(logits_TV, targets_T, lse_T)
+        ctx.shard = shard
+        return logp_T
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_T: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits_TV, targets_T, lse_T = ctx.saved_tensors
+        shard: _VocabShard = ctx.shard
+        grad_logits_TV = torch.empty_like(logits_TV, memory_format=torch.contiguous_format)
+        for rows in _chunks(logits_TV.shape[0], shard.chunk_tokens):
+            scaled_CV = _ShardMath.logits(logits_TV[rows], shard, owned=False)
+            grad_logits_TV[rows] = _ShardMath.grad_logits_(
+                scaled_CV, lse_T[rows], grad_T[rows], targets_T[rows], shard
+            )
+        # No collective: each rank's logits are its own shard.
+        return grad_logits_TV, None, None
+
+
+def _vocab_shard(
+    rows: int,
+    tp_group: dist.ProcessGroup | None,
+    vocab_size: int | None,
+    temperature: float,
+    chunk_tokens: int,
+) -> _VocabShard:
+    """Validate the per-call settings and locate this rank's rows in the full vocabulary."""
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if rows < 1:
+        raise ValueError("the weight shard has no vocabulary rows")
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    total_rows = rows * tp_size
+    if vocab_size is None:
+        vocab_size = total_rows
+    if not 1 <= vocab_size <= total_rows:
+        raise ValueError(
+            f"vocab_size={vocab_size} must lie in [1, {total_rows}], the rows of the full output "
+            f"layer ({rows} per rank × TP size {tp_size})"
+        )
+    start = tp_rank * rows
+    return _VocabShard(
+        group=tp_group if tp_size > 1 else None,  # a group of one needs no collective
+        start=start,
+        rows=rows,
+        real_rows=min(max(vocab_size - start, 0), rows),
+        vocab_size=vocab_size,
+        temperature=float(temperature),
+        chunk_tokens=chunk_tokens,
+    )
+
+
+def _checked_targets(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``targets`` as int64 after checking every id is a real token (one host sync)."""
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    targets = targets.long()
+    bad = (targets < 0) | (targets >= vocab_size)
+    if targets.numel() and bool(bad.any()):
+        raise ValueError(
+            f"target ids must lie in [0, vocab_size={vocab_size}); got "
+            f"{targets[bad].unique()[:8].tolist()}. Ids at or above vocab_size are padding rows "
+            "of the output layer, which take no probability mass; mask ignored positions "
+            "(e.g. -100 labels) out with a valid id before the call"
+        )
+    return targets
+
+
+def _check_linear_shapes(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> None:
+    if (
+        hidden.dim() != 2
+        or weight.dim() != 2
+        or hidden.shape[1] != weight.shape[1]
+        or targets.shape != hidden.shape[:1]
+    ):
+        raise ValueError(
+            "expected hidden [T, H], weight [V/tp, H] and targets [T] (flatten batch and "
+            f"sequence first), got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}"
+        )
+
+
+def vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_tokens: int = 2048,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-prob of each target token under ``softmax(hidden · W_fullᵀ / τ)``, float32 ``[T]``.
+
+    ``logp_t = z_t,y_t − log Σ_{v < vocab_size} exp(z_tv)`` with ``z_t = hidden_t · W_fullᵀ / τ``:
+    the output layer and the log-softmax fused, computed ``chunk_tokens`` tokens at a time so
+    that at most ``[chunk_tokens, V/tp]`` logits exist at once, with the chunk logits recomputed
+    in the backward (see the module docstring for the collectives and numerics).
+
+    Args:
+        hidden: ``[T, H]``, any float dtype; the same tokens on every rank of ``tp_group``.
+        weight: ``[V/tp, H]``, this TP rank's rows of the output layer (Megatron's contiguous
+            split: rank r holds global ids [r·V/tp, (r+1)·V/tp)); same dtype as ``hidden``.
+        targets: ``[T]`` integer global token ids, each in ``[0, vocab_size)``.
+        tp_group: the tensor-parallel group the vocabulary is split over; ``None``: ``weight``
+            is the whole output layer and no collective runs.
+        vocab_size: the real vocabulary size; rows at or above it (TP padding, embedding rows
+            beyond the tokenizer) take no probability mass. ``None``: every row is real.
+        chunk_tokens: tokens per chunk; bounds the logits memory to ``chunk_tokens × V/tp``.
+        temperature: τ > 0 dividing the logits (the sampler's temperature).
+
+    Differentiable w.r.t. ``hidden`` and ``weight`` (gradients in their dtypes; the hidden
+    gradient is all-reduced over ``tp_group``, the weight gradient is this rank's shard).
+    Every rank of ``tp_group`` must call it with the same ``hidden``, ``targets`` and settings.
+    """
+    _check_linear_shapes(hidden, weight, targets)
+    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
+    targets = _checked_targets(targets, shard.vocab_size)
+    return cast(torch.Tensor, _LinearLogprobs.apply(hidden, weight, targets, shard))
+
+
+def vocab_parallel_logprobs_from_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-prob of each target from vocab-parallel logits ``[..., V/tp]``: float32 ``[...]``.
+
+    ``logp = z_y − log Σ_{v < vocab_size} exp(z_v)`` with ``z = logits / τ``, the same math and
+    collectives as :func:`vocab_parallel_logprobs` for logits that already exist (e.g. a model
+    that returns them). Unlike Megatron's ``vocab_parallel_cross_entropy`` it never modifies
+    ``logits`` in place; its float32 working copies cover a bounded number of rows at a time.
+    Differentiable w.r.t. ``logits`` (no collective in the backward).
+    """
+    if logits.dim() < 1 or targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            "expected logits [..., V/tp] and targets [...] with the same leading dims, got "
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}"
+        )
+    shard = _vocab_shard(
+        logits.shape[-1], tp_group, vocab_size, temperature, _FROM_LOGITS_CHUNK_TOKENS
+    )
+    targets_T = _checked_targets(targets, shard.vocab_size).reshape(-1)
+    logits_TV = logits.reshape(-1, logits.shape[-1])
+    logp_T = cast(torch.Tensor, _LogitsLogprobs.apply(logits_TV, targets_T, shard))
+    return logp_T.view(targets.shape)
+
+
+@torch.no_grad()
+def vocab_parallel_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_tokens: int = 2048,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    top_k: int = 0,
+) -> TokenStats:
+    """Target log-probs plus optional entropy and top-k, forward only (no gradient).
+
+    Arguments as in :func:`vocab_parallel_logprobs`. Over the full (unpadded) vocabulary:
+
+    - ``entropy``: ``H_t = lse_t − Σ_v p_tv · z_tv`` of the temperature-scaled distribution,
+      from one more partial sum in the same all-reduce;
+    - ``top_k``: each rank takes its best ``min(k, V/tp)`` logits (padding is −inf and never
+      wins), one all-gather over ``tp_group`` brings every rank the ``P·k`` candidates, and the
+      best ``k`` of those are the global top-k: log-probs descending, global token ids.
+      Requires ``0 <= top_k <= vocab_size``.
+
+    Used for vOPD diagnostics and logging (e.g. teacher entropy, student top-k overlap).
+    """
+    _check_linear_shapes(hidden, weight, targets)
+    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
+    targets = _checked_targets(targets, shard.vocab_size)
+    if not 0 <= top_k <= shard.vocab_size:
+        raise ValueError(f"top_k must lie in [0, vocab_size={shard.vocab_size}], got {top_k}")
+    num_tokens = hidden.shape[0]
+    out = TokenStats(logprobs=hidden.new_empty(num_tokens, dtype=torch.float32))
+    if entropy:
+        out.entropy = torch.empty_like(out.logprobs)
+    if top_k:
+        out.topk_logprobs = hidden.new_empty((num_tokens, top_k), dtype=torch.float32)
+        out.topk_ids = hidden.new_empty((num_tokens, top_k), dtype=torch.int64)
+    for rows in _chunks(num_tokens, shard.chunk_tokens):
+        logits_CV = _ShardMath.linear_logits(hidden[rows], weight, shard)
+        # Before _reduce_chunk, which overwrites the logits.
+        candidates = _ShardMath.topk_candidates(logits_CV, top_k, shard) if top_k else None
+        max_C, sums = _reduce_chunk(logits_CV, targets[rows], shard, entropy=entropy)
+        out.logprobs[rows], lse_C = _ShardMath.logprob_and_lse(max_C, sums)
+        if out.entropy is not None:
+            out.entropy[rows] = _ShardMath.entropy(sums)
+        if candidates is not None and out.topk_logprobs is not None and out.topk_ids is not None:
+            # The top-k of the union of every rank's top-k is the global top-k.
+            top_logits_CK, out.topk_ids[rows] = _ShardMath.global_topk(
+                _all_gather(candidates, shard.group), top_k
+            )
+            out.topk_logprobs[rows] = top_logits_CK - lse_C.unsqueeze(-1)
+    return out

@@ -1,0 +1,218 @@
+"""The ``megatron-gndpo`` command: plan, config show|validate|fields, help, exit codes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_gndpo.cli import main
+from megatron_gndpo.config import load_config, to_dict
+from megatron_gndpo.config.docs import iter_fields
+from megatron_gndpo.plan import plan
+from tests.test_config import EXAMPLES, example_world_size
+
+QWEN3 = Path(__file__).resolve().parent.parent / "examples" / "qwen3-8b_from_32b.yaml"
+# 256 ranks: student TP=8 (DP=32), teacher TP=8 x PP=4 (DP=8); 256 x 16 sequences split over DP.
+BIG = [
+    "plan",
+    "--world-size",
+    "256",
+    "--config",
+    str(QWEN3),
+    "parallel.tensor_parallel=8",
+    "teacher.parallel.tensor_parallel=8",
+    "teacher.parallel.pipeline_parallel=4",
+    "rollout.prompts_per_step=256",
+]
+RANK_LINE = re.compile(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)$")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def resolved_yaml(out: str) -> dict:
+    _, sep, tail = out.partition("--- resolved config ---\n")
+    assert sep, "no resolved config in the output"
+    return yaml.safe_load(tail.split("\nwrote ")[0])
+
+
+def test_plan_256_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *BIG)
+    assert (code, err) == (0, "")
+    cfg = load_config(QWEN3, BIG[5:])
+    student, teacher = plan(cfg, 256)
+    assert "plan for 256 ranks" in out
+    assert "student: TP=8 PP=1 CP=1 DP=32 (world 256)" in out
+    assert "teacher: TP=8 PP=4 CP=1 DP=8 (world 256)" in out
+    assert f"({student.total_params:,})" in out
+    assert f"({teacher.total_params:,})" in out
+    # one row per stage: stage, layers, params per rank
+    for mp in (student, teacher):
+        for st in mp.stages:
+            row = (
+                f"{st.stage:>5}  {st.first_layer:>4}-{st.last_layer:<4}  {st.params_per_rank:>14,}"
+            )
+            assert row in out, row
+    assert len(teacher.stages) == 4
+    assert "4096 sequences per step, 128 per student data-parallel rank" in out
+    assert resolved_yaml(out) == to_dict(cfg)
+    plan_text = out.split("--- resolved config ---")[0]
+    assert not any(RANK_LINE.match(line) for line in plan_text.splitlines())  # no --ranks
+
+
+def test_plan_ranks_lists_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *BIG, "--ranks")
+    assert code == 0
+    cfg = load_config(QWEN3, BIG[5:])
+    plan_text = out.split("--- resolved config ---")[0]
+    student_text, teacher_text = plan_text.split("\nteacher: ")
+    for text, mp in zip((student_text, teacher_text), plan(cfg, 256), strict=True):
+        rows = [RANK_LINE.match(line) for line in text.splitlines()]
+        rows = [m for m in rows if m is not None]
+        assert [int(m[1]) for m in rows] == list(range(256))
+        for m in rows:
+            rank = int(m[1])
+            coords = mp.layout.coords(rank)
+            assert [int(m[i]) for i in (2, 3, 4, 5)] == [
+                coords[d] for d in ("tp", "cp", "dp", "pp")
+            ]
+            assert int(m[6].replace(",", "")) == mp.stages[coords["pp"]].params_per_rank
+
+
+def test_plan_out_writes_the_resolved_config(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out_dir = tmp_path / "run"
+    code, out, _ = run(capsys, *BIG, "--out", str(out_dir))
+    assert code == 0
+    path = out_dir / "config.yaml"
+    assert f"wrote {path}" in out
+    assert load_config(path) == load_config(QWEN3, BIG[5:])
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_plans_at_its_world_size(
+    example: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    n = example_world_size(example)
+    code, out, err = run(capsys, "plan", "-c", str(example), "-n", str(n))
+    assert (code, err) == (0, "")
+    assert f"plan for {n} ranks" in out
+    assert resolved_yaml(out) == to_dict(load_config(example))
+
+
+def test_bad_config_exits_2_and_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "-n", "8", "parallel.tensor_parallel=3")
+    assert code == 2
+    assert out == ""
+    assert err.startswith("megatron-gndpo: error: invalid configuration")
+    assert "tensor_parallel (3)" in err
+    assert "choose sizes whose product divides it" in err
+
+
+def test_unknown_key_exits_2_with_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "config", "show", "algorithm.kl_clp=1")
+    assert code == 2
+    assert "did you mean algorithm.kl_clip?" in err
+
+
+def test_missing_config_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "plan", "-c", str(tmp_path / "absent.yaml"))
+    assert code == 2
+    assert "absent.yaml" in err and "does not exist" in err
+
+
+FIELDS = list(iter_fields())
+
+
+def test_every_field_has_documentation() -> None:
+    assert len(FIELDS) > 50
+    undocumented = [f.key for f in FIELDS if not f.doc.strip()]
+    assert not undocumented, f"fields without a docstring under them in schema.py: {undocumented}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["config", "--help"]])
+def test_help_documents_every_field(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    missing = [f.key for f in FIELDS if f"  {f.key} (" not in out]
+    assert not missing, f"keys missing from `megatron-gndpo {' '.join(argv)}`: {missing}"
+    # a doc string reaches the help text (wrapped, so compare its first words)
+    for f in FIELDS:
+        assert " ".join(f.doc.split()[:3]) in " ".join(out.split()), f.key
+
+
+def test_undocumented_field_is_reported_with_an_empty_doc() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+        documented: int = 1
+        """Has a doc."""
+        undocumented: int = 2
+
+    docs = {f.key: f.doc for f in iter_fields(Section)}
+    assert docs == {"documented": "Has a doc.", "undocumented": ""}
+
+
+def test_config_show(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "config", "show", "algorithm.kl_clip=2.5")
+    assert code == 0
+    assert yaml.safe_load(out) == to_dict(load_config(None, ["algorithm.kl_clip=2.5"]))
+
+
+def test_config_validate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "config", "validate")[:2] == (0, "config is valid\n")
+    assert run(capsys, "config", "validate", "-n", "8")[:2] == (0, "config is valid for 8 ranks\n")
+    bad = ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=3"]
+    code, out, err = run(capsys, "config", "validate", "-n", "8", *bad)
+    assert (code, out) == (2, "")
+    assert "make it a multiple of 8" in err
+
+
+def test_overrides_before_and_after_options(capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse leaves positionals given after an option unparsed; they are overrides too.
+    code, out, err = run(capsys, "plan", "trainer.steps=2", "-n", "4", "trainer.seed=3")
+    assert (code, err) == (0, "")
+    assert "plan for 4 ranks" in out
+    resolved = resolved_yaml(out)["trainer"]
+    assert (resolved["steps"], resolved["seed"]) == (2, 3)
+    code, out, _ = run(capsys, "config", "show", "-n", "2", "trainer.steps=5")
+    assert code == 0
+    assert yaml.safe_load(out)["trainer"]["steps"] == 5
+
+
+def test_unknown_option_is_still_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "validate", "-n", "8", "--bogus"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_config_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "config", "fields")
+    assert code == 0
+    assert "  algorithm.kl_clip (a number; default 5.0)" in out
+    assert "  teacher.model.num_layers (an integer; default 4)" in out  # the teacher's default
+    assert all(f"  {f.key} (" in out for f in FIELDS)
+
+
+def test_installed_console_script() -> None:
+    script = Path(sys.executable).parent / "megatron-gndpo"
+    assert script.is_file(), f"console script not installed next to {sys.executable}"
+    proc = subprocess.run(
+        [str(script), "plan", "-n", "8"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "plan for 8 ranks" in proc.stdout
+    assert "student: TP=1 PP=1 CP=1 DP=8 (world 8)" in proc.stdout
