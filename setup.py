@@ -47,7 +47,15 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.4"],
         "vllm": ["vllm>=0.11"],
         "modelopt": ["nvidia-modelopt[torch]>=0.35"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.8", "mypy>=1.13"],
+        # transformers and safetensors: the conversion tests build tiny HF models in code
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "ruff>=0.8",
+            "mypy>=1.13",
+            "transformers>=4.57",
+            "safetensors>=0.4",
+        ],
     },
     entry_points={"console_scripts": ["megatron-gndpo=megatron_gndpo.cli:main"]},
     classifiers=[

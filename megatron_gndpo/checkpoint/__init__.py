@@ -1,0 +1,1 @@
+"""Checkpoints (megatron-core dist-checkpointing, atomic, resharding) and HF conversion."""

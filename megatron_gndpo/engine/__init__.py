@@ -1,0 +1,1 @@
+"""Training machinery on megatron-core: DDP, the distributed optimizer, forward/backward."""

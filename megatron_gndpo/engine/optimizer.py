@@ -1,0 +1,79 @@
+"""The student's trainable wrapper: megatron-core DDP and (distributed) optimizer.
+
+Everything here is megatron-core's: ``DistributedDataParallel`` with fp32 gradient buffers,
+``get_megatron_optimizer`` (the distributed optimizer shards fp32 master weights and Adam state
+over the data-parallel group), ``finalize_model_grads`` (DP all-reduce, tied-embedding sync across
+pipeline stages, and the per-token loss scaling by the global token count).
+
+Only the student trains, and the student's groups are megatron-core's global parallel state
+(``build_student_groups``), which these components read; they take no process groups here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_gndpo.config.schema import OptimizerConfig
+
+
+def _require_student_state() -> None:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "the trainable student needs megatron-core's parallel state: build its groups with "
+            "megatron_gndpo.parallel.build_student_groups() first"
+        )
+
+
+def wrap_ddp(model: Any, *, use_distributed_optimizer: bool) -> Any:
+    """Wrap a GPTModel in megatron-core DDP and hook its gradient finalisation into the config.
+
+    Gradients accumulate in fp32 ``param.main_grad`` buffers (not ``.grad``) and are reduced
+    over the data-parallel group once per step, after the last micro-batch.
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    _require_student_state()
+    ddp = DistributedDataParallel(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        module=model,
+    )
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def build_optimizer(ddp_model: Any, cfg: OptimizerConfig) -> Any:
+    """megatron-core's optimizer for the wrapped student, from our OptimizerConfig."""
+    from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    _require_student_state()
+    params_dtype = ddp_model.config.params_dtype
+    mcore = McoreOptimizerConfig(
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        params_dtype=params_dtype,
+    )
+    return get_megatron_optimizer(mcore, [ddp_model])
