@@ -198,6 +198,7 @@ def load_checkpoint(path: str | Path, model: Any, *, optimizer: Any = None) -> d
     :class:`CheckpointError` naming the checkpoint.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     directory = resolve(path)
     meta = json.loads((directory / _META).read_text())
@@ -214,7 +215,16 @@ def load_checkpoint(path: str | Path, model: Any, *, optimizer: Any = None) -> d
         )
     try:
         with torch.no_grad():
-            state = dist_checkpointing.load(sharded, str(directory))
+            state = dist_checkpointing.load(
+                sharded,
+                str(directory),
+                # The access check is about writers: megatron derives replica ids from its
+                # global parallel state, which is the student's, so a model on another layout
+                # (the teacher's) fails it although every rank reads exactly what it needs.
+                validate_access_integrity=False,
+                # A tensor the model needs but the checkpoint lacks is an error up front.
+                strict=StrictHandling.RAISE_UNEXPECTED,
+            )
     except Exception as err:
         raise CheckpointError(
             f"could not load {directory}: {err}. Check that the checkpoint was written for this "

@@ -87,6 +87,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
         apply_rope_fusion=False,
         bias_dropout_fusion=not on_cpu,
         calculate_per_token_loss=True,
+        # rollout batches are ragged: pipeline stages exchange each micro-batch's shape
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # unused by dense models; megatron checks it anyway
         **fp8,
     )
 

@@ -91,7 +91,7 @@ class _ShardMath:
     """Per-shard arithmetic of one chunk: no collectives, no autograd."""
 
     @staticmethod
-    def logits(raw_CV: torch.Tensor, shard: _VocabShard, *, owned: bool) -> torch.Tensor:
+    def scaled_logits(raw_CV: torch.Tensor, shard: _VocabShard, *, owned: bool) -> torch.Tensor:
         """float32 ``raw / τ`` with padding columns at −inf, ``[C, V]``.
 
         ``owned``: ``raw_CV`` is a fresh buffer that may be overwritten (a matmul output). A
@@ -109,7 +109,7 @@ class _ShardMath:
         hidden_CH: torch.Tensor, weight_VH: torch.Tensor, shard: _VocabShard
     ) -> torch.Tensor:
         """This shard's logits of one chunk, ``hidden_CH · weight_VHᵀ / τ``: float32 ``[C, V]``."""
-        return _ShardMath.logits(hidden_CH @ weight_VH.t(), shard, owned=True)
+        return _ShardMath.scaled_logits(hidden_CH @ weight_VH.t(), shard, owned=True)
 
     @staticmethod
     def local_targets(
@@ -129,7 +129,7 @@ class _ShardMath:
         *,
         entropy: bool = False,
     ) -> torch.Tensor:
-        """This shard's partial sums, ``[2, C]`` (``[3, C]`` with ``entropy``), to be summed over TP.
+        """This shard's partial sums ``[2, C]`` (``[3, C]`` with ``entropy``), to sum over TP.
 
         Rows: ``Σ_v exp(z − m)``; ``z_y − m`` where this shard holds ``y``, else 0; with
         ``entropy`` also ``Σ_v exp(z − m)·(z − m)``. ``m`` is the global max. Overwrites
@@ -140,17 +140,17 @@ class _ShardMath:
         target_C = shifted_CV.gather(-1, local_C.unsqueeze(-1)).squeeze(-1)
         target_C = target_C.masked_fill(~owned_C, 0.0)
         exp_CV = shifted_CV.exp_()
-        rows = [exp_CV.sum(dim=-1), target_C]
+        partials = [exp_CV.sum(dim=-1), target_C]
         if entropy:
             # e·log e = e·(z − m), and 0 where e = 0 (padding: z = −inf) instead of 0·(−inf) = NaN.
-            rows.append(torch.special.xlogy(exp_CV, exp_CV).sum(dim=-1))
-        return torch.stack(rows)
+            partials.append(torch.special.xlogy(exp_CV, exp_CV).sum(dim=-1))
+        return torch.stack(partials)
 
     @staticmethod
     def logprob_and_lse(
         max_C: torch.Tensor, sums: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the global max and summed partials: ``logp = (z_y − m) − log S``, ``lse = m + log S``."""
+        """``logp = (z_y − m) − log S`` and ``lse = m + log S`` from the global max and sums."""
         log_sum_C = sums[0].log()
         return sums[1] - log_sum_C, max_C + log_sum_C
 
@@ -202,9 +202,9 @@ def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     """Every TP rank's ``tensor`` stacked in rank order, ``[P, ...]``."""
     if group is None:
         return tensor.unsqueeze(0)
-    out = tensor.new_empty((dist.get_world_size(group), *tensor.shape))
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
-    return out
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)
 
 
 def _chunks(num_tokens: int, chunk_tokens: int) -> Iterator[slice]:
@@ -247,6 +247,7 @@ class _LinearLogprobs(torch.autograd.Function):
             logits_CV = _ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
             max_C, sums = _reduce_chunk(logits_CV, targets_T[rows], shard)
             logp_T[rows], lse_T[rows] = _ShardMath.logprob_and_lse(max_C, sums)
+            del logits_CV  # free this chunk before the next one is allocated
         ctx.save_for_backward(hidden_TH, weight_VH, targets_T, lse_T)
         ctx.shard = shard
         return logp_T
@@ -264,7 +265,9 @@ class _LinearLogprobs(torch.autograd.Function):
         )
         # Summed over chunks in float32, cast to the weight's dtype once at the end.
         accumulate_dtype = torch.promote_types(weight_VH.dtype, torch.float32)
-        grad_weight_VH = torch.zeros_like(weight_VH, dtype=accumulate_dtype) if want_weight else None
+        grad_weight_VH = (
+            torch.zeros_like(weight_VH, dtype=accumulate_dtype) if want_weight else None
+        )
         for rows in _chunks(hidden_TH.shape[0], shard.chunk_tokens):
             logits_CV = _ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
             grad_CV = _ShardMath.grad_logits_(
@@ -277,6 +280,7 @@ class _LinearLogprobs(torch.autograd.Function):
                     grad_weight_VH.addmm_(grad_CV.t(), hidden_TH[rows])
                 else:
                     grad_weight_VH.add_(grad_CV.t() @ hidden_TH[rows])
+            del logits_CV, grad_CV  # free this chunk before the next one is allocated
         if grad_hidden_TH is not None:
             # hidden is replicated over TP and each rank's product covers only its vocab rows:
             # the full gradient is the sum over the TP group. The weight gradient needs no
@@ -301,9 +305,10 @@ class _LogitsLogprobs(torch.autograd.Function):
         logp_T = logits_TV.new_empty(num_tokens, dtype=torch.float32)
         lse_T = torch.empty_like(logp_T)
         for rows in _chunks(num_tokens, shard.chunk_tokens):
-            scaled_CV = _ShardMath.logits(logits_TV[rows], shard, owned=False)
+            scaled_CV = _ShardMath.scaled_logits(logits_TV[rows], shard, owned=False)
             max_C, sums = _reduce_chunk(scaled_CV, targets_T[rows], shard)
             logp_T[rows], lse_T[rows] = _ShardMath.logprob_and_lse(max_C, sums)
+            del scaled_CV  # free this chunk before the next one is allocated
         ctx.save_for_backward(logits_TV, targets_T, lse_T)
         ctx.shard = shard
         return logp_T
@@ -315,10 +320,11 @@ class _LogitsLogprobs(torch.autograd.Function):
         shard: _VocabShard = ctx.shard
         grad_logits_TV = torch.empty_like(logits_TV, memory_format=torch.contiguous_format)
         for rows in _chunks(logits_TV.shape[0], shard.chunk_tokens):
-            scaled_CV = _ShardMath.logits(logits_TV[rows], shard, owned=False)
+            scaled_CV = _ShardMath.scaled_logits(logits_TV[rows], shard, owned=False)
             grad_logits_TV[rows] = _ShardMath.grad_logits_(
                 scaled_CV, lse_T[rows], grad_T[rows], targets_T[rows], shard
             )
+            del scaled_CV  # free this chunk before the next one is allocated
         # No collective: each rank's logits are its own shard.
         return grad_logits_TV, None, None
 
@@ -375,9 +381,7 @@ def _checked_targets(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return targets
 
 
-def _check_linear_shapes(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
-) -> None:
+def _check_linear_shapes(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
     if (
         hidden.dim() != 2
         or weight.dim() != 2
@@ -427,6 +431,12 @@ def vocab_parallel_logprobs(
     Differentiable w.r.t. ``hidden`` and ``weight`` (gradients in their dtypes; the hidden
     gradient is all-reduced over ``tp_group``, the weight gradient is this rank's shard).
     Every rank of ``tp_group`` must call it with the same ``hidden``, ``targets`` and settings.
+
+    This replaces Megatron's output layer: pass the final norm's output itself, not through
+    ``copy_to_tensor_model_parallel_region`` (whose backward would all-reduce the hidden
+    gradient a second time). With sequence parallelism, gather the sequence with a gather whose
+    backward splits (``gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=
+    False)``), not one whose backward reduce-scatters.
     """
     _check_linear_shapes(hidden, weight, targets)
     shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
@@ -516,4 +526,5 @@ def vocab_parallel_token_stats(
                 _all_gather(candidates, shard.group), top_k
             )
             out.topk_logprobs[rows] = top_logits_CK - lse_C.unsqueeze(-1)
+        del logits_CV  # free this chunk before the next one is allocated
     return out
