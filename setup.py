@@ -47,6 +47,9 @@ setup(
         "te": ["transformer-engine[pytorch]>=2.4"],
         "vllm": ["vllm>=0.11"],
         "modelopt": ["nvidia-modelopt[torch]>=0.35"],
+        "tensorboard": ["tensorboard>=2.15"],
+        "parquet": ["pyarrow>=15"],
+        "math": ["math-verify>=0.7"],
         # transformers and safetensors: the conversion tests build tiny HF models in code
         "test": [
             "pytest>=8",

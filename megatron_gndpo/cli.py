@@ -1,9 +1,12 @@
 """The ``megatron-gndpo`` command.
 
+    megatron-gndpo train [--config FILE] [section.key=value ...]     (under torchrun or srun)
     megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [section.key=value ...]
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
 
-Without ``--config`` the embedded default (a tiny student and teacher) is used. Overrides are
+Without ``--config`` the embedded default is used: ``plan``/``config`` start from the release
+defaults with tiny models; ``train`` runs ``megatron_gndpo/configs/tiny_cpu.yaml`` (a tiny
+student and teacher on built-in prompts, CPU-friendly). Overrides are
 dotted ``section.key=value`` pairs whose values are read as YAML.
 """
 
@@ -61,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--ranks", action="store_true", help="also list every rank's coordinates")
     p_plan.add_argument("--out", type=Path, help="write the resolved config to OUT/config.yaml")
 
+    p_train = sub.add_parser(
+        "train",
+        help="run GNDPO training (launch with torchrun or srun; one process is fine on CPU)",
+        description="Train the student against the teacher. Launch one process per GPU with "
+        "torchrun or Slurm's srun; without a launcher it runs as a single process. Resumes from "
+        "the newest checkpoint in the save directory automatically.",
+        epilog=fields,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_args(p_train, world_default=None)
+
     p_cfg = sub.add_parser(
         "config",
         help="show, validate or document the configuration",
@@ -94,6 +108,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+TINY_CPU = Path(__file__).parent / "configs" / "tiny_cpu.yaml"
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_gndpo.compat import cpu
+    from megatron_gndpo.config import check_environment
+    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+
+    cfg = load_config(args.config or TINY_CPU, args.overrides)  # config errors before start-up
+    env = init_distributed()
+    try:
+        cpu.enable_if_no_cuda()
+        validate(cfg, env.world_size)
+        check_environment(cfg)
+        if env.rank == 0:
+            print(f"resolved config written to {save_resolved(cfg, cfg.logging.run_dir)}")
+        from megatron_gndpo.trainer import Trainer
+
+        Trainer(cfg).train()
+    finally:
+        shutdown_distributed()
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.action == "fields":
         print(format_fields())
@@ -116,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
-    handlers = {"plan": _cmd_plan, "config": _cmd_config}
+    handlers = {"plan": _cmd_plan, "config": _cmd_config, "train": _cmd_train}
     try:
         return handlers[args.command](args)
     except ConfigError as err:

@@ -327,7 +327,7 @@ def test_layout_is_only_checked_with_a_world_size() -> None:
 
 def test_rollout_batch_not_divisible_by_data_parallel_size() -> None:
     msg = validation_error(8, "rollout.prompts_per_step=3", "rollout.samples_per_prompt=3")
-    assert "rollout.prompts_per_step x rollout.samples_per_prompt = 9" in msg
+    assert "rollout.prompts_per_step (3)" in msg
     assert "data-parallel size 8" in msg
     assert "make it a multiple of 8" in msg
 

@@ -83,7 +83,7 @@ def _variants() -> list[tuple[str, ModelConfig]]:
     for path in sorted(EXAMPLES_DIR.glob("*.yaml")):
         cfg = load_config(path)
         out += [(f"{path.stem}:student", cfg.model), (f"{path.stem}:teacher", cfg.teacher.model)]
-    tiny = dataclasses.replace(load_config(EXAMPLES_DIR / "tiny.yaml").model, num_layers=4)
+    tiny = dataclasses.replace(load_config(EXAMPLES_DIR / "tiny_cpu.yaml").model, num_layers=4)
     layernorm = dataclasses.replace(
         tiny, normalization="LayerNorm", add_bias_linear=True, swiglu=False
     )
@@ -170,7 +170,7 @@ def test_stage_ranks_partition_the_world(world: int, tp: int, pp: int, cp: int) 
 
 
 def test_tied_embedding_is_copied_to_the_last_stage() -> None:
-    tiny = load_config(EXAMPLES_DIR / "tiny.yaml").model
+    tiny = load_config(EXAMPLES_DIR / "tiny_cpu.yaml").model
     tied = dataclasses.replace(tiny, tie_embeddings=True)
     untied = dataclasses.replace(tiny, tie_embeddings=False)
     vocab_shard = tiny.padded_vocab_size(1) * tiny.hidden_size

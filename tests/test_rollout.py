@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
-from megatron_gndpo.rollout.base import SamplingParams, sample_next
+from megatron_gndpo.rollout.base import RowStreams, SamplingParams, sample_next
 from tests.harness import run_distributed
 
 VOCAB = 90
@@ -29,21 +29,32 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
 
 def test_sample_next_rules() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
-    g = torch.Generator().manual_seed(0)
-    ids, logp = sample_next(logits, SamplingParams(max_new_tokens=1, temperature=0), g)
+    streams = RowStreams([0, 1], samples_per_prompt=1)
+    g = streams.uniform
+    ids, logp = sample_next(logits, SamplingParams(max_new_tokens=1, temperature=0), g())
     assert ids.tolist() == [3, 0] and torch.all(logp == 0)
     for _ in range(20):  # top-k=1 is greedy whatever the temperature
-        ids, logp = sample_next(logits, SamplingParams(max_new_tokens=1, top_k=1), g)
+        ids, logp = sample_next(logits, SamplingParams(max_new_tokens=1, top_k=1), g())
         assert ids.tolist() == [3, 0]
         assert torch.allclose(logp, torch.zeros(2))
     # top-p keeps the smallest prefix reaching p: with p tiny only the best token survives
-    ids, _ = sample_next(logits, SamplingParams(max_new_tokens=1, top_p=1e-6), g)
+    ids, _ = sample_next(logits, SamplingParams(max_new_tokens=1, top_p=1e-6), g())
     assert ids.tolist() == [3, 0]
     # log-probs are those of the tempered distribution
     params = SamplingParams(max_new_tokens=1, temperature=2.0)
-    ids, logp = sample_next(logits, params, g)
+    ids, logp = sample_next(logits, params, g())
     expected = (logits / 2.0).log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
     torch.testing.assert_close(logp, expected)
+    # inverse-CDF sampling follows the distribution: frequencies over many independent rows
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    many = RowStreams(list(range(4000)), samples_per_prompt=1).uniform()
+    ids, _ = sample_next(probs.log().expand(4000, -1), SamplingParams(max_new_tokens=1), many)
+    freq = torch.bincount(ids, minlength=4).double() / 4000
+    assert torch.allclose(freq, probs[0].double(), atol=0.03), freq
+    # a row's draws depend only on its own seed, not on the batch around it
+    alone = RowStreams([11], 2).uniform()
+    together = RowStreams([5, 11], 2).uniform()
+    assert torch.equal(alone, together[2:])
 
 
 def _greedy_reference(model, prompt: list[int], steps: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -91,12 +102,12 @@ def _generate_at_layouts(rank: int, world: int, root: str) -> dict[str, object]:
             model = build_teacher(MODEL, parallel, groups)
             load_checkpoint(root, model)
         gen = MegatronGenerator(model, groups, vocab_size=VOCAB, pad_id=PAD, max_sequence_length=48)
-        g = gen.generate(PROMPTS, greedy, seed=1)
+        g = gen.generate(PROMPTS, greedy, seeds=[1, 2, 3])
         out[f"{name}/greedy"] = [
             g.tokens[i, g.prompt_lengths[i] : g.lengths[i]].tolist() for i in range(len(PROMPTS))
         ]
-        r = gen.generate(PROMPTS, sampled, seed=7)
-        again = gen.generate(PROMPTS, sampled, seed=7)
+        r = gen.generate(PROMPTS, sampled, seeds=[7, 8, 9])
+        again = gen.generate(PROMPTS, sampled, seeds=[7, 8, 9])
         assert torch.equal(r.tokens, again.tokens), "same seed must give the same samples"
         # The trainer's recomputed log-probs equal the sampler's (same weights): gap ~ 0
         scored = score_tokens(

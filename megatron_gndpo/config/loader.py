@@ -1,6 +1,6 @@
 """YAML + dotted command-line overrides -> typed, frozen :class:`Config`.
 
-    cfg = load_config("examples/tiny.yaml", ["algorithm.kl_clip=3.0", "parallel.tensor_parallel=2"])
+    cfg = load_config("examples/tiny_cpu.yaml", ["algorithm.kl_clip=3.0", "trainer.steps=2"])
 
 Strict: an unknown key (with a did-you-mean), a value of the wrong type, a key set twice (in the
 file or among the overrides) and a section given a scalar are all :class:`ConfigError` naming the

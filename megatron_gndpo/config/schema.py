@@ -118,6 +118,9 @@ class TeacherConfig:
     """Megatron dist-checkpoint directory of the teacher; null builds it randomly (tests)."""
     temperature: float = 1.0
     """Temperature of the teacher's distribution when scoring (1.0 as in the paper)."""
+    tokenizer: str | None = None
+    """The teacher's tokenizer when it ships its own; it must equal the student's (checked at
+    start-up). null means data.tokenizer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +134,8 @@ class RolloutConfig:
     samples_per_prompt: int = 16
     """Responses sampled per prompt."""
     max_prompt_length: int = 1024
-    """Prompts longer than this (in tokens) are an error, not silently truncated."""
+    """Prompts longer than this (in tokens, chat template included) are skipped and counted
+    (logged as prompts/skipped_too_long), never truncated."""
     max_response_length: int = 2048
     """Maximum number of generated tokens per response."""
     temperature: float = 1.0
@@ -224,6 +228,10 @@ class TrainerConfig:
     """Optimizer steps per rollout batch (1 is strictly on-policy, as the release)."""
     eval_interval: int = 0
     """Evaluate every this many steps; 0 disables evaluation."""
+    scoring_token_budget: int = 16384
+    """Tokens per forward-only micro-batch when the teacher and the student score a rollout."""
+    pack_sequences: bool = False
+    """Pack several rollouts into one row (block-diagonal attention) when scoring."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,9 +263,12 @@ class CheckpointConfig:
     """Saving and resuming (megatron-core dist-checkpointing)."""
 
     save: str | None = None
-    """Directory for checkpoints; null disables saving."""
+    """Directory for checkpoints; null means RUN_DIR/checkpoints."""
     load: str | None = None
-    """Checkpoint to resume from; null starts fresh (or resumes from save if it has one)."""
+    """Checkpoint to resume from; null resumes from the save directory when it holds one."""
+    init: str | None = None
+    """Model-only checkpoint (e.g. converted from Hugging Face) to initialise the student from
+    when not resuming; null builds it randomly (tests, the demo)."""
     save_interval: int = 0
     """Save every this many steps; 0 saves only at the end."""
     keep_last: int = 2

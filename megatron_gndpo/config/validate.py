@@ -160,17 +160,26 @@ def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
     for name in ("steps", "micro_batch_size", "optimizer_steps_per_rollout"):
         _positive(p, f"trainer.{name}", getattr(t, name))
     _positive(p, "trainer.eval_interval", t.eval_interval, strict=False)
+    _positive(p, "trainer.scoring_token_budget", t.scoring_token_budget)
     if p or world_size is None:
         return p
     try:
         dp = layout_of(cfg.parallel, world_size).dp
+        teacher_dp = layout_of(cfg.teacher.parallel, world_size).dp
     except ConfigError:
         return p  # reported with the layout problems
     batch = r.rollout_batch_size
-    if batch % dp:
+    if batch % teacher_dp:
         p.append(
-            f"the rollout batch (rollout.prompts_per_step x rollout.samples_per_prompt = {batch}) "
-            f"is not divisible by the student's data-parallel size {dp}; make it a multiple of {dp}"
+            f"the rollout batch ({batch}) is not divisible by the teacher's data-parallel size "
+            f"{teacher_dp} (each teacher replica scores an equal share); make it a multiple"
+        )
+    if r.prompts_per_step % dp:
+        # rows of one prompt stay on one rank (GRPO groups), so the prompts are what is split
+        p.append(
+            f"rollout.prompts_per_step ({r.prompts_per_step}) is not divisible by the student's "
+            f"data-parallel size {dp}: each rank samples for whole prompts; make it a multiple "
+            f"of {dp}"
         )
         return p
     per_rank = batch // dp
@@ -265,6 +274,11 @@ def check_environment(cfg: Config) -> None:
                 extra="te",
                 instead=f"set {section}.transformer_impl=local (and {section}.fp8=null)",
             )
+    if cfg.logging.tensorboard:
+        require_package(
+            "tensorboard", what="logging.tensorboard=true", extra="tensorboard",
+            instead="set logging.tensorboard=false",
+        )  # fmt: skip
     if cfg.rollout.engine == "vllm":
         require_package(
             "vllm", what="rollout.engine=vllm", extra="vllm", instead="set rollout.engine=builtin"

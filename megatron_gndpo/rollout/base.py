@@ -69,19 +69,42 @@ class Generator(Protocol):
     """What the trainer needs from a rollout engine."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int]
     ) -> Rollout:
-        """Sample ``params.samples_per_prompt`` responses for each prompt (token ids)."""
+        """Sample ``params.samples_per_prompt`` responses for each prompt (token ids).
+
+        ``seeds[i]`` seeds prompt i's samples alone, so a prompt's samples do not depend on
+        which rank samples it or on what else is in the batch.
+        """
         ...
 
 
+class RowStreams:
+    """One independent random stream per row: sample k of prompt i is seeded by (seeds[i], k)."""
+
+    def __init__(self, seeds: Sequence[int], samples_per_prompt: int) -> None:
+        self.generators = [
+            torch.Generator().manual_seed((seed * 1_000_003 + k) % (2**63))
+            for seed in seeds
+            for k in range(samples_per_prompt)
+        ]
+
+    def uniform(self) -> torch.Tensor:
+        """One draw in [0, 1) per row, ``[B]`` float64."""
+        return torch.stack(
+            [torch.rand((), generator=g, dtype=torch.float64) for g in self.generators]
+        )
+
+
 def sample_next(
-    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits_BV: torch.Tensor, params: SamplingParams, uniform_B: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sampling step: ``(token ids [B], their log-probs under the sampling distribution)``.
 
     Temperature, then top-k, then top-p (nucleus) truncation; greedy for temperature 0. The
-    log-prob is that of the distribution actually sampled from (what an engine reports).
+    token is drawn by inverting the cumulative distribution at ``uniform_B`` (one draw per row
+    from :class:`RowStreams`). The log-prob is that of the distribution actually sampled from
+    (what an engine reports).
     """
     logits = logits_BV.float()
     if params.temperature == 0:
@@ -99,5 +122,10 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     logprobs = logits.log_softmax(-1)
-    ids = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    cdf = logprobs.double().exp().cumsum(-1)
+    u = (uniform_B.double() * cdf[:, -1]).unsqueeze(-1)  # scale: the cdf may end at 1 - 1e-16
+    ids = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    # a zero-probability token is never chosen: step back to the last token with mass
+    ids = torch.where(torch.isinf(logprobs.gather(-1, ids[:, None]).squeeze(-1)),
+                      logprobs.argmax(-1), ids)  # fmt: skip
     return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)

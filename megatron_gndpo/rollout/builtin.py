@@ -8,7 +8,7 @@ sample. Each forward goes through megatron-core's forward-only schedule (so stag
 activations as in training) with megatron's ``StaticInferenceContext`` holding the KV cache;
 the last stage turns the last position's hidden state into full-vocabulary logits (``[B, V]``,
 small) and every stage receives them, so all ranks of a model replica sample the same tokens
-from the same seeded generator.
+from the same per-row random streams.
 
 Legend: B = rows, S = sequence positions, V = vocabulary.
 """
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.parallel.groups import ParallelGroups
-from megatron_gndpo.rollout.base import Rollout, SamplingParams, sample_next
+from megatron_gndpo.rollout.base import Rollout, RowStreams, SamplingParams, sample_next
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ class MegatronGenerator:
         self.max_sequence_length = max_sequence_length
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int]
     ) -> Rollout:
         from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -108,7 +108,9 @@ class MegatronGenerator:
         done = torch.zeros(batch, dtype=torch.bool)
         finished = torch.zeros(batch, dtype=torch.bool)
         stop_ids = torch.tensor(params.stop_token_ids or (-1,))
-        generator = torch.Generator().manual_seed(seed)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
+        streams = RowStreams(seeds, params.samples_per_prompt)
         context = StaticInferenceContext(batch, total)
 
         start, end = 0, int(prompt_len.min())
@@ -118,7 +120,7 @@ class MegatronGenerator:
             while end < total and not bool(done.all()):
                 logits_BV = self._forward_last(tokens[:, start:end], start, context)
                 context.sequence_len_offset += end - start
-                sampled, logp = sample_next(logits_BV, params, generator)
+                sampled, logp = sample_next(logits_BV, params, streams.uniform())
                 generating = (prompt_len <= end) & ~done
                 tokens[:, end] = torch.where(generating, sampled, tokens[:, end])
                 tokens[done, end] = self.pad_id

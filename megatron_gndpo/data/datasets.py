@@ -1,0 +1,209 @@
+"""Prompt sets: loading them (JSONL, Parquet, built-in) and encoding them with the chat template.
+
+A prompt set is a list of ``PromptExample``; ``index`` is its position in the list, which is what
+the sampler draws. Every malformed input is an error naming the file, the line or row, and the
+fix: a training run never starts on a silently shortened data set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_gndpo.data.tasks import arithmetic
+from megatron_gndpo.data.tokenizer import Tokenizer
+
+BUILTIN_PREFIX = "builtin:"
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptExample:
+    """One prompt and its reference answer (None when the data set has none)."""
+
+    prompt: str
+    answer: str | None
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt with its chat-templated token ids."""
+
+    example: PromptExample
+    ids: list[int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in prompt sets
+
+_ARITHMETIC_SEED = 0
+_ARITHMETIC_EVAL_SEED = 1
+_ARITHMETIC_SIZE = 256
+_ARITHMETIC_EVAL_SIZE = 64
+_ARITHMETIC_DIFFICULTY = 2
+
+
+def _arithmetic() -> list[tuple[str, str]]:
+    problems = arithmetic.generate(_ARITHMETIC_SIZE, _ARITHMETIC_SEED, _ARITHMETIC_DIFFICULTY)
+    return [(p.prompt, p.answer) for p in problems]
+
+
+def _arithmetic_eval() -> list[tuple[str, str]]:
+    """Held-out problems: drawn from another seed, with every training prompt removed."""
+    train = {prompt for prompt, _ in _arithmetic()}
+    # Four times the size leaves ample room after removing the (rare) collisions.
+    candidates = arithmetic.generate(
+        4 * _ARITHMETIC_EVAL_SIZE, _ARITHMETIC_EVAL_SEED, _ARITHMETIC_DIFFICULTY
+    )
+    held_out = [(p.prompt, p.answer) for p in candidates if p.prompt not in train]
+    return held_out[:_ARITHMETIC_EVAL_SIZE]
+
+
+BUILTIN_DATASETS: dict[str, Callable[[], list[tuple[str, str]]]] = {
+    "arithmetic": _arithmetic,
+    "arithmetic_eval": _arithmetic_eval,
+}
+"""Built-in prompt sets by name (``builtin:NAME``): each returns ``(prompt, answer)`` pairs."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_prompts(
+    spec: str, *, prompt_key: str = "prompt", answer_key: str = "answer"
+) -> list[PromptExample]:
+    """The prompts named by ``spec``: a ``.jsonl`` file, a ``.parquet`` file or ``builtin:NAME``.
+
+    Each JSONL line (blank lines aside) and each Parquet row is one record; ``prompt_key`` names
+    its prompt (a non-empty string), ``answer_key`` its reference answer (optional; numbers are
+    turned into text).
+    """
+    if spec.startswith(BUILTIN_PREFIX):
+        return _load_builtin(spec[len(BUILTIN_PREFIX) :])
+    path = Path(spec)
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise ValueError(
+            f"cannot read prompts from {spec!r}: use a .jsonl file (one JSON object per line), "
+            f"a .parquet file, or builtin:NAME with NAME in {sorted(BUILTIN_DATASETS)}"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"prompt file {path} does not exist; fix data.train / data.eval, or use "
+            "builtin:arithmetic for the built-in task"
+        )
+    records = _jsonl_records(path) if path.suffix == ".jsonl" else _parquet_records(path)
+    examples = [
+        _example(record, where, prompt_key=prompt_key, answer_key=answer_key, index=index)
+        for index, (where, record) in enumerate(records)
+    ]
+    if not examples:
+        raise ValueError(f"prompt file {path} contains no records; it needs at least one prompt")
+    return examples
+
+
+def _load_builtin(name: str) -> list[PromptExample]:
+    if name not in BUILTIN_DATASETS:
+        raise ValueError(
+            f"unknown built-in prompt set 'builtin:{name}'; available: "
+            + ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_DATASETS))
+        )
+    pairs = BUILTIN_DATASETS[name]()
+    return [PromptExample(prompt=p, answer=a, index=i) for i, (p, a) in enumerate(pairs)]
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """``(location, record)`` for each non-blank line; location is ``"FILE:LINE"``."""
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
+                    "prompt file must be one JSON object"
+                ) from None
+            if not isinstance(record, dict):
+                raise ValueError(
+                    f"{where}: expected a JSON object, got {type(record).__name__}; each line of "
+                    "a .jsonl prompt file must be one JSON object"
+                )
+            yield where, record
+
+
+def _parquet_records(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    """``(location, record)`` for each row; location is ``"FILE row N"`` (0-based)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"cannot read {path}: install pyarrow to read Parquet (pip install pyarrow), or "
+            "convert the prompts to .jsonl"
+        ) from None
+    rows = pq.read_table(path).to_pylist()
+    return ((f"{path} row {i}", row) for i, row in enumerate(rows))
+
+
+def _example(
+    record: Mapping[str, Any], where: str, *, prompt_key: str, answer_key: str, index: int
+) -> PromptExample:
+    if prompt_key not in record:
+        raise ValueError(
+            f"{where}: no {prompt_key!r} field; the record has {sorted(record)}. Set "
+            "data.prompt_key to the field that holds the prompt"
+        )
+    prompt = record[prompt_key]
+    if not isinstance(prompt, str):
+        raise ValueError(
+            f"{where}: field {prompt_key!r} is a {type(prompt).__name__}, not a string; the "
+            "prompt must be text (chat-message lists are not supported yet)"
+        )
+    if not prompt.strip():
+        raise ValueError(f"{where}: the prompt ({prompt_key!r}) is empty; remove the record")
+    return PromptExample(prompt=prompt, answer=_answer(record.get(answer_key)), index=index)
+
+
+def _answer(value: Any) -> str | None:
+    """The reference answer as text: numbers keep their JSON spelling, absent/null is None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode_prompts(
+    examples: Sequence[PromptExample], tokenizer: Tokenizer, *, max_prompt_length: int
+) -> tuple[list[EncodedPrompt], int]:
+    """Chat-templated ids of each prompt; returns ``(encoded, number_skipped)``.
+
+    Prompts whose templated length exceeds ``max_prompt_length`` tokens are skipped (never
+    truncated: a cut prompt asks a different question) and counted, so the caller can report
+    them. Skipping every prompt is an error naming the shortest one's length.
+    """
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    encoded: list[EncodedPrompt] = []
+    shortest = None
+    for example in examples:
+        ids = tokenizer.apply_chat_template(example.prompt)
+        shortest = len(ids) if shortest is None else min(shortest, len(ids))
+        if len(ids) <= max_prompt_length:
+            encoded.append(EncodedPrompt(example=example, ids=ids))
+    skipped = len(examples) - len(encoded)
+    if examples and not encoded:
+        raise ValueError(
+            f"all {len(examples)} prompts are longer than max_prompt_length={max_prompt_length} "
+            f"tokens (the shortest has {shortest}); raise rollout.max_prompt_length"
+        )
+    return encoded, skipped

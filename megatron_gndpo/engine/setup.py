@@ -1,0 +1,182 @@
+"""Build everything a training run needs from a validated :class:`Config`, once.
+
+Order matters for collectives: every rank builds the student's groups, then the teacher's, then
+the models, in the same order. Start-up refuses a teacher whose tokenizer differs from the
+student's, and a vocabulary that one of the models cannot score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.checkpoint.dist import load_checkpoint
+from megatron_gndpo.config import Config, ConfigError, layout_of, to_dict
+from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
+from megatron_gndpo.data.datasets import EncodedPrompt
+from megatron_gndpo.data.tokenizer import Tokenizer
+from megatron_gndpo.engine.optimizer import build_optimizer, wrap_ddp
+from megatron_gndpo.engine.teacher import TeacherScorer
+from megatron_gndpo.logging import MetricsLogger, StageTimer, build_logger
+from megatron_gndpo.models.gpt import build_gpt, build_teacher
+from megatron_gndpo.models.logprob_head import TokenLogProbs
+from megatron_gndpo.parallel.groups import ParallelGroups, build_groups, build_student_groups
+from megatron_gndpo.rollout.builtin import MegatronGenerator
+
+
+@dataclasses.dataclass
+class Components:
+    """What :class:`~megatron_gndpo.trainer.Trainer` works with."""
+
+    cfg: Config
+    student_groups: ParallelGroups
+    teacher_groups: ParallelGroups
+    tokenizer: Tokenizer
+    vocab_size: int
+    student: Any  # the GPTModel shard
+    ddp: Any  # megatron DDP around it
+    optimizer: Any
+    scheduler: Any
+    head: TokenLogProbs
+    teacher: TeacherScorer
+    generator: MegatronGenerator
+    prompts: list[EncodedPrompt]
+    eval_prompts: list[EncodedPrompt]
+    skipped_prompts: int
+    sampler: PromptSampler
+    logger: MetricsLogger
+    timer: StageTimer
+    save_dir: Path
+
+
+def scoring_vocab(cfg: Config, tokenizer: Tokenizer) -> int:
+    """The ids both models' distributions are restricted to; checked against both models."""
+    vocab = cfg.data.vocab_size if cfg.data.vocab_size is not None else tokenizer.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(
+            f"the tokenizer produces {tokenizer.vocab_size} ids but data.vocab_size is {vocab}; "
+            "raise data.vocab_size or leave it null"
+        )
+    for name, model in (("model", cfg.model), ("teacher.model", cfg.teacher.model)):
+        if model.vocab_size < vocab:
+            raise ConfigError(
+                f"{name}.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
+                f"vocabulary ({vocab}): it cannot score every token id; use a model built for "
+                "this tokenizer"
+            )
+    return vocab
+
+
+def check_same_tokenizer(student: Tokenizer, teacher: Tokenizer, cfg: Config) -> None:
+    if student.fingerprint() != teacher.fingerprint():
+        raise ConfigError(
+            f"the teacher's tokenizer ({cfg.teacher.tokenizer}) differs from the student's "
+            f"({cfg.data.tokenizer or 'builtin:char'}): the teacher scores the student's token "
+            "ids, so both must share one vocabulary; pick a teacher of the student's family"
+        )
+
+
+def _scheduler(optimizer: Any, cfg: Config) -> Any:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, steps = cfg.optimizer, cfg.trainer.steps * cfg.trainer.optimizer_steps_per_rollout
+    warmup = o.warmup_steps * cfg.trainer.optimizer_steps_per_rollout
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr if o.lr_schedule != "constant" else o.lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(steps, warmup + 1),
+        lr_decay_style=o.lr_schedule,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(steps, 1),
+        wd_incr_style="constant",
+    )
+
+
+def build_components(cfg: Config) -> Components:
+    """Groups, tokenizer, data, student (+ DDP, optimizer), teacher, generator, logging."""
+    world = dist.get_world_size()
+    student_groups = build_student_groups(layout_of(cfg.parallel, world), seed=cfg.trainer.seed)
+    teacher_groups = build_groups(layout_of(cfg.teacher.parallel, world), name="teacher")
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if cfg.teacher.tokenizer is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.tokenizer), cfg)
+    vocab = scoring_vocab(cfg, tokenizer)
+
+    student = build_gpt(cfg.model, cfg.parallel, student_groups)
+    if cfg.checkpoint.init is not None:
+        load_checkpoint(cfg.checkpoint.init, student)
+    ddp = wrap_ddp(student, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+    optimizer = build_optimizer(ddp, cfg.optimizer)
+    teacher_model = build_teacher(cfg.teacher.model, cfg.teacher.parallel, teacher_groups)
+    if cfg.teacher.load is not None:
+        load_checkpoint(cfg.teacher.load, teacher_model)
+
+    head = TokenLogProbs(vocab_size=vocab)
+    teacher_head = TokenLogProbs(vocab_size=vocab, temperature=cfg.teacher.temperature)
+    t = cfg.trainer
+    examples = load_prompts(
+        cfg.data.train, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key
+    )
+    prompts, skipped = encode_prompts(
+        examples, tokenizer, max_prompt_length=cfg.rollout.max_prompt_length
+    )
+    eval_prompts: list[EncodedPrompt] = []
+    if cfg.data.eval is not None:
+        eval_examples = load_prompts(
+            cfg.data.eval, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key
+        )
+        eval_prompts, _ = encode_prompts(
+            eval_examples, tokenizer, max_prompt_length=cfg.rollout.max_prompt_length
+        )
+    logs_here = dist.get_rank() == 0
+    return Components(
+        cfg=cfg,
+        student_groups=student_groups,
+        teacher_groups=teacher_groups,
+        tokenizer=tokenizer,
+        vocab_size=vocab,
+        student=student,
+        ddp=ddp,
+        optimizer=optimizer,
+        scheduler=_scheduler(optimizer, cfg),
+        head=head,
+        teacher=TeacherScorer(
+            teacher_model,
+            teacher_groups,
+            student_groups,
+            head=teacher_head,
+            token_budget=t.scoring_token_budget,
+            pack=t.pack_sequences,
+        ),
+        generator=MegatronGenerator(
+            student,
+            student_groups,
+            vocab_size=vocab,
+            pad_id=tokenizer.pad_id,
+            max_sequence_length=cfg.model.max_position_embeddings,
+        ),
+        prompts=prompts,
+        eval_prompts=eval_prompts,
+        skipped_prompts=skipped,
+        sampler=PromptSampler(
+            len(prompts),
+            prompts_per_step=cfg.rollout.prompts_per_step,
+            dp_rank=student_groups.coords["dp"],
+            dp_size=student_groups.layout.dp,
+            seed=t.seed,
+            shuffle=cfg.data.shuffle,
+        ),
+        logger=build_logger(cfg.logging, enabled=logs_here, config_dict=to_dict(cfg)),
+        # CUDA runs asynchronously: stage times are only true after a synchronise
+        timer=StageTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None),
+        save_dir=Path(cfg.checkpoint.save or Path(cfg.logging.run_dir) / "checkpoints"),
+    )

@@ -1,0 +1,77 @@
+"""Teacher scoring on the teacher's own layout, for the student's rows.
+
+The student's data-parallel ranks each hold their own rollout rows; the teacher's replicas
+(a different TP/PP, hence a different data-parallel size) each score an equal share of the whole
+step batch. Token ids are small, so the exchange is two all-gathers of ids and one of
+log-probs:
+
+1. every rank gathers the step batch over the student's data-parallel group (in student-DP order);
+2. teacher replica ``d`` scores rows ``[d·N/dp_t, (d+1)·N/dp_t)`` with its forward-only schedule;
+   its last stage shares the result with the other stages of its pipeline;
+3. the teacher's data-parallel group gathers the shares, and each rank keeps its student rows.
+
+Legend: n = rows of this student rank, N = rows of the step, S = padded positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
+from megatron_gndpo.models.logprob_head import TokenLogProbs
+from megatron_gndpo.parallel.groups import ParallelGroups
+
+
+def _all_gather_rows(x_nS: torch.Tensor, group: Any) -> torch.Tensor:
+    """Concatenate equal-shaped ``[n, ...]`` tensors of every member of ``group`` (rank order)."""
+    parts = [torch.empty_like(x_nS) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x_nS.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+class TeacherScorer:
+    """Scores the student's rows with the frozen teacher on the teacher's own groups."""
+
+    def __init__(
+        self,
+        model: Any,
+        groups: ParallelGroups,
+        student_groups: ParallelGroups,
+        *,
+        head: TokenLogProbs,
+        token_budget: int,
+        pack: bool,
+    ) -> None:
+        self.model = model
+        self.groups = groups
+        self.student_groups = student_groups
+        self.head = head
+        self.token_budget = token_budget
+        self.pack = pack
+
+    def score(self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor) -> torch.Tensor:
+        """Teacher log-probs ``[n, S]`` (scoring convention) of this rank's rows."""
+        width = torch.tensor([tokens_nS.shape[1]])
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)  # one padded width for the whole world
+        padded = torch.zeros(tokens_nS.shape[0], int(width), dtype=tokens_nS.dtype)
+        padded[:, : tokens_nS.shape[1]] = tokens_nS
+        all_tokens = _all_gather_rows(padded, self.student_groups.dp)
+        all_lengths = _all_gather_rows(lengths_n, self.student_groups.dp)
+
+        teacher_dp = self.groups.layout.dp
+        share = all_tokens.shape[0] // teacher_dp
+        d = self.groups.coords["dp"]
+        rows = slice(d * share, (d + 1) * share)
+        mine = score_tokens(
+            self.model, self.groups, all_tokens[rows], all_lengths[rows],
+            head=self.head, token_budget=self.token_budget, pack=self.pack,
+        )  # fmt: skip
+        mine = broadcast_from_last_stage(mine, (share, int(width)), self.groups)
+        everything = _all_gather_rows(mine, self.groups.dp)
+
+        n = tokens_nS.shape[0]
+        s = self.student_groups.coords["dp"]
+        return everything[s * n : (s + 1) * n, : tokens_nS.shape[1]]

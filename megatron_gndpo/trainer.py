@@ -1,0 +1,238 @@
+"""The GNDPO training loop: ``Trainer.step()`` is the data flow of docs/DESIGN.md, a call a stage.
+
+    prompts -> rollout -> teacher log-probs -> student old log-probs -> advantages
+            -> clipped update -> weight sync -> checkpoint
+
+Every rank runs the same step; collectives inside each stage use the groups of the model that
+stage runs on. All randomness of a step derives from (seed, step, data-parallel rank), so a run
+resumed from a checkpoint continues exactly as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.algorithms.metrics import advantage_metrics, score_metrics
+from megatron_gndpo.checkpoint.dist import latest_step, load_checkpoint, save_checkpoint
+from megatron_gndpo.config import Config
+from megatron_gndpo.engine.advantages import compute_advantages
+from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
+from megatron_gndpo.engine.setup import Components, build_components
+from megatron_gndpo.engine.update import UpdateBatch, run_update
+from megatron_gndpo.rewards.verifiable import reward
+from megatron_gndpo.rollout.base import Rollout, SamplingParams
+
+# Keys computed on the student's last pipeline stage and shared with the logging rank.
+_LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac")
+
+
+class Trainer:
+    """On-policy distillation of the student towards the frozen teacher."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.c: Components = build_components(cfg)
+        self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
+        self.step_count = 0
+        self._resume()
+
+    # ----------------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        """One rollout batch: sample, score, estimate advantages, update, sync, checkpoint."""
+        c, timer = self.c, self.c.timer
+        started = time.perf_counter()
+        with timer.time("rollout"):
+            prompts = self._next_prompts()
+            rollout = self._rollout(prompts)
+        with timer.time("teacher_logprobs"):
+            teacher_lp = c.teacher.score(rollout.tokens, rollout.lengths)
+        with timer.time("old_logprobs"):
+            old_lp = self._student_logprobs(rollout)
+        with timer.time("advantages"):
+            rewards = self._rewards(rollout, prompts)
+            advantages, metrics = self._advantages(rollout, teacher_lp, old_lp, rewards)
+        with timer.time("update"):
+            metrics |= self._update(rollout, old_lp, advantages, teacher_lp)
+        with timer.time("weight_sync"):
+            pass  # the built-in generator samples from the trained weights themselves
+        self.step_count += 1
+        with timer.time("checkpoint"):
+            self._maybe_save()
+        metrics |= self._rollout_metrics(rollout, old_lp, rewards)
+        metrics |= timer.pop()
+        metrics["time/step"] = time.perf_counter() - started
+        metrics["tokens/s"] = metrics["tokens/step"] / metrics["time/step"]
+        return metrics
+
+    def train(self) -> list[dict[str, float]]:
+        """Steps until ``trainer.steps``, with logging, evaluation and a final checkpoint."""
+        history = []
+        while self.step_count < self.cfg.trainer.steps:
+            metrics = self.step()
+            interval = self.cfg.trainer.eval_interval
+            if interval and self.c.eval_prompts and self.step_count % interval == 0:
+                metrics |= self.evaluate()
+            self.c.logger.log(self.step_count, metrics)
+            history.append(metrics)
+        interval = self.cfg.checkpoint.save_interval
+        if not (interval and self.step_count % interval == 0):  # not saved by the last step
+            self._save()
+        self.c.logger.close()
+        return history
+
+    # ----------------------------------------------------------------------------------------
+    def _next_prompts(self) -> list[Any]:
+        return [self.c.prompts[i] for i in self.c.sampler.next_step()]
+
+    def _rollout(self, prompts: list[Any], params: SamplingParams | None = None) -> Rollout:
+        # One seed per prompt from (seed, step, position in the global step batch): the samples
+        # do not depend on the data-parallel size or on which rank draws them.
+        first = self.c.student_groups.coords["dp"] * len(prompts)
+        base = (self.cfg.trainer.seed * 1_000_003 + self.step_count) * 10_007 + first
+        seeds = [base + j for j in range(len(prompts))]
+        return self.c.generator.generate(
+            [p.ids for p in prompts], params or self.params, seeds=seeds
+        )
+
+    def _student_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        c = self.c
+        lp = score_tokens(
+            c.student, c.student_groups, rollout.tokens, rollout.lengths, head=c.head,
+            token_budget=self.cfg.trainer.scoring_token_budget,
+            pack=self.cfg.trainer.pack_sequences,
+        )  # fmt: skip
+        return broadcast_from_last_stage(lp, rollout.tokens.shape, c.student_groups)
+
+    def _rewards(self, rollout: Rollout, prompts: list[Any]) -> torch.Tensor | None:
+        answers = [prompts[int(i)].example.answer for i in rollout.prompt_index]
+        if any(a is None for a in answers):
+            return None
+        texts = [
+            self.c.tokenizer.decode(rollout.tokens[i, rollout.prompt_lengths[i] : n].tolist())
+            for i, n in enumerate(rollout.lengths.tolist())
+        ]
+        return torch.tensor([reward(t, a) for t, a in zip(texts, answers, strict=True)])
+
+    def _advantages(
+        self, rollout: Rollout, teacher_lp: torch.Tensor, old_lp: torch.Tensor,
+        rewards: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        mask = rollout.response_mask
+        group = self.c.student_groups.dp_cp
+        a = self.cfg.algorithm
+        metrics = score_metrics(teacher_lp, old_lp, mask.float(), kl_clip=a.kl_clip, group=group)
+        advantages = compute_advantages(
+            a, teacher_logprobs=teacher_lp, old_logprobs=old_lp, response_mask=mask,
+            rewards=rewards, group_size=self.params.samples_per_prompt, group=group,
+        )  # fmt: skip
+        return advantages, metrics | advantage_metrics(advantages, mask.float(), group=group)
+
+    def _update(
+        self, rollout: Rollout, old_lp: torch.Tensor, advantages: torch.Tensor,
+        teacher_lp: torch.Tensor,
+    ) -> dict[str, float]:  # fmt: skip
+        c, t = self.c, self.cfg.trainer
+        mask = rollout.response_mask
+        bad = torch.tensor([float(not torch.isfinite(teacher_lp[mask]).all())])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips together
+        if bad.item():
+            return {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
+        steps = run_update(
+            c.ddp, c.optimizer, c.scheduler,
+            UpdateBatch(rollout.tokens, old_lp, advantages, mask),
+            head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
+            optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,
+        )  # fmt: skip
+        last = steps[-1] | self._from_last_stage(steps[-1])
+        last["skipped"] = sum(s["skipped"] for s in steps)
+        return last
+
+    def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The last stage's loss statistics on every stage (the logging rank is on the first)."""
+        groups = self.c.student_groups
+        values = torch.tensor(
+            [metrics.get(k, math.nan) for k in _LAST_STAGE_KEYS], dtype=torch.float64
+        )
+        if groups.layout.pp > 1:
+            last = dist.get_process_group_ranks(groups.pp)[-1]
+            dist.broadcast(values, src=last, group=groups.pp)
+        return dict(zip(_LAST_STAGE_KEYS, values.tolist(), strict=True))
+
+    def _rollout_metrics(
+        self, rollout: Rollout, old_lp: torch.Tensor, rewards: torch.Tensor | None
+    ) -> dict[str, float]:
+        group = self.c.student_groups.dp_cp
+        lengths = rollout.response_lengths.double()
+        mask = rollout.response_mask
+        gap = (old_lp - rollout.sampler_logprobs).abs()[mask].double()
+        reward_sum = rewards.double().sum() if rewards is not None else torch.tensor(0.0)
+        stats = torch.tensor(
+            [len(lengths), float(lengths.sum()), float(gap.sum()), gap.numel(),
+             float(reward_sum), float(rollout.finished.sum())],
+            dtype=torch.float64,
+        )  # fmt: skip
+        dist.all_reduce(stats, group=group)
+        longest = lengths.max().reshape(1)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+        rows, total, gap_sum, tokens, reward_sum, finished = stats.tolist()
+        out = {
+            "response_length/mean": total / rows,
+            "response_length/max": float(longest),
+            "sampler_gap/mean_abs": gap_sum / max(tokens, 1.0),
+            "finished/frac": finished / rows,
+            "tokens/step": total,  # generated tokens of the whole step (all DP ranks)
+            "prompts/skipped_too_long": float(self.c.skipped_prompts),
+        }
+        if rewards is not None:
+            out["reward/mean"] = reward_sum / rows
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out prompts (sharded over data-parallel ranks)."""
+        groups = self.c.student_groups
+        mine = self.c.eval_prompts[groups.coords["dp"] :: groups.layout.dp]
+        greedy = SamplingParams(
+            max_new_tokens=self.cfg.rollout.max_response_length, temperature=0.0,
+            stop_token_ids=self.params.stop_token_ids,
+        )  # fmt: skip
+        correct = torch.zeros(2, dtype=torch.float64)
+        if mine:
+            rollout = self._rollout(mine, greedy)
+            rewards = self._rewards(rollout, mine)
+            if rewards is not None:
+                correct += torch.tensor([float(rewards.sum()), float(len(rewards))])
+        dist.all_reduce(correct, group=groups.dp_cp)
+        return {"eval/accuracy": float(correct[0] / correct[1].clamp(min=1.0))}
+
+    # ----------------------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        return {"sampler": self.c.sampler.state_dict(), "scheduler": self.c.scheduler.state_dict()}
+
+    def _maybe_save(self) -> None:
+        interval = self.cfg.checkpoint.save_interval
+        if interval and self.step_count % interval == 0:
+            self._save()
+
+    def _save(self) -> None:
+        save_checkpoint(
+            self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
+            extra=self._extra_state(), keep_last=self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
+
+    def _resume(self) -> None:
+        """Continue from checkpoint.load, or from the newest checkpoint in the save directory."""
+        source = self.cfg.checkpoint.load
+        if source is None and latest_step(self.c.save_dir) is not None:
+            source = str(self.c.save_dir)
+        if source is None:
+            return
+        meta = load_checkpoint(source, self.c.ddp, optimizer=self.c.optimizer)
+        self.step_count = int(meta["step"])
+        self.c.sampler.load_state_dict(meta["extra"]["sampler"])
+        self.c.scheduler.load_state_dict(meta["extra"]["scheduler"])
+        self.c.logger.truncate_after(self.step_count)
