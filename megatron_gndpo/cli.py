@@ -75,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p_train, world_default=None)
 
+    p_convert = sub.add_parser(
+        "convert",
+        help="convert checkpoints: hf-to-mcore (under torchrun) or mcore-to-hf",
+        description="hf-to-mcore: Hugging Face directory -> megatron dist-checkpoint at a chosen "
+        "TP/PP (launch TP*PP processes). mcore-to-hf: megatron checkpoint saved at any TP/PP -> "
+        "Hugging Face safetensors + config + tokenizer. `convert DIRECTION --help` for options.",
+    )
+    p_convert.add_argument("direction", choices=("hf-to-mcore", "mcore-to-hf"))
+    p_convert.add_argument("rest", nargs=argparse.REMAINDER, help="options of the direction")
+
     p_cfg = sub.add_parser(
         "config",
         help="show, validate or document the configuration",
@@ -109,6 +119,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 TINY_CPU = Path(__file__).parent / "configs" / "tiny_cpu.yaml"
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from megatron_gndpo.checkpoint import convert_cli
+
+    if args.direction == "hf-to-mcore":
+        convert_cli.hf_to_mcore_main(args.rest)
+    else:
+        convert_cli.mcore_to_hf_main(args.rest)
+    return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -150,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # argparse fills a positional list only once: overrides after an option (`config validate
     # -n 8 a.b=1`, `plan a.b=1 -n 8 c.d=2`) come back unparsed. They are overrides all the same.
     args, extra = parser.parse_known_args(argv)
+    if args.command == "convert":  # its options belong to the conversion's own parser
+        args.rest = [*args.rest, *extra]
+        return _cmd_convert(args)
     unknown = [arg for arg in extra if arg.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.algorithms.metrics import advantage_metrics, score_metrics
+from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
 from megatron_gndpo.checkpoint.dist import latest_step, load_checkpoint, save_checkpoint
-from megatron_gndpo.config import Config
+from megatron_gndpo.config import Config, to_yaml
 from megatron_gndpo.engine.advantages import compute_advantages
 from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
 from megatron_gndpo.engine.setup import Components, build_components
@@ -39,6 +40,7 @@ class Trainer:
         self.c: Components = build_components(cfg)
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
+        self._describe_checkpoints()
         self._resume()
 
     # ----------------------------------------------------------------------------------------
@@ -223,6 +225,12 @@ class Trainer:
             self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
             extra=self._extra_state(), keep_last=self.cfg.checkpoint.keep_last,
         )  # fmt: skip
+
+    def _describe_checkpoints(self) -> None:
+        """The architecture beside the checkpoints, so ``convert mcore-to-hf`` needs no flags."""
+        if dist.get_rank() == 0:
+            self.c.save_dir.mkdir(parents=True, exist_ok=True)
+            (self.c.save_dir / MODEL_CONFIG_FILE).write_text(to_yaml(self.cfg.model))
 
     def _resume(self) -> None:
         """Continue from checkpoint.load, or from the newest checkpoint in the save directory."""

@@ -74,6 +74,11 @@ def _barrier() -> None:
 def _model_state(model: Any) -> dict[str, Any]:
     # DDP's sharded_state_dict keys carry a "module." prefix that load rejects: use the inner model.
     inner = getattr(model, "module", model)
+    # Replica ids come from megatron's global data-parallel group unless the model's own is
+    # given: the teacher's layout (another DP size) needs its own.
+    pgs = getattr(inner, "pg_collection", None)
+    if pgs is not None and hasattr(pgs, "dp_cp"):
+        return inner.sharded_state_dict(metadata={"dp_cp_group": pgs.dp_cp})
     return inner.sharded_state_dict()
 
 

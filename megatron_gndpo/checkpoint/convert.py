@@ -1,0 +1,387 @@
+"""Convert Hugging Face checkpoints to the project's megatron dist-checkpoints and back.
+
+- :func:`convert_hf_to_mcore` runs on every rank of a job laid out as the target TP/PP: each
+  rank builds its own shard, reads only the HF tensors it needs (``safetensors.safe_open``,
+  single-file or sharded with ``model.safetensors.index.json``), slices them and the job saves
+  one model-only checkpoint at step 0. Beside it: ``model_config.yaml`` (the
+  :class:`ModelConfig`), ``hf_config.json`` (the source ``config.json``, for token ids on
+  export) and the tokenizer files.
+- :func:`convert_mcore_to_hf` builds a TP=1/PP=1 model, loads a checkpoint saved at any TP/PP
+  (dist-checkpointing reshards), maps it back and writes ``model.safetensors`` (sharded past
+  ``max_shard_bytes``), ``config.json`` and the tokenizer files; the result loads with
+  ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+The parameter names and layouts live in :mod:`megatron_gndpo.checkpoint.hf_mapping`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.checkpoint import hf_mapping
+from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
+from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
+from megatron_gndpo.parallel.groups import ParallelGroups
+
+MODEL_CONFIG_FILE = "model_config.yaml"
+HF_CONFIG_FILE = "hf_config.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+_SAFETENSORS = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Largest output file before the safetensors are split (transformers' default is 5 GB too).
+_MAX_SHARD_BYTES = 5 * 1024**3
+# Token ids carried from the source config.json into the exported one.
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no config.json in {hf_dir}: point --hf-dir at a Hugging Face model directory "
+            "(the one save_pretrained / huggingface-cli download wrote)"
+        )
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return config
+
+
+class HFCheckpoint:
+    """Lazy access to the tensors of a Hugging Face safetensors checkpoint (one file or sharded).
+
+    Only the files holding requested tensors are opened; tensors are read one at a time.
+    """
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        self.dir = Path(hf_dir)
+        index, single = self.dir / _INDEX, self.dir / _SAFETENSORS
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files: dict[str, str] = {str(k): str(v) for k, v in weight_map.items()}
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), _SAFETENSORS)
+        else:
+            found = sorted(p.name for p in self.dir.glob("*.bin"))
+            hint = (
+                f" (found {found}: re-save the model with save_pretrained(..., "
+                "safe_serialization=True))"
+                if found
+                else ""
+            )
+            raise FileNotFoundError(f"no {_SAFETENSORS} or {_INDEX} in {self.dir}{hint}")
+        self._stack = ExitStack()
+        self._open: dict[str, Any] = {}
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise ValueError(
+                f"tensor {name!r} is missing from the Hugging Face checkpoint in {self.dir}"
+            )
+        file = self.files[name]
+        if file not in self._open:
+            from safetensors import safe_open
+
+            path = self.dir / file
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} (named in {_INDEX} for {name!r}) is missing")
+            self._open[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        tensor: torch.Tensor = self._open[file].get_tensor(name)
+        return tensor
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    if model.query_groups % tp or model.num_attention_heads % tp:
+        raise ValueError(
+            f"TP={tp} must divide the attention heads ({model.num_attention_heads}) and KV heads "
+            f"({model.query_groups}); choose a tensor-parallel size that divides both"
+        )
+    if model.num_layers % pp:
+        raise ValueError(
+            f"PP={pp} does not divide the {model.num_layers} layers; choose a pipeline size "
+            "that divides the layer count"
+        )
+
+
+def _global_names(net: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, full-model name, parameter) for this rank's parameters.
+
+    A pipeline stage numbers its layers from 0; ``layer_number`` (1-based) is global.
+    """
+    layers = getattr(getattr(net, "decoder", None), "layers", [])
+    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+    for name, param in net.named_parameters():
+        full = name
+        if name.startswith("decoder.layers."):
+            local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            full = f"decoder.layers.{offsets[local]}.{rest}"
+        yield name, full, param
+
+
+def fill_from_hf(
+    net: torch.nn.Module,
+    hf: HFCheckpoint,
+    model: ModelConfig,
+    *,
+    tp: int,
+    tp_rank: int,
+) -> None:
+    """Copy every parameter of this rank's shard ``net`` from the HF checkpoint."""
+    padded = model.padded_vocab_size(tp)
+    with torch.no_grad():
+        for local, full_name, param in _global_names(net):
+            mapping = hf_mapping.mapping_for(full_name, model)
+            tensors = [hf.get(n) for n in mapping.hf]
+            full = mapping.to_megatron(tensors, model, padded_vocab=padded)
+            shard = hf_mapping.shard_for_rank(
+                local, full, param, tp=tp, tp_rank=tp_rank, swiglu=model.swiglu
+            )
+            param.copy_(shard)
+            del tensors, full, shard  # one parameter's full tensor at a time
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer / generation files present in ``src`` to ``dst``; return their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+def convert_hf_to_mcore(
+    hf_dir: str | Path,
+    out_root: str | Path,
+    *,
+    groups: ParallelGroups,
+    parallel: ParallelConfig,
+) -> ModelConfig:
+    """Convert a Hugging Face model directory to a model-only dist-checkpoint at step 0.
+
+    Call on every rank of a job laid out as ``parallel`` (``groups`` from
+    ``build_student_groups`` or ``build_groups``). Returns the model's :class:`ModelConfig`,
+    also written to ``out_root/model_config.yaml``.
+    """
+    from megatron_gndpo.config.loader import to_yaml
+    from megatron_gndpo.models.gpt import build_gpt
+
+    hf_config = read_hf_config(hf_dir)
+    model = hf_mapping.model_config_from_hf(hf_config)
+    _check_layout(model, parallel)
+    with HFCheckpoint(hf_dir) as hf:
+        hf_mapping.check_hf_names(hf.names, model, where=str(hf_dir))
+        net = build_gpt(model, parallel, groups)
+        fill_from_hf(net, hf, model, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"])
+    out_root = Path(out_root)
+    if _rank() == 0:
+        out_root.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    save_checkpoint(out_root, 0, net)
+    if _rank() == 0:
+        (out_root / MODEL_CONFIG_FILE).write_text(to_yaml(model))
+        (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
+        copy_tokenizer_files(hf_dir, out_root)
+    _barrier()
+    return model
+
+
+def read_model_config(mcore_root: str | Path) -> ModelConfig:
+    """The ``model_config.yaml`` written beside a converted checkpoint."""
+    from megatron_gndpo.config.loader import build, read_yaml
+
+    path = Path(mcore_root) / MODEL_CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {MODEL_CONFIG_FILE} in {mcore_root}: pass the ModelConfig the checkpoint was "
+            "trained with (the model section of the run's config.yaml)"
+        )
+    return build(ModelConfig, read_yaml(path), prefix="model.")
+
+
+def _source_hf_config(base: Path, tokenizer_dir: Path | None) -> dict[str, Any] | None:
+    """The source model's config.json: saved beside the checkpoint, or in the tokenizer dir."""
+    candidates = [base / HF_CONFIG_FILE]
+    if tokenizer_dir is not None:
+        candidates.append(tokenizer_dir / "config.json")
+    for candidate in candidates:
+        if candidate.is_file():
+            data = json.loads(candidate.read_text())
+            return data if isinstance(data, dict) else None
+    return None
+
+
+def _export_groups() -> tuple[ParallelGroups, bool]:
+    """TP=1/PP=1 groups over the current world; True when megatron's global state was created."""
+    from megatron.core import parallel_state
+
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
+
+    world = dist.get_world_size()
+    layout = ParallelLayout(world)
+    if not parallel_state.model_parallel_is_initialized():
+        return build_student_groups(layout), True
+    return build_groups(layout, name="export"), False
+
+
+def _write_safetensors(
+    tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int
+) -> list[str]:
+    """Write shards of at most ``max_shard_bytes`` (plus an index when there are several)."""
+    from safetensors.torch import save_file
+
+    # A previous export's files would mix with these (transformers reads the index first).
+    for stale in [*out_dir.glob("model*.safetensors"), out_dir / _INDEX]:
+        stale.unlink(missing_ok=True)
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def flush() -> None:
+        name = f"part-{len(files):05d}.safetensors"
+        save_file(shards[-1], str(out_dir / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update(dict.fromkeys(shards[-1], name))
+        shards[-1] = {}  # drop the written tensors
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(files) == 1:
+        (out_dir / files[0]).rename(out_dir / _SAFETENSORS)
+        return [_SAFETENSORS]
+    final = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    renames = dict(zip(files, final, strict=True))
+    for old, new in renames.items():
+        (out_dir / old).rename(out_dir / new)
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {k: renames[v] for k, v in sorted(weight_map.items())},
+    }
+    (out_dir / _INDEX).write_text(json.dumps(index, indent=2))
+    return final
+
+
+def convert_mcore_to_hf(
+    mcore_root: str | Path,
+    out_dir: str | Path,
+    *,
+    model: ModelConfig | None = None,
+    family: str | None = None,
+    dtype: Dtype = "bf16",
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = _MAX_SHARD_BYTES,
+) -> Path:
+    """Write a Hugging Face model directory from a megatron checkpoint saved at any TP/PP.
+
+    Meant for one process (a larger world loads the full model on every rank; rank 0 writes).
+    ``model`` defaults to the checkpoint's ``model_config.yaml`` and ``family`` to the source
+    ``config.json``'s model_type (both written by :func:`convert_hf_to_mcore`); tokenizer files
+    come from ``tokenizer_dir`` or, by default, from beside the checkpoint. A missing or corrupt
+    checkpoint is a ``CheckpointError``. Returns ``out_dir``.
+    """
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
+    step = resolve(mcore_root)  # a CheckpointError before anything is built
+    # The checkpoint root (beside which conversion wrote its config and tokenizer files).
+    base = Path(mcore_root) if step != Path(mcore_root) else step.parent
+    model = model if model is not None else read_model_config(base)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    source = _source_hf_config(base, tok_dir)
+    if family is None:
+        family = (source or {}).get("model_type")
+        if family is None:
+            raise ValueError(
+                f"pass family (one of {', '.join(hf_mapping.FAMILIES)}): no source config.json "
+                f"beside {mcore_root} tells it"
+            )
+    # config.json names the dtype the weights are written in
+    config = hf_mapping.hf_config_from_model(dataclasses.replace(model, params_dtype=dtype), family)
+    for key in _TOKEN_ID_KEYS:
+        if source and source.get(key) is not None:
+            config[key] = source[key]
+
+    started = not dist.is_initialized()
+    if started:
+        init_distributed()
+    created_state = False
+    try:
+        groups, created_state = _export_groups()
+        net = build_gpt(model, ParallelConfig(), groups)
+        load_checkpoint(step, net)
+        state = {k: v for k, v in net.state_dict().items() if not hf_mapping.is_extra_state(k)}
+        del net  # the state dict is now the only owner: consuming it frees memory as we write
+        if _rank() == 0:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            out_dtype = _TORCH_DTYPES[dtype]
+            tensors = (
+                # copy: outputs must not share storage (gate/up, q/k/v are views)
+                (name, t.to(dtype=out_dtype, copy=True).contiguous())
+                for name, t in hf_mapping.iter_megatron_to_hf(state, model, consume=True)
+            )
+            _write_safetensors(tensors, out, max_shard_bytes)
+            (out / "config.json").write_text(json.dumps(config, indent=2))
+            copy_tokenizer_files(tok_dir if tok_dir is not None else base, out)
+        _barrier()
+    finally:
+        if created_state:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        if started:
+            shutdown_distributed()
+    return Path(out_dir)

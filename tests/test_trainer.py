@@ -1,0 +1,191 @@
+"""The training loop on CPU (gloo): layouts, invariance, resume, non-finite skip, golden steps."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
+
+TINY = Path(__file__).parents[1] / "examples" / "tiny_cpu.yaml"
+GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_steps.json"
+GOLDEN_KEYS = ("grad_norm", "score/mean", "score/std", "response_length/mean")
+
+
+def _trainer(run_dir: str, *overrides: str):  # type: ignore[no-untyped-def]
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.config import load_config, validate
+    from megatron_gndpo.trainer import Trainer
+
+    cfg = load_config(TINY, [f"logging.run_dir={run_dir}", *overrides])
+    validate(cfg, torch.distributed.get_world_size())
+    return Trainer(cfg)
+
+
+def _reset() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _layouts(rank: int, world: int, root: str) -> list[dict[str, object]]:
+    tp2, pp2 = "tensor_parallel=2", "pipeline_parallel=2"
+    layouts = {
+        "dp2": [],
+        "student tp2 / teacher pp2": [f"parallel.{tp2}", f"teacher.parallel.{pp2}"],
+        "student pp2 / teacher tp2": [f"parallel.{pp2}", f"teacher.parallel.{tp2}"],
+    }
+    out = []
+    for name, overrides in layouts.items():
+        trainer = _trainer(f"{root}/{len(out)}", *overrides)
+        student, teacher = _snapshot(trainer.c.student), _snapshot(trainer.c.teacher.model)
+        metrics = trainer.step()
+        unchanged = [
+            n for n, p in trainer.c.student.named_parameters() if torch.equal(p, student[n])
+        ]
+        teacher_moved = [
+            n
+            for n, p in trainer.c.teacher.model.named_parameters()
+            if not torch.equal(p, teacher[n])
+        ]
+        out.append({"name": name, "unchanged": unchanged, "teacher_moved": teacher_moved,
+                    "metrics": metrics})  # fmt: skip
+        trainer.c.logger.close()
+        _reset()
+    return out
+
+
+def test_trains_at_dp2_tp2_pp2_and_a_different_teacher_layout(tmp_path: Path) -> None:
+    results = run_distributed(_layouts, 2, args=(str(tmp_path),), timeout_s=400)
+    for per_rank in results:
+        for r in per_rank:
+            assert r["unchanged"] == [], f"{r['name']}: not updated: {r['unchanged']}"
+            assert r["teacher_moved"] == [], f"{r['name']}: teacher changed: {r['teacher_moved']}"
+            m = r["metrics"]
+            assert m["skipped"] == 0.0 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+            assert math.isfinite(m["loss"]), r["name"]
+            assert m["tokens/step"] > 0 and m["response_length/mean"] > 0
+
+
+def _sequence(rank: int, world: int, root: str, micro_batches: list[int]) -> dict[int, list]:
+    out = {}
+    for mbs in micro_batches:
+        trainer = _trainer(f"{root}/mbs{mbs}", f"trainer.micro_batch_size={mbs}")
+        out[mbs] = [trainer.step() for _ in range(2)]
+        trainer.c.logger.close()
+        _reset()
+    return out
+
+
+def test_same_losses_at_dp1_dp2_and_any_number_of_micro_batches(tmp_path: Path) -> None:
+    one = run_distributed(_sequence, 1, args=(str(tmp_path / "dp1"), [8, 2]), timeout_s=400)[0]
+    two = run_distributed(_sequence, 2, args=(str(tmp_path / "dp2"), [4]), timeout_s=400)[0]
+    runs = {"dp1 x 1 micro-batch": one[8], "dp1 x 4 micro-batches": one[2], "dp2": two[4]}
+    reference = runs.pop("dp1 x 1 micro-batch")
+    for name, steps in runs.items():
+        for step, (ref, got) in enumerate(zip(reference, steps, strict=True)):
+            assert got["tokens/step"] == ref["tokens/step"], (name, step)
+            for key in ("grad_norm", "score/mean", "score/std", "advantage/mean"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (name, step, key)
+            assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6), (name, step)
+
+
+def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    # An uninterrupted 6-step run.
+    trainer = _trainer(f"{root}/full", "trainer.steps=6", "checkpoint.save_interval=3")
+    out["full"] = trainer.train()
+    # The trained checkpoint exports to Hugging Face with no flags but the family.
+    from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf
+
+    tokens = torch.randint(0, 100, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = trainer.c.student(tokens, torch.arange(20).expand(2, -1), None)
+    out["megatron_logprobs"] = logits[..., :100].double().log_softmax(-1)
+    out["tokens"] = tokens
+    convert_mcore_to_hf(trainer.c.save_dir, f"{root}/hf", family="llama", dtype="fp32")
+    _reset()
+    # The same run killed after step 3 (its step-3 checkpoint is on disk), then restarted.
+    trainer = _trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
+    for _ in range(3):
+        trainer.step()
+    trainer.c.logger.close()
+    del trainer
+    _reset()
+    trainer = _trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
+    out["resumed_from"] = trainer.step_count
+    out["resumed"] = trainer.train()
+    _reset()
+    # A rollout whose teacher log-probs hold a NaN: reported, skipped, nothing corrupted.
+    trainer = _trainer(f"{root}/nan", "trainer.steps=3")
+    trainer.step()
+    score = trainer.c.teacher.score
+
+    def poisoned(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        lp = score(tokens, lengths).clone()
+        lp[0, int(lengths[0]) - 1] = float("nan")
+        return lp
+
+    trainer.c.teacher.score = poisoned  # type: ignore[method-assign]
+    before = _snapshot(trainer.c.student)
+    adam = [
+        s["exp_avg"].clone()
+        for s in trainer.c.optimizer.chained_optimizers[0].optimizer.state.values()
+    ]
+    out["nan_step"] = trainer.step()
+    out["nan_weights_kept"] = all(
+        torch.equal(p, before[n]) for n, p in trainer.c.student.named_parameters()
+    )
+    after = [
+        s["exp_avg"] for s in trainer.c.optimizer.chained_optimizers[0].optimizer.state.values()
+    ]
+    out["nan_adam_kept"] = all(torch.equal(a, b) for a, b in zip(adam, after, strict=True))
+    trainer.c.teacher.score = score  # type: ignore[method-assign]
+    out["after_nan"] = trainer.step()
+    trainer.c.logger.close()
+    return out
+
+
+def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
+    r = run_distributed(_resume_nan_golden, 1, args=(str(tmp_path),), timeout_s=500)[0]
+    full, resumed = r["full"], r["resumed"]
+    assert r["resumed_from"] == 3 and len(full) == 6 and len(resumed) == 3
+    for expected, got in zip(full[3:], resumed, strict=True):
+        for key in ("loss", "grad_norm", "score/mean", "advantage/std", "tokens/step"):
+            assert got[key] == expected[key], key  # exactly: the resumed run is the same run
+
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        hf_logits = hf(r["tokens"]).logits[..., :100].double()
+    torch.testing.assert_close(
+        hf_logits.log_softmax(-1), r["megatron_logprobs"], rtol=1e-4, atol=1e-4
+    )
+
+    nan = r["nan_step"]
+    assert nan["skipped"] == 1.0 and nan["skipped/nonfinite_teacher"] == 1.0
+    assert r["nan_weights_kept"] and r["nan_adam_kept"]
+    assert r["after_nan"]["skipped"] == 0.0 and math.isfinite(r["after_nan"]["grad_norm"])
+
+    steps = [{k: s[k] for k in GOLDEN_KEYS} for s in full[:3]]
+    if os.environ.get("GNDPO_UPDATE_GOLDEN") == "1":  # after an intended change of the numbers
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(steps, indent=2) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    for step, (want, got) in enumerate(zip(golden, steps, strict=True)):
+        for key in GOLDEN_KEYS:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
