@@ -74,6 +74,12 @@ class Trainer:
     def train(self) -> list[dict[str, float]]:
         """Steps until ``trainer.steps``, with logging, evaluation and a final checkpoint."""
         history = []
+        if self.step_count >= self.cfg.trainer.steps:
+            self._say(
+                f"{self.c.save_dir} is already at step {self.step_count} of "
+                f"trainer.steps={self.cfg.trainer.steps}: nothing to do (raise trainer.steps to "
+                "continue, or use another logging.run_dir to start afresh)"
+            )
         while self.step_count < self.cfg.trainer.steps:
             metrics = self.step()
             interval = self.cfg.trainer.eval_interval
@@ -226,6 +232,10 @@ class Trainer:
             extra=self._extra_state(), keep_last=self.cfg.checkpoint.keep_last,
         )  # fmt: skip
 
+    def _say(self, message: str) -> None:
+        if dist.get_rank() == 0:
+            print(message, flush=True)
+
     def _describe_checkpoints(self) -> None:
         """The architecture beside the checkpoints, so ``convert mcore-to-hf`` needs no flags."""
         if dist.get_rank() == 0:
@@ -241,6 +251,7 @@ class Trainer:
             return
         meta = load_checkpoint(source, self.c.ddp, optimizer=self.c.optimizer)
         self.step_count = int(meta["step"])
+        self._say(f"resumed from {source} at step {self.step_count}")
         self.c.sampler.load_state_dict(meta["extra"]["sampler"])
         self.c.scheduler.load_state_dict(meta["extra"]["scheduler"])
         self.c.logger.truncate_after(self.step_count)

@@ -1,0 +1,184 @@
+"""Full Hugging Face tensors from the student's TP/PP shards, one parameter at a time.
+
+Every rank of a model replica (its TP x PP ranks) calls :func:`iter_hf_weights` and receives
+the *same* sequence of full, Hugging Face-named tensors. That is what a colocated engine wants:
+each trainer rank hosts a shard of the rollout engine, and vLLM's ``load_weights`` takes full
+tensors and slices them for its own TP rank itself. Per parameter:
+
+1. the pipeline stage that owns it all-gathers its TP shards over ``groups.tp`` (along the
+   parameter's ``partition_dim``; a gated ``linear_fc1`` holds ``[gate_r; up_r]`` per rank, so
+   each half is gathered separately: the inverse of ``hf_mapping.shard_for_rank``);
+2. the owning stage broadcasts the full megatron tensor over ``groups.pp`` (every stage gets it);
+3. :mod:`megatron_gndpo.checkpoint.hf_mapping` splits it into HF tensors (q/k/v, gate/up) and
+   trims the vocabulary padding.
+
+Cost: every rank of the replica holds one full megatron tensor at a time (the largest is the
+``[V, H]`` embedding) and receives every tensor once; data-parallel replicas work independently,
+on their own groups. Tied embeddings are written once (as ``model.embed_tokens.weight``); the
+last stage's copy of the embedding is not sent and no ``lm_head.weight`` is produced.
+
+The iterator runs collectives: every rank of the replica must exhaust it, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.checkpoint import hf_mapping
+from megatron_gndpo.checkpoint.convert import _global_names
+from megatron_gndpo.config.schema import ModelConfig
+from megatron_gndpo.parallel.groups import ParallelGroups
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One full-model megatron parameter: the stage holding it and its TP-gathered shape."""
+
+    name: str  # as the model names it (global layer index; TE aliases kept)
+    stage: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def merge_tp_shards(
+    name: str, shards: Sequence[torch.Tensor], *, partition_dim: int, swiglu: bool
+) -> torch.Tensor:
+    """The full megatron tensor from its TP shards in rank order (inverse of ``shard_for_rank``).
+
+    A gated ``linear_fc1`` shard is ``[gate_r; up_r]``: the full tensor is
+    ``[gate_0 .. gate_{tp-1}; up_0 .. up_{tp-1}]``, not the plain concatenation.
+    """
+    if swiglu and ".mlp.linear_fc1." in name:
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        gate = torch.cat([h[0] for h in halves], dim=partition_dim)
+        up = torch.cat([h[1] for h in halves], dim=partition_dim)
+        return torch.cat([gate, up], dim=0)
+    return torch.cat(list(shards), dim=partition_dim)
+
+
+def _is_tp_sharded(param: torch.Tensor, tp: int) -> bool:
+    return tp > 1 and bool(getattr(param, "tensor_model_parallel", False))
+
+
+def _full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if _is_tp_sharded(param, tp):
+        shape[int(param.partition_dim)] *= tp  # type: ignore[attr-defined]
+    return tuple(shape)
+
+
+def _unwrap(model: Any) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP / Float16Module wrappers (one model chunk only)."""
+    if isinstance(model, list | tuple):
+        if len(model) != 1:
+            raise NotImplementedError(
+                f"weight sync takes one model chunk, got {len(model)} (virtual pipeline stages "
+                "are not supported)"
+            )
+        model = model[0]
+    while hasattr(model, "module"):
+        model = model.module
+    assert isinstance(model, torch.nn.Module)
+    return model
+
+
+def _entries(
+    local: Mapping[str, torch.Tensor], groups: ParallelGroups, model_cfg: ModelConfig
+) -> dict[str, _Entry]:
+    """Every stage's parameters, keyed by canonical (local-spec) name; checked against the map.
+
+    One object all-gather over ``groups.pp``: a stage knows its own layers only, and every
+    stage must know the shape of what it is about to receive.
+    """
+    tp, stage = groups.layout.tp, groups.coords["pp"]
+    mine = [(name, stage, _full_shape(p, tp), p.dtype) for name, p in local.items()]
+    if groups.layout.pp > 1:
+        per_stage: list[Any] = [None] * groups.layout.pp
+        dist.all_gather_object(per_stage, mine, group=groups.pp)
+        everything = [item for items in per_stage for item in items]
+    else:
+        everything = mine
+    entries: dict[str, _Entry] = {}
+    for name, owner, shape, dtype in everything:
+        key = hf_mapping.canonical_name(name)
+        if key in entries:
+            raise ValueError(f"megatron parameter {name!r} is held by two pipeline stages")
+        entries[key] = _Entry(name, owner, tuple(shape), dtype)
+    expected = {m.megatron for m in hf_mapping.iter_mappings(model_cfg)}
+    # A tied model's last stage keeps its own copy of the embedding: not an HF tensor.
+    ignored = {"output_layer.weight"} if model_cfg.tie_embeddings else set()
+    unmapped = sorted(set(entries) - expected - ignored)
+    missing = sorted(expected - set(entries))
+    if unmapped or missing:
+        if unmapped:
+            what = f"{unmapped[0]!r} has no Hugging Face mapping"
+        else:
+            what = f"{missing[0]!r} is held by no pipeline stage"
+        raise ValueError(
+            f"megatron parameter {what} ({len(unmapped)} unmapped, {len(missing)} missing): the "
+            "model config (layers, qkv bias, qk-norm, tied embeddings) does not match the model"
+        )
+    return entries
+
+
+def _gather_tp(
+    name: str, param: torch.Tensor, groups: ParallelGroups, dtype: torch.dtype, swiglu: bool
+) -> torch.Tensor:
+    """The full tensor of one parameter of this stage, on every TP rank of the stage."""
+    shard = param.detach().to(dtype).contiguous()  # cast first: less to send when narrowing
+    tp = groups.layout.tp
+    if not _is_tp_sharded(param, tp):
+        return shard
+    shards = [torch.empty_like(shard) for _ in range(tp)]
+    # Over the TP group: its ranks hold the slices of this parameter (same stage, same replica).
+    dist.all_gather(shards, shard, group=groups.tp)
+    return merge_tp_shards(
+        name,
+        shards,
+        partition_dim=int(param.partition_dim),  # type: ignore[attr-defined]
+        swiglu=swiglu,
+    )
+
+
+def iter_hf_weights(
+    model: Any,
+    groups: ParallelGroups,
+    model_cfg: ModelConfig,
+    *,
+    family: str,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, full tensor)`` for every HF tensor of the model, on every rank.
+
+    Call on every rank of the replica described by ``groups`` (TP and PP collectives) and
+    exhaust the iterator on all of them. Order: embedding, layers by global index, final norm,
+    ``lm_head`` (untied only). ``dtype`` casts the weights (before any communication); None keeps
+    the model's. Tensors lie on the model's device and are contiguous; without a cast, a
+    tensor TP does not shard may share storage with its parameter (copy what you keep past the
+    next optimizer step).
+    """
+    hf_mapping.check_family(model_cfg, family)
+    net = _unwrap(model)
+    local = {full: param for _, full, param in _global_names(net)}
+    entries = _entries(local, groups, model_cfg)
+    device = next(net.parameters()).device
+    layout, coords = groups.layout, groups.coords
+    for mapping in hf_mapping.iter_mappings(model_cfg):
+        entry = entries[mapping.megatron]
+        out_dtype = dtype or entry.dtype
+        if entry.stage == coords["pp"]:
+            full = _gather_tp(entry.name, local[entry.name], groups, out_dtype, model_cfg.swiglu)
+        else:
+            full = torch.empty(entry.shape, dtype=out_dtype, device=device)
+        if layout.pp > 1:
+            # Over the PP group: the same TP rank of every stage; the owner's copy is full.
+            owner = layout.rank_of(coords | {"pp": entry.stage})
+            dist.broadcast(full, src=owner, group=groups.pp)
+        for name, tensor in zip(mapping.hf, mapping.to_hf(full, model_cfg), strict=True):
+            yield name, tensor.contiguous()
+        del full
