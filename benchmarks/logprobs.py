@@ -15,33 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from common import median_seconds, sync
 
 from megatron_gndpo.parallel.distributed import free_port
 from megatron_gndpo.parallel.logprobs import vocab_parallel_logprobs
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def median_ms(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, warmup, iters)
 
 
 def extra_peak_gib(fn: Callable[[], object]) -> float | None:

@@ -24,6 +24,27 @@ import torch
 from megatron_gndpo.parallel.logprobs import vocab_parallel_logprobs
 
 
+def output_inputs(
+    hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """What the output layer would multiply: ``(hidden [s, b, h], weight [V/tp, h], tp_group)``.
+
+    The weight is the tied embedding when given, else the output layer's own. With sequence
+    parallelism the hidden states are gathered along the sequence; the gather's backward only
+    splits (``tensor_parallel_output_grad=False``) because the fused log-prob already
+    all-reduces the hidden-state gradient over TP.
+    """
+    weight = output_layer.weight if output_weight is None else output_weight
+    tp_group = output_layer.tp_group
+    if output_layer.sequence_parallel:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden_states = gather_from_sequence_parallel_region(
+            hidden_states, tensor_parallel_output_grad=False, group=tp_group
+        )
+    return hidden_states, weight, tp_group
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenLogProbs:
     """GPTModel ``output_processor`` returning float32 ``[b, s]`` log-probs of the targets.
@@ -48,18 +69,7 @@ class TokenLogProbs:
     ) -> torch.Tensor:
         if getattr(config, "use_mup", False):
             raise NotImplementedError("MuP logit scaling is not supported by TokenLogProbs")
-        weight = output_layer.weight if output_weight is None else output_weight  # [V/tp, h]
-        tp_group = output_layer.tp_group
-        if output_layer.sequence_parallel:
-            from megatron.core.tensor_parallel.mappings import (
-                gather_from_sequence_parallel_region,
-            )
-
-            # tensor_parallel_output_grad=False: the fused log-prob already all-reduces the
-            # hidden-state gradient over TP, so the gather's backward only splits.
-            hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False, group=tp_group
-            )
+        hidden_states, weight, tp_group = output_inputs(hidden_states, output_layer, output_weight)
         s, b, h = hidden_states.shape
         targets_SB = context.transpose(0, 1)
         if targets_SB.shape != (s, b):

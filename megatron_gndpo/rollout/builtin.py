@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.models.logprob_head import output_inputs
 from megatron_gndpo.parallel.groups import ParallelGroups
 from megatron_gndpo.rollout.base import Rollout, RowStreams, SamplingParams, sample_next
 
@@ -44,16 +45,7 @@ class LastTokenLogits:
         output_weight: torch.Tensor | None,
         **_: Any,
     ) -> torch.Tensor:
-        weight = output_layer.weight if output_weight is None else output_weight  # [V/tp, h]
-        tp_group = output_layer.tp_group
-        if output_layer.sequence_parallel:
-            from megatron.core.tensor_parallel.mappings import (
-                gather_from_sequence_parallel_region,
-            )
-
-            hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False, group=tp_group
-            )
+        hidden_states, weight, tp_group = output_inputs(hidden_states, output_layer, output_weight)
         logits_bV = (hidden_states[-1] @ weight.t()).float()  # [b, V/tp]
         if tp_group.size() > 1:
             shards = [torch.empty_like(logits_bV) for _ in range(tp_group.size())]
