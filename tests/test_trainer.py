@@ -80,22 +80,39 @@ def test_trains_at_dp2_tp2_pp2_and_a_different_teacher_layout(tmp_path: Path) ->
             assert m["tokens/step"] > 0 and m["response_length/mean"] > 0
 
 
-def _sequence(rank: int, world: int, root: str, micro_batches: list[int]) -> dict[int, list]:
+def _sequences(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict[str, list]:
+    """Two steps of each run; the first run also saves its initial weights to ROOT/init."""
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+
     out = {}
-    for mbs in micro_batches:
-        trainer = _trainer(f"{root}/mbs{mbs}", f"trainer.micro_batch_size={mbs}")
-        out[mbs] = [trainer.step() for _ in range(2)]
+    for name, overrides in runs.items():
+        trainer = _trainer(f"{root}/{name}", *overrides)
+        if not out and world == 1:
+            save_checkpoint(f"{root}/../init", 0, trainer.c.student)
+        out[name] = [trainer.step() for _ in range(2)]
         trainer.c.logger.close()
         _reset()
     return out
 
 
-def test_same_losses_at_dp1_dp2_and_any_number_of_micro_batches(tmp_path: Path) -> None:
-    one = run_distributed(_sequence, 1, args=(str(tmp_path / "dp1"), [8, 2]), timeout_s=400)[0]
-    two = run_distributed(_sequence, 2, args=(str(tmp_path / "dp2"), [4]), timeout_s=400)[0]
-    runs = {"dp1 x 1 micro-batch": one[8], "dp1 x 4 micro-batches": one[2], "dp2": two[4]}
-    reference = runs.pop("dp1 x 1 micro-batch")
-    for name, steps in runs.items():
+def test_same_losses_and_gradients_at_any_layout_and_micro_batching(tmp_path: Path) -> None:
+    """DP=1 = DP=2 = TP=2 = PP=2, and 1 micro-batch = 4, from the same initial weights."""
+    init = f"checkpoint.init={tmp_path / 'init'}"
+    runs_one = {
+        "reference": ["trainer.micro_batch_size=8"],
+        "4 micro-batches": ["trainer.micro_batch_size=2"],
+    }
+    one = run_distributed(_sequences, 1, args=(str(tmp_path / "w1"), runs_one), timeout_s=400)[0]
+    two = run_distributed(
+        _sequences, 2, args=(str(tmp_path / "w2"), {
+            "dp2": ["trainer.micro_batch_size=4", init],
+            "tp2": ["parallel.tensor_parallel=2", "trainer.micro_batch_size=4", init],
+            "pp2": ["parallel.pipeline_parallel=2", "trainer.micro_batch_size=4", init],
+        }),
+        timeout_s=400,
+    )[0]  # fmt: skip
+    reference = one.pop("reference")
+    for name, steps in (one | two).items():
         for step, (ref, got) in enumerate(zip(reference, steps, strict=True)):
             assert got["tokens/step"] == ref["tokens/step"], (name, step)
             for key in ("grad_norm", "score/mean", "score/std", "advantage/mean"):

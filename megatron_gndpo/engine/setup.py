@@ -111,11 +111,15 @@ def build_components(cfg: Config) -> Components:
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.tokenizer), cfg)
     vocab = scoring_vocab(cfg, tokenizer)
 
+    # Weights are initialised on the CPU generator (use_cpu_initialization): seed each model on
+    # its own so a randomly initialised teacher does not depend on the student's layout.
+    torch.manual_seed(cfg.trainer.seed)
     student = build_gpt(cfg.model, cfg.parallel, student_groups)
     if cfg.checkpoint.init is not None:
         load_checkpoint(cfg.checkpoint.init, student)
     ddp = wrap_ddp(student, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optimizer)
+    torch.manual_seed(cfg.trainer.seed + 1)
     teacher_model = build_teacher(cfg.teacher.model, cfg.teacher.parallel, teacher_groups)
     if cfg.teacher.load is not None:
         load_checkpoint(cfg.teacher.load, teacher_model)
