@@ -1,0 +1,461 @@
+"""Weight sync into a rollout engine, and the vLLM adapter's pure parts.
+
+The engine is a double: a transformers model of the same architecture (other random weights)
+with vLLM's ``load_weights(iterable of (name, tensor))`` contract. One 4-rank launch syncs a
+perturbed random student at TP=2 (DP=2), PP=2 (DP=2) and TP=2 x PP=2, for qwen2 (QKV bias, tied
+embeddings) and llama (untied lm_head); afterwards every HF parameter was loaded exactly once,
+and the double's greedy generations and token log-probs equal the megatron model's. vLLM itself
+is not installed here: its adapter is tested against fake ``vllm`` objects with the public API's
+attribute names.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_gndpo.checkpoint import hf_mapping
+from megatron_gndpo.config import MissingExtraError
+from megatron_gndpo.config.schema import ModelConfig, ParallelConfig, RolloutConfig
+from megatron_gndpo.rollout.base import RowStreams, SamplingParams
+from megatron_gndpo.rollout.vllm_engine import (
+    VLLMGenerator,
+    build_requests,
+    rollout_from_outputs,
+    row_seed,
+    write_engine_config,
+)
+from megatron_gndpo.weight_sync import bucketed, merge_tp_shards
+from tests.harness import run_distributed
+
+VOCAB = 90
+PAD = 0
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
+_NEW_TOKENS = 5
+
+
+def _model_cfg(family: str) -> ModelConfig:
+    return ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=64,  # padded to 128 (TP=1) / 128 (TP=2): trimmed on sync
+        max_position_embeddings=64,
+        rotary_base=1e6 if family == "qwen2" else 5e5,
+        add_qkv_bias=family == "qwen2",
+        tie_embeddings=family == "qwen2",
+        params_dtype="fp32",
+    )
+
+
+class HFEngineDouble:
+    """A transformers model behind vLLM's ``load_weights`` contract; counts every load."""
+
+    def __init__(self, model_cfg: ModelConfig, family: str, *, seed: int) -> None:
+        import transformers
+
+        config = transformers.AutoConfig.for_model(
+            **hf_mapping.hf_config_from_model(model_cfg, family)
+        )
+        torch.manual_seed(seed)
+        self.model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager"
+        ).eval()
+        self.params = dict(self.model.named_parameters())  # tied lm_head appears once
+        self.loads: collections.Counter[str] = collections.Counter()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in self.params:
+                    raise KeyError(f"the engine has no weight {name!r}")
+                target = self.params[name]
+                if tensor.shape != target.shape:
+                    raise ValueError(f"{name}: got {tuple(tensor.shape)}, need {target.shape}")
+                target.copy_(tensor)
+                self.loads[name] += 1
+
+    def missing(self) -> list[str]:
+        return sorted(set(self.params) - set(self.loads))
+
+    def greedy(self, prompt: list[int], steps: int) -> list[int]:
+        with torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=steps,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            )  # fmt: skip
+        return [int(t) for t in out[0, len(prompt) :]]
+
+    def token_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, S]``: log p(tokens[b, t] | prefix) for t >= 1, 0 at t = 0 (full rows)."""
+        with torch.no_grad():
+            logp = self.model(input_ids=tokens).logits.float().log_softmax(-1)
+        out = torch.zeros(tokens.shape)
+        out[:, 1:] = logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure parts
+
+
+def test_bucketed_limits() -> None:
+    t = lambda n: torch.zeros(n, dtype=torch.float32)  # 4 bytes per element
+    items = [("a", t(10)), ("b", t(10)), ("c", t(30)), ("d", t(5)), ("e", t(5)), ("f", t(1))]
+    buckets = list(bucketed(iter(items), max_bytes=80))
+    assert [[n for n, _ in b] for b in buckets] == [["a", "b"], ["c"], ["d", "e", "f"]]
+    for b in buckets:  # within the limit unless a tensor alone exceeds it
+        assert len(b) == 1 or sum(x.numel() * 4 for _, x in b) <= 80
+    assert [[n for n, _ in b] for b in bucketed(items, max_bytes=1)] == [[n] for n, _ in items]
+    assert list(bucketed([], max_bytes=8)) == []
+    with pytest.raises(ValueError, match="max_bytes"):
+        list(bucketed(items, max_bytes=0))
+
+
+def test_merge_tp_shards_inverts_shard_for_rank() -> None:
+    cases = [
+        ("decoder.layers.0.mlp.linear_fc1.weight", torch.arange(48.0).reshape(8, 6), 0),
+        ("decoder.layers.0.self_attention.linear_qkv.bias", torch.arange(12.0), 0),
+        ("decoder.layers.0.self_attention.linear_proj.weight", torch.arange(24.0).reshape(3, 8),
+         1),
+    ]  # fmt: skip
+    for name, full, dim in cases:
+        shape = list(full.shape)
+        shape[dim] //= 2
+        param = types.SimpleNamespace(tensor_model_parallel=True, partition_dim=dim, shape=shape)
+        shards = [
+            hf_mapping.shard_for_rank(name, full, param, tp=2, tp_rank=r, swiglu=True)
+            for r in range(2)
+        ]
+        merged = merge_tp_shards(name, shards, partition_dim=dim, swiglu=True)
+        assert torch.equal(merged, full), name
+    # fc1 is [gate; up]: each rank holds its slice of both halves, not a plain row block
+    fc1 = torch.arange(8.0).reshape(8, 1)
+    ranks = [fc1[[0, 1, 4, 5]], fc1[[2, 3, 6, 7]]]
+    assert torch.equal(merge_tp_shards("x.mlp.linear_fc1.weight", ranks, partition_dim=0,
+                                       swiglu=True), fc1)  # fmt: skip
+
+
+def test_vllm_requests_one_seeded_sample_each() -> None:
+    params = SamplingParams(
+        max_new_tokens=7, temperature=0.8, top_p=0.9, top_k=0, stop_token_ids=(2, 5),
+        samples_per_prompt=2,
+    )  # fmt: skip
+    requests = build_requests(PROMPTS[:2], params, seeds=[11, 12])
+    assert [r.prompt_token_ids for r in requests] == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    first = requests[0].sampling
+    assert first == dict(n=1, temperature=0.8, top_p=0.9, top_k=-1, max_tokens=7,
+                         stop_token_ids=[2, 5], logprobs=0, seed=row_seed(11, 0),
+                         detokenize=False)  # fmt: skip
+    assert len({r.sampling["seed"] for r in requests}) == 4
+    # the same seeds as the built-in generator's per-row streams
+    assert RowStreams([11], 2).generators[1].initial_seed() == row_seed(11, 1)
+    # a prompt's requests do not depend on the batch around it
+    alone = build_requests(PROMPTS[1:2], params, seeds=[12])
+    assert alone == requests[2:]
+    assert (
+        build_requests(PROMPTS[:1], dataclasses.replace(params, top_k=5), [1])[0].sampling["top_k"]
+        == 5
+    )
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        build_requests(PROMPTS, params, seeds=[1])
+    with pytest.raises(ValueError, match="at least one token"):
+        build_requests([[]], params, seeds=[1])
+
+
+@dataclasses.dataclass
+class FakeLogprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class FakeCompletion:
+    token_ids: list[int]
+    logprobs: list[dict[int, FakeLogprob]] | None
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class FakeRequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[FakeCompletion]
+
+
+def _fake_output(prompt: list[int], ids: list[int], reason: str) -> FakeRequestOutput:
+    logprobs = [{t: FakeLogprob(-0.5 - t / 100)} for t in ids]
+    return FakeRequestOutput(prompt, [FakeCompletion(ids, logprobs, reason)])
+
+
+def test_rollout_from_vllm_outputs() -> None:
+    prompts = [[5, 6, 7], [8, 9]]
+    outputs = [
+        _fake_output(prompts[0], [20, 21, 2], "stop"),
+        _fake_output(prompts[0], [22, 23, 24, 25], "length"),
+        _fake_output(prompts[1], [2], "stop"),
+        _fake_output(prompts[1], [30, 31], "length"),
+    ]
+    r = rollout_from_outputs(prompts, outputs, samples_per_prompt=2, pad_id=PAD)
+    assert r.tokens.tolist() == [
+        [5, 6, 7, 20, 21, 2, 0],
+        [5, 6, 7, 22, 23, 24, 25],
+        [8, 9, 2, 0, 0, 0, 0],
+        [8, 9, 30, 31, 0, 0, 0],
+    ]
+    assert r.prompt_lengths.tolist() == [3, 3, 2, 2]
+    assert r.lengths.tolist() == [6, 7, 3, 4]
+    assert r.prompt_index.tolist() == [0, 0, 1, 1]
+    assert r.finished.tolist() == [True, False, True, False]
+    expected = torch.zeros(4, 7)
+    expected[0, 3:6] = torch.tensor([-0.7, -0.71, -0.52])
+    expected[2, 2] = -0.52
+    expected[1, 3:7] = torch.tensor([-0.72, -0.73, -0.74, -0.75])
+    expected[3, 2:4] = torch.tensor([-0.8, -0.81])
+    torch.testing.assert_close(r.sampler_logprobs, expected)
+    assert r.tokens.dtype == torch.long and r.sampler_logprobs.dtype == torch.float32
+    assert torch.equal(r.response_mask.sum(-1), r.response_lengths)
+    no_logprobs = [FakeRequestOutput([1], [FakeCompletion([3], None, "stop")])]
+    with pytest.raises(ValueError, match="logprobs=0"):
+        rollout_from_outputs([[1]], no_logprobs, samples_per_prompt=1, pad_id=PAD)
+    with pytest.raises(ValueError, match="expected 4 vLLM outputs"):
+        rollout_from_outputs(prompts, outputs[:3], samples_per_prompt=2, pad_id=PAD)
+
+
+class _FakeLLM:
+    """``vllm.LLM`` as the adapter uses it; responses are a function of each request's seed."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.events: list[str] = []
+        self.loaded: dict[str, torch.Tensor] = {}
+        model = types.SimpleNamespace(load_weights=lambda weights: self.loaded.update(weights))
+        self.worker = types.SimpleNamespace(
+            model_runner=types.SimpleNamespace(get_model=lambda: model)
+        )
+
+    def collective_rpc(self, method: Any, timeout: Any = None, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
+        return [method(self.worker, *args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self) -> bool:
+        self.events.append("reset_prefix_cache")
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        self.events.append(f"sleep{level}")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.events.append("wake_up")
+
+    def generate(self, prompts: list[Any], sampling_params: list[Any], *,
+                 use_tqdm: bool = True) -> list[FakeRequestOutput]:  # fmt: skip
+        assert len(prompts) == len(sampling_params) and not use_tqdm
+        outputs = []
+        for prompt, sp in zip(prompts, sampling_params, strict=True):
+            n = 1 + sp.seed % sp.max_tokens
+            ids = [10 + (sp.seed + j) % 50 for j in range(n)]
+            outputs.append(_fake_output(prompt["prompt_token_ids"], ids, "length"))
+        return outputs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    vllm = types.ModuleType("vllm")
+    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", loader=None)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.__spec__ = importlib.machinery.ModuleSpec("vllm.inputs", loader=None)
+    vllm.LLM = _FakeLLM  # type: ignore[attr-defined]
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    inputs.TokensPrompt = lambda **kw: dict(kw)  # type: ignore[attr-defined]  # a TypedDict
+    vllm.inputs = inputs  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    return vllm
+
+
+def test_vllm_generator_against_fake_vllm(fake_vllm: types.ModuleType, tmp_path: Path) -> None:
+    rollout = RolloutConfig(engine="vllm", max_prompt_length=16, max_response_length=8,
+                            gpu_memory_utilization=0.3)  # fmt: skip
+    gen = VLLMGenerator(rollout, tmp_path, pad_id=PAD, tensor_parallel_size=2, seed=3)
+    llm = gen.llm
+    assert isinstance(llm, _FakeLLM)
+    assert llm.kwargs == dict(
+        model=str(tmp_path), tensor_parallel_size=2, dtype="bfloat16",
+        gpu_memory_utilization=0.3, enable_sleep_mode=True,
+        distributed_executor_backend="external_launcher", load_format="dummy",
+        skip_tokenizer_init=True, logprobs_mode="processed_logprobs", max_model_len=24, seed=3,
+    )  # fmt: skip
+    params = SamplingParams(max_new_tokens=4, samples_per_prompt=2)
+    with pytest.raises(RuntimeError, match="dummy weights"):
+        gen.generate(PROMPTS, params, seeds=[1, 2, 3])
+    weights = [("model.norm.weight", torch.ones(3)), ("lm_head.weight", torch.zeros(2, 3))]
+    gen.load_weights(iter(weights))
+    assert set(llm.loaded) == {"model.norm.weight", "lm_head.weight"}
+    assert llm.events == ["reset_prefix_cache"]  # stale prompt KV is dropped on every load
+    gen.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        gen.generate(PROMPTS, params, seeds=[1, 2, 3])
+    with pytest.raises(RuntimeError, match="asleep"):
+        gen.load_weights(weights)
+    gen.wake_up()
+    assert llm.events[1:] == ["sleep1", "wake_up"]
+    r = gen.generate(PROMPTS, params, seeds=[1, 2, 3])
+    assert r.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    for i in range(6):
+        n = int(r.prompt_lengths[i])
+        assert r.tokens[i, :n].tolist() == PROMPTS[i // 2]
+        seed = row_seed([1, 2, 3][i // 2], i % 2)
+        assert int(r.response_lengths[i]) == 1 + seed % 4
+        assert int(r.tokens[i, n]) == 10 + seed % 50
+
+
+def test_write_engine_config_is_a_transformers_config(tmp_path: Path) -> None:
+    import transformers
+
+    model = _model_cfg("qwen2")
+    write_engine_config(tmp_path, model, family="qwen2", dtype="bf16")
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert config.model_type == "qwen2" and config.tie_word_embeddings
+    back = hf_mapping.model_config_from_hf(config.to_dict())
+    # vocabulary padding is a megatron layout choice, not part of the HF config
+    expected = dataclasses.replace(model, params_dtype="bf16", make_vocab_size_divisible_by=128)
+    assert back == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM installed")
+def test_vllm_generator_without_vllm_names_the_extra(tmp_path: Path) -> None:
+    with pytest.raises(MissingExtraError, match=r"megatron-gndpo\[vllm\]") as info:
+        VLLMGenerator(RolloutConfig(engine="vllm"), tmp_path, pad_id=PAD)
+    assert "rollout.engine=builtin" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real models: TP=2, PP=2, TP=2 x PP=2 into an engine double
+
+
+# (family, layout, which ranks host an engine): qwen2 (tied embeddings: the last stage's copy
+# is not sent) at every layout; llama (untied lm_head, gathered over TP on the last stage) where
+# it is hardest. "first": only the replica's first rank hosts one; the others still gather.
+CASES = (
+    ("qwen2", "tp2", "all"),
+    ("qwen2", "pp2", "all"),
+    ("qwen2", "tp2pp2", "first"),
+    ("llama", "tp2pp2", "all"),
+)
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(7))
+    return tokens, torch.full((3,), 10)
+
+
+def _perturb(net: torch.nn.Module, seed: int) -> None:
+    # Norm weights start at 1 and biases at 0: move every layer parameter so a swapped or
+    # skipped tensor shows. TP ranks of one stage draw the same noise for their (same-shaped)
+    # tensors, so replicated parameters stay identical across them. The embedding and output
+    # layer stay as built (random): a tied model's last stage holds a copy that must match.
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.startswith("decoder."):
+                p.add_(torch.randn(p.shape) * 0.05)
+
+
+def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
+    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
+    from megatron_gndpo.rollout.builtin import MegatronGenerator
+    from megatron_gndpo.weight_sync import iter_hf_weights, sync_weights
+
+    student = build_student_groups(ParallelLayout(world, tp=2), seed=5)
+    pp2 = build_groups(ParallelLayout(world, pp=2), name="pp2")
+    tp2pp2 = build_groups(ParallelLayout(world, tp=2, pp=2), name="tp2pp2")
+    layouts = {
+        "tp2": (student, ParallelConfig(tensor_parallel=2)),
+        "pp2": (pp2, ParallelConfig(pipeline_parallel=2)),
+        "tp2pp2": (tp2pp2, ParallelConfig(tensor_parallel=2, pipeline_parallel=2)),
+    }
+    tokens, lengths = _tokens()
+    greedy = SamplingParams(max_new_tokens=_NEW_TOKENS, temperature=0.0)
+    out: dict[str, Any] = {}
+    for family, name, hosting in CASES:
+        cfg = _model_cfg(family)
+        groups, parallel = layouts[name]
+        net = build_teacher(cfg, parallel, groups)
+        _perturb(net, seed=1000 + groups.coords["pp"])
+        hosts = hosting == "all" or groups.rank == 0
+        engine = HFEngineDouble(cfg, family, seed=99) if hosts else None
+        stats = sync_weights(engine, net, groups, cfg, family=family, bucket_bytes=16_384)
+        gen = MegatronGenerator(net, groups, vocab_size=VOCAB, pad_id=PAD,
+                                max_sequence_length=64)  # fmt: skip
+        g = gen.generate(PROMPTS, greedy, seeds=[1, 2, 3])
+        lp = score_tokens(net, groups, tokens, lengths, head=TokenLogProbs(VOCAB),
+                          token_budget=64)  # fmt: skip
+        lp = broadcast_from_last_stage(lp, tokens.shape, groups)
+        result: dict[str, Any] = {"stats": stats}
+        if engine is not None:
+            result |= {
+                "missing": engine.missing(),
+                "loads": dict(engine.loads),
+                "megatron_greedy": [
+                    g.tokens[i, g.prompt_lengths[i] : g.lengths[i]].tolist()
+                    for i in range(len(PROMPTS))
+                ],
+                "engine_greedy": [engine.greedy(p, _NEW_TOKENS) for p in PROMPTS],
+                "logprob_diff": float((engine.token_logprobs(tokens) - lp).abs().max()),
+            }
+        if name == "tp2pp2" and family == "llama":
+            # a cast before sending: the same tensors, rounded once
+            full = dict(iter_hf_weights(net, groups, cfg, family=family))
+            half = list(iter_hf_weights(net, groups, cfg, family=family,
+                                        dtype=torch.bfloat16))  # fmt: skip
+            result["bf16_ok"] = [n for n, _ in half] == list(full) and all(
+                t.dtype == torch.bfloat16 and torch.equal(t, full[n].to(torch.bfloat16))
+                for n, t in half
+            )
+        out[f"{family}/{name}"] = result
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_sync_into_engine_double_at_tp2_pp2_tp2pp2() -> None:
+    results = run_distributed(_sync_at_layouts, 4, timeout_s=300)
+    for family, name, hosting in CASES:
+        expected_names = hf_mapping.expected_hf_names(_model_cfg(family))
+        assert ("lm_head.weight" in expected_names) == (family == "llama")
+        key = f"{family}/{name}"
+        hosts = [r for r, res in enumerate(results) if "missing" in res[key]]
+        assert hosts == ([0, 1, 2, 3] if hosting == "all" else [0]), key
+        for rank in range(4):
+            res = results[rank][key]
+            # every rank of a replica receives every tensor, host or not
+            assert res["stats"]["weight_sync/tensors"] == len(expected_names), key
+            assert res["stats"]["weight_sync/buckets"] > 1, key
+            if rank not in hosts:
+                continue
+            assert res["missing"] == [], (key, rank)
+            assert set(res["loads"]) == expected_names, (key, rank)
+            assert set(res["loads"].values()) == {1}, (key, rank)  # each loaded exactly once
+            assert res["engine_greedy"] == res["megatron_greedy"], (key, rank)
+            assert res["logprob_diff"] < 1e-5, (key, rank, res["logprob_diff"])
+    assert results[0]["llama/tp2pp2"]["bf16_ok"]
