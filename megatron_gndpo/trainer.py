@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ class Trainer:
         self.step_count = 0
         self._describe_checkpoints()
         self._resume()
+        self._sync_engine()  # an external engine starts without the student's weights
 
     # ----------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -51,6 +52,8 @@ class Trainer:
         with timer.time("rollout"):
             prompts = self._next_prompts()
             rollout = self._rollout(prompts)
+            if hasattr(c.generator, "sleep"):
+                c.generator.sleep()  # give the GPU memory to scoring and training
         with timer.time("teacher_logprobs"):
             teacher_lp = c.teacher.score(rollout.tokens, rollout.lengths)
         with timer.time("old_logprobs"):
@@ -61,7 +64,7 @@ class Trainer:
         with timer.time("update"):
             metrics |= self._update(rollout, old_lp, advantages, teacher_lp)
         with timer.time("weight_sync"):
-            pass  # the built-in generator samples from the trained weights themselves
+            metrics |= self._sync_engine()
         self.step_count += 1
         with timer.time("checkpoint"):
             self._maybe_save()
@@ -106,6 +109,21 @@ class Trainer:
         return self.c.generator.generate(
             [p.ids for p in prompts], params or self.params, seeds=seeds
         )
+
+    def _sync_engine(self) -> dict[str, float]:
+        """Push the student's weights into an external engine (vLLM); nothing for the built-in
+        generator, which samples from the trained weights themselves."""
+        engine = self.c.generator
+        if not hasattr(engine, "load_weights"):
+            return {}
+        from megatron_gndpo.weight_sync import WeightReceiver, sync_weights
+
+        if hasattr(engine, "wake_up"):
+            engine.wake_up()
+        return sync_weights(
+            cast(WeightReceiver, engine), self.c.student, self.c.student_groups, self.cfg.model,
+            family=self.cfg.model.hf_family,
+        )  # fmt: skip
 
     def _student_logprobs(self, rollout: Rollout) -> torch.Tensor:
         c = self.c

@@ -206,3 +206,38 @@ def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
     for step, (want, got) in enumerate(zip(golden, steps, strict=True)):
         for key in GOLDEN_KEYS:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def _vllm_step(rank: int, world: int, root: str) -> dict[str, object]:
+    from tests import fake_vllm
+
+    fake_vllm.install()  # vLLM needs CUDA: a stand-in with vLLM's offline API
+    trainer = _trainer(root, "rollout.engine=vllm", "parallel.tensor_parallel=2")
+    engine = trainer.c.generator.llm
+    initial = dict(engine.loaded)
+    metrics = trainer.step()
+    from megatron_gndpo.weight_sync import iter_hf_weights
+
+    current = dict(iter_hf_weights(trainer.c.student, trainer.c.student_groups,
+                                   trainer.cfg.model, family="llama"))  # fmt: skip
+    trainer.c.logger.close()
+    return {
+        "events": list(engine.events),
+        "initial_names": sorted(initial),
+        "synced_equal": all(torch.equal(engine.loaded[n], t) for n, t in current.items()),
+        "names": sorted(current),
+        "metrics": metrics,
+    }
+
+
+def test_vllm_engine_wiring_with_a_stand_in(tmp_path: Path) -> None:
+    """The trainer syncs the student into the engine at start and after every update, sleeps it
+    during scoring and training, and samples through it (vLLM itself cannot run here)."""
+    for r in run_distributed(_vllm_step, 2, args=(str(tmp_path),), timeout_s=300):
+        assert r["initial_names"] == r["names"] and r["names"]
+        assert r["synced_equal"], "the engine does not hold the updated student weights"
+        events = r["events"]
+        assert events.index("sleep1") < len(events) - 1 and "wake_up" in events
+        assert events[-1] == "reset_prefix_cache" or "wake_up" in events[events.index("sleep1") :]
+        m = r["metrics"]
+        assert m["weight_sync/tensors"] == len(r["names"]) and m["skipped"] == 0.0

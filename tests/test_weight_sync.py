@@ -36,6 +36,7 @@ from megatron_gndpo.rollout.vllm_engine import (
     write_engine_config,
 )
 from megatron_gndpo.weight_sync import bucketed, merge_tp_shards
+from tests.fake_vllm import FakeCompletion, FakeLLM, FakeRequestOutput, fake_output, modules
 from tests.harness import run_distributed
 
 VOCAB = 90
@@ -176,38 +177,13 @@ def test_vllm_requests_one_seeded_sample_each() -> None:
         build_requests([[]], params, seeds=[1])
 
 
-@dataclasses.dataclass
-class FakeLogprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclasses.dataclass
-class FakeCompletion:
-    token_ids: list[int]
-    logprobs: list[dict[int, FakeLogprob]] | None
-    finish_reason: str | None
-
-
-@dataclasses.dataclass
-class FakeRequestOutput:
-    prompt_token_ids: list[int]
-    outputs: list[FakeCompletion]
-
-
-def _fake_output(prompt: list[int], ids: list[int], reason: str) -> FakeRequestOutput:
-    logprobs = [{t: FakeLogprob(-0.5 - t / 100)} for t in ids]
-    return FakeRequestOutput(prompt, [FakeCompletion(ids, logprobs, reason)])
-
-
 def test_rollout_from_vllm_outputs() -> None:
     prompts = [[5, 6, 7], [8, 9]]
     outputs = [
-        _fake_output(prompts[0], [20, 21, 2], "stop"),
-        _fake_output(prompts[0], [22, 23, 24, 25], "length"),
-        _fake_output(prompts[1], [2], "stop"),
-        _fake_output(prompts[1], [30, 31], "length"),
+        fake_output(prompts[0], [20, 21, 2], "stop"),
+        fake_output(prompts[0], [22, 23, 24, 25], "length"),
+        fake_output(prompts[1], [2], "stop"),
+        fake_output(prompts[1], [30, 31], "length"),
     ]
     r = rollout_from_outputs(prompts, outputs, samples_per_prompt=2, pad_id=PAD)
     assert r.tokens.tolist() == [
@@ -235,56 +211,12 @@ def test_rollout_from_vllm_outputs() -> None:
         rollout_from_outputs(prompts, outputs[:3], samples_per_prompt=2, pad_id=PAD)
 
 
-class _FakeLLM:
-    """``vllm.LLM`` as the adapter uses it; responses are a function of each request's seed."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
-        self.events: list[str] = []
-        self.loaded: dict[str, torch.Tensor] = {}
-        model = types.SimpleNamespace(load_weights=lambda weights: self.loaded.update(weights))
-        self.worker = types.SimpleNamespace(
-            model_runner=types.SimpleNamespace(get_model=lambda: model)
-        )
-
-    def collective_rpc(self, method: Any, timeout: Any = None, args: tuple[Any, ...] = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
-        return [method(self.worker, *args, **(kwargs or {}))]
-
-    def reset_prefix_cache(self) -> bool:
-        self.events.append("reset_prefix_cache")
-        return True
-
-    def sleep(self, level: int = 1) -> None:
-        self.events.append(f"sleep{level}")
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.events.append("wake_up")
-
-    def generate(self, prompts: list[Any], sampling_params: list[Any], *,
-                 use_tqdm: bool = True) -> list[FakeRequestOutput]:  # fmt: skip
-        assert len(prompts) == len(sampling_params) and not use_tqdm
-        outputs = []
-        for prompt, sp in zip(prompts, sampling_params, strict=True):
-            n = 1 + sp.seed % sp.max_tokens
-            ids = [10 + (sp.seed + j) % 50 for j in range(n)]
-            outputs.append(_fake_output(prompt["prompt_token_ids"], ids, "length"))
-        return outputs
-
-
 @pytest.fixture
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    vllm = types.ModuleType("vllm")
-    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", loader=None)
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.__spec__ = importlib.machinery.ModuleSpec("vllm.inputs", loader=None)
-    vllm.LLM = _FakeLLM  # type: ignore[attr-defined]
-    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
-    inputs.TokensPrompt = lambda **kw: dict(kw)  # type: ignore[attr-defined]  # a TypedDict
-    vllm.inputs = inputs  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
-    return vllm
+    fakes = modules()
+    for name, module in fakes.items():
+        monkeypatch.setitem(sys.modules, name, module)  # removed again after the test
+    return fakes["vllm"]
 
 
 def test_vllm_generator_against_fake_vllm(fake_vllm: types.ModuleType, tmp_path: Path) -> None:
@@ -292,7 +224,7 @@ def test_vllm_generator_against_fake_vllm(fake_vllm: types.ModuleType, tmp_path:
                             gpu_memory_utilization=0.3)  # fmt: skip
     gen = VLLMGenerator(rollout, tmp_path, pad_id=PAD, tensor_parallel_size=2, seed=3)
     llm = gen.llm
-    assert isinstance(llm, _FakeLLM)
+    assert isinstance(llm, FakeLLM)
     assert llm.kwargs == dict(
         model=str(tmp_path), tensor_parallel_size=2, dtype="bfloat16",
         gpu_memory_utilization=0.3, enable_sleep_mode=True,

@@ -62,6 +62,9 @@ class ModelConfig:
     """Standard deviation of the random initialisation (ignored when loading a checkpoint)."""
     params_dtype: Dtype = "bf16"
     """Parameter dtype (fp32 master weights are kept by the optimizer for bf16/fp16)."""
+    family: Literal["llama", "qwen2", "qwen3"] | None = None
+    """Hugging Face family for export and vLLM weight sync; null infers it (qwen3 with
+    qk_layernorm, qwen2 with add_qkv_bias, else llama)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer implementation: megatron-core's local spec, or Transformer Engine (needs the `te`
     extra and a GPU)."""
@@ -75,6 +78,13 @@ class ModelConfig:
     """FP8 scaling recipe passed to megatron-core."""
     fp8_amax_history_len: int = 1024
     """Amax history length for delayed scaling."""
+
+    @property
+    def hf_family(self) -> str:
+        """``family``, or the one the architecture implies."""
+        if self.family is not None:
+            return self.family
+        return "qwen3" if self.qk_layernorm else "qwen2" if self.add_qkv_bias else "llama"
 
     @property
     def head_dim(self) -> int:

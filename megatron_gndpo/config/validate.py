@@ -132,6 +132,11 @@ def _algorithm_problems(cfg: Config) -> list[str]:
                 "algorithm.estimator=mix needs algorithm.outcome_weight > 0 "
                 "(with 0 use the distillation estimator alone)"
             )
+    if cfg.rollout.engine == "vllm" and cfg.parallel.pipeline_parallel > 1:
+        p.append(
+            "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "
+            "colocated with each tensor-parallel group); use the builtin engine with PP > 1"
+        )
     uses_grpo = a.estimator == "grpo" or (a.estimator == "mix" and a.outcome_estimator == "grpo")
     if uses_grpo and cfg.rollout.samples_per_prompt < 2:
         p.append(

@@ -25,6 +25,7 @@ from megatron_gndpo.logging import MetricsLogger, StageTimer, build_logger
 from megatron_gndpo.models.gpt import build_gpt, build_teacher
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups, build_groups, build_student_groups
+from megatron_gndpo.rollout.base import Generator
 from megatron_gndpo.rollout.builtin import MegatronGenerator
 
 
@@ -43,7 +44,7 @@ class Components:
     scheduler: Any
     head: TokenLogProbs
     teacher: TeacherScorer
-    generator: MegatronGenerator
+    generator: Generator  # MegatronGenerator, or VLLMGenerator (also a weight receiver)
     prompts: list[EncodedPrompt]
     eval_prompts: list[EncodedPrompt]
     skipped_prompts: int
@@ -98,6 +99,30 @@ def _scheduler(optimizer: Any, cfg: Config) -> Any:
         wd_incr_steps=max(steps, 1),
         wd_incr_style="constant",
     )
+
+
+def _generator(
+    cfg: Config, student: Any, groups: ParallelGroups, tokenizer: Tokenizer, vocab: int
+) -> Generator:
+    if cfg.rollout.engine == "builtin":
+        return MegatronGenerator(
+            student, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
+            max_sequence_length=cfg.model.max_position_embeddings,
+        )  # fmt: skip
+    from megatron_gndpo.rollout.vllm_engine import VLLMGenerator, write_engine_config
+
+    # The engine starts from the architecture alone (dummy weights); the trainer loads them.
+    engine_dir = Path(cfg.logging.run_dir) / "engine"
+    if dist.get_rank() == 0:
+        write_engine_config(
+            engine_dir, cfg.model, family=cfg.model.hf_family, dtype=cfg.model.params_dtype
+        )
+    dist.barrier()
+    return VLLMGenerator(
+        cfg.rollout, engine_dir, pad_id=tokenizer.pad_id,
+        tensor_parallel_size=cfg.parallel.tensor_parallel, dtype=cfg.model.params_dtype,
+        seed=cfg.trainer.seed, max_model_len=cfg.model.max_position_embeddings,
+    )  # fmt: skip
 
 
 def build_components(cfg: Config) -> Components:
@@ -161,13 +186,7 @@ def build_components(cfg: Config) -> Components:
             token_budget=t.scoring_token_budget,
             pack=t.pack_sequences,
         ),
-        generator=MegatronGenerator(
-            student,
-            student_groups,
-            vocab_size=vocab,
-            pad_id=tokenizer.pad_id,
-            max_sequence_length=cfg.model.max_position_embeddings,
-        ),
+        generator=_generator(cfg, student, student_groups, tokenizer, vocab),
         prompts=prompts,
         eval_prompts=eval_prompts,
         skipped_prompts=skipped,
