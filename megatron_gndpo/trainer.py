@@ -11,6 +11,7 @@ resumed from a checkpoint continues exactly as the uninterrupted one.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from typing import Any, cast
 
@@ -30,6 +31,28 @@ from megatron_gndpo.rollout.base import Rollout, SamplingParams
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
 _LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac")
+
+
+class _StopRequest:
+    """SIGTERM/SIGUSR1 set a flag; every rank stops at the same step (one all-reduce)."""
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 class Trainer:
@@ -75,8 +98,13 @@ class Trainer:
         return metrics
 
     def train(self) -> list[dict[str, float]]:
-        """Steps until ``trainer.steps``, with logging, evaluation and a final checkpoint."""
+        """Steps until ``trainer.steps``, with logging, evaluation and a final checkpoint.
+
+        SIGTERM or SIGUSR1 (Slurm's warning before preemption or the time limit) ends the run
+        after the current step, with a checkpoint the requeued job resumes from.
+        """
         history = []
+        stop = _StopRequest()
         if self.step_count >= self.cfg.trainer.steps:
             self._say(
                 f"{self.c.save_dir} is already at step {self.step_count} of "
@@ -90,6 +118,10 @@ class Trainer:
                 metrics |= self.evaluate()
             self.c.logger.log(self.step_count, metrics)
             history.append(metrics)
+            if stop.agreed():
+                self._say(f"stop requested: saving at step {self.step_count} and exiting")
+                break
+        stop.restore()
         interval = self.cfg.checkpoint.save_interval
         if not (interval and self.step_count % interval == 0):  # not saved by the last step
             self._save()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,22 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     trainer.c.teacher.score = score  # type: ignore[method-assign]
     out["after_nan"] = trainer.step()
     trainer.c.logger.close()
+    _reset()
+    # SIGUSR1 (Slurm's warning before the time limit) mid-run: save after the step and stop.
+    trainer = _trainer(f"{root}/preempted", "trainer.steps=6")
+    step = trainer.step
+
+    def step_then_signal() -> dict[str, float]:
+        metrics = step()
+        if trainer.step_count == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return metrics
+
+    trainer.step = step_then_signal  # type: ignore[method-assign]
+    out["preempted_steps"] = len(trainer.train())
+    from megatron_gndpo.checkpoint.dist import latest_step
+
+    out["preempted_saved"] = latest_step(trainer.c.save_dir)
     return out
 
 
@@ -197,6 +214,7 @@ def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
     assert nan["skipped"] == 1.0 and nan["skipped/nonfinite_teacher"] == 1.0
     assert r["nan_weights_kept"] and r["nan_adam_kept"]
     assert r["after_nan"]["skipped"] == 0.0 and math.isfinite(r["after_nan"]["grad_norm"])
+    assert r["preempted_steps"] == 2 and r["preempted_saved"] == 2
 
     steps = [{k: s[k] for k in GOLDEN_KEYS} for s in full[:3]]
     if os.environ.get("GNDPO_UPDATE_GOLDEN") == "1":  # after an intended change of the numbers
