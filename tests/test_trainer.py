@@ -46,6 +46,7 @@ def _layouts(rank: int, world: int, root: str) -> list[dict[str, object]]:
     tp2, pp2 = "tensor_parallel=2", "pipeline_parallel=2"
     layouts = {
         "dp2": [],
+        "dp2 bf16": ["model.params_dtype=bf16", "teacher.model.params_dtype=bf16"],
         "student tp2 / teacher pp2": [f"parallel.{tp2}", f"teacher.parallel.{pp2}"],
         "student pp2 / teacher tp2": [f"parallel.{pp2}", f"teacher.parallel.{tp2}"],
     }
@@ -69,7 +70,7 @@ def _layouts(rank: int, world: int, root: str) -> list[dict[str, object]]:
     return out
 
 
-def test_trains_at_dp2_tp2_pp2_and_a_different_teacher_layout(tmp_path: Path) -> None:
+def test_trains_at_dp2_tp2_pp2_bf16_and_a_different_teacher_layout(tmp_path: Path) -> None:
     results = run_distributed(_layouts, 2, args=(str(tmp_path),), timeout_s=400)
     for per_rank in results:
         for r in per_rank:
