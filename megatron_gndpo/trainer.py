@@ -26,6 +26,13 @@ from megatron_gndpo.engine.advantages import compute_advantages
 from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
 from megatron_gndpo.engine.setup import Components, build_components
 from megatron_gndpo.engine.update import UpdateBatch, run_update
+from megatron_gndpo.logging import progress
+from megatron_gndpo.logging.throughput import (
+    attention_seq_len,
+    mfu,
+    model_flops_per_token,
+    peak_flops_for,
+)
 from megatron_gndpo.rewards.verifiable import reward
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
 
@@ -95,6 +102,7 @@ class Trainer:
         metrics |= timer.pop()
         metrics["time/step"] = time.perf_counter() - started
         metrics["tokens/s"] = metrics["tokens/step"] / metrics["time/step"]
+        metrics |= self._mfu(rollout, metrics)
         return metrics
 
     def train(self) -> list[dict[str, float]]:
@@ -111,8 +119,12 @@ class Trainer:
                 f"trainer.steps={self.cfg.trainer.steps}: nothing to do (raise trainer.steps to "
                 "continue, or use another logging.run_dir to start afresh)"
             )
+        bar = progress(
+            self.cfg.trainer.steps, "train", dist.get_rank() == 0, initial=self.step_count
+        )
         while self.step_count < self.cfg.trainer.steps:
             metrics = self.step()
+            bar.update(1)
             interval = self.cfg.trainer.eval_interval
             if interval and self.c.eval_prompts and self.step_count % interval == 0:
                 metrics |= self.evaluate()
@@ -122,6 +134,7 @@ class Trainer:
                 self._say(f"stop requested: saving at step {self.step_count} and exiting")
                 break
         stop.restore()
+        bar.close()
         interval = self.cfg.checkpoint.save_interval
         if not (interval and self.step_count % interval == 0):  # not saved by the last step
             self._save()
@@ -249,6 +262,22 @@ class Trainer:
         if rewards is not None:
             out["reward/mean"] = reward_sum / rows
         return out
+
+    def _mfu(self, rollout: Rollout, metrics: dict[str, float]) -> dict[str, float]:
+        """Model FLOPs utilisation of the update stage (GPUs with a known peak only)."""
+        if not torch.cuda.is_available():
+            return {}
+        peak = peak_flops_for(torch.cuda.get_device_name())
+        seconds = metrics.get("time/update", 0.0)
+        if peak is None or seconds <= 0:
+            return {}
+        lengths = rollout.lengths.tolist()
+        flops_per_token = model_flops_per_token(
+            self.cfg.model, attention_seq_len(lengths), training=True
+        )
+        # every data-parallel replica processes its own rows; model-parallel ranks share them
+        flops = flops_per_token * sum(lengths) * self.c.student_groups.layout.dp
+        return {"mfu": mfu(flops, seconds, peak * dist.get_world_size())}
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts (sharded over data-parallel ranks)."""
