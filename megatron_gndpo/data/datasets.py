@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_gndpo.data.tasks import arithmetic
+from megatron_gndpo.data.tasks import arithmetic, chains
 from megatron_gndpo.data.tokenizer import Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -65,6 +65,8 @@ def _arithmetic_eval() -> list[tuple[str, str]]:
 BUILTIN_DATASETS: dict[str, Callable[[], list[tuple[str, str]]]] = {
     "arithmetic": _arithmetic,
     "arithmetic_eval": _arithmetic_eval,
+    "chains": lambda: chains.prompt_examples("train"),
+    "chains_eval": lambda: chains.prompt_examples("eval"),
 }
 """Built-in prompt sets by name (``builtin:NAME``): each returns ``(prompt, answer)`` pairs."""
 

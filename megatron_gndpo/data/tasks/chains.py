@@ -7,9 +7,10 @@
 The worked solution states one running total per operation, so a model that writes it out only
 ever does one single-digit addition or subtraction at a time; answering in one jump needs the
 whole chain in one forward pass, which a tiny model cannot do. ``difficulty`` is the number of
-operations (operands are digits 0..9), so each level adds one step to the chain. Subtractions
-never go below zero (the subtrahend is drawn from ``0..min(9, total)``), so every number is a
-plain non-negative integer.
+operations (operands are digits 0..9), so each level adds one step to the chain. A subtraction
+that would go below zero becomes an addition, so every number is a non-negative integer and the
+answers spread evenly (at difficulty 3 over 0..36, none more frequent than 6%: a constant guess
+scores little). Drawing the subtrahend from ``0..total`` instead would make 0 the answer of 15%.
 
 Deterministic from ``(n, seed, difficulty)``: Python's ``random.Random`` with an integer seed
 gives the same stream on every platform and Python version. Every number, operator and ``=`` is
@@ -63,8 +64,9 @@ def _problem(rng: random.Random, steps: int) -> Problem:
     question = [str(total)]
     worked = []
     for _ in range(steps):
-        op = rng.choice(_OPERATORS)
-        operand = rng.randint(0, 9) if op == "+" else rng.randint(0, min(9, total))
+        op, operand = rng.choice(_OPERATORS), rng.randint(0, 9)
+        if op == "-" and operand > total:
+            op = "+"
         after = total + operand if op == "+" else total - operand
         question.append(f"{op} {operand}")
         worked.append(f"{total} {op} {operand} = {after}")

@@ -1,0 +1,272 @@
+"""Supervised fine-tuning on megatron-core's schedules: ``-log p`` of the response tokens.
+
+Used by the demo to make its teacher and its student start. The machinery is the student's
+(``build_gpt``, megatron-core DDP and optimizer, ``get_forward_backward_func``), at any TP/PP/DP.
+The model's output processor is the fused log-prob head, so no ``[tokens, vocab]`` logits exist;
+the loss function returns megatron's ``(Σ -log p, token count, report)`` with
+``calculate_per_token_loss``, so megatron divides the summed gradients by the global number of
+response tokens of the step, once.
+
+Data order: step ``k`` takes the next ``batch_size`` sequences of a seeded endless stream of
+epochs (:class:`~megatron_gndpo.data.PromptSampler`); data-parallel rank ``r`` takes its
+contiguous share. The stream depends only on the seed, so any DP size sees the same batches.
+
+Legend: b/L = a micro-batch's rows/positions. The head at position ``t`` gives the log-prob of
+``targets[:, t] = tokens[:, t + 1]``, so the loss mask marks positions whose *next* token is part
+of the response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.algorithms import aggregate_loss
+from megatron_gndpo.checkpoint.dist import load_checkpoint
+from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_gndpo.data.sampler import PromptSampler
+from megatron_gndpo.data.tokenizer import Tokenizer
+from megatron_gndpo.engine.optimizer import build_optimizer, wrap_ddp
+from megatron_gndpo.models.gpt import build_gpt
+from megatron_gndpo.models.logprob_head import TokenLogProbs
+from megatron_gndpo.parallel.groups import ParallelGroups
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSequence:
+    """A chat-templated prompt followed by its response (which ends with EOS)."""
+
+    tokens: tuple[int, ...]
+    prompt_length: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.prompt_length < len(self.tokens):
+            raise ValueError(
+                f"an SFT sequence needs a non-empty prompt and response; got prompt_length="
+                f"{self.prompt_length} of {len(self.tokens)} tokens"
+            )
+
+
+def encode_sft(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> list[SFTSequence]:
+    """``(prompt, response)`` texts -> chat template + response ids + EOS."""
+    out = []
+    for prompt, response in pairs:
+        ids = tokenizer.apply_chat_template(prompt)
+        out.append(SFTSequence((*ids, *tokenizer.encode(response), tokenizer.eos_id), len(ids)))
+    return out
+
+
+def micro_batch(sequences: Sequence[SFTSequence], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``tokens``, next-token ``targets`` and response ``mask``, each ``[b, L]``."""
+    width = max(len(s.tokens) for s in sequences)
+    tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        # position t predicts token t + 1: response tokens are prompt_length .. len - 1
+        mask[i, s.prompt_length - 1 : len(s.tokens) - 1] = True
+    targets = torch.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    return {"tokens": tokens, "targets": targets, "mask": mask}
+
+
+def sft_loss(
+    logprobs_bL: torch.Tensor, mask_bL: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """megatron's loss contract for ``-mean log p(target)`` over the masked positions.
+
+    Returns ``(Σ m·(-log p), Σ m, {"loss": [sum, count]})``; megatron divides by the count summed
+    over micro-batches and data-parallel ranks (``calculate_per_token_loss``).
+    """
+    numerator, count = aggregate_loss(-logprobs_bL, mask_bL, "token-mean")
+    return numerator, count, {"loss": torch.stack([numerator.detach(), count.float()])}
+
+
+@dataclasses.dataclass
+class SFTModel:
+    """A GPTModel shard with its DDP wrapper, optimizer and learning-rate schedule."""
+
+    model: Any
+    ddp: Any
+    optimizer: Any
+    scheduler: Any
+    head: TokenLogProbs
+    groups: ParallelGroups
+
+
+def build_sft_model(
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    groups: ParallelGroups,
+    optimizer_cfg: OptimizerConfig,
+    *,
+    vocab_size: int,
+    steps: int,
+    seed: int,
+    init: str | Path | None = None,
+) -> SFTModel:
+    """A trainable model on the student's groups: random from ``seed``, or loaded from ``init``.
+
+    ``vocab_size`` is the number of real token ids (the tokenizer's); ``steps`` sizes the
+    learning-rate schedule of ``optimizer_cfg``; ``init`` is a model-only checkpoint (any layout).
+    """
+    if model_cfg.vocab_size < vocab_size:
+        raise ValueError(
+            f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({vocab_size}); build the model with vocab_size >= {vocab_size}"
+        )
+    torch.manual_seed(seed)  # weights are initialised on the CPU generator
+    model = build_gpt(model_cfg, parallel_cfg, groups)
+    if init is not None:
+        load_checkpoint(init, model)
+    ddp = wrap_ddp(model, use_distributed_optimizer=optimizer_cfg.use_distributed_optimizer)
+    optimizer = build_optimizer(ddp, optimizer_cfg)
+    return SFTModel(
+        model=model,
+        ddp=ddp,
+        optimizer=optimizer,
+        scheduler=_scheduler(optimizer, optimizer_cfg, steps),
+        head=TokenLogProbs(vocab_size=vocab_size),
+        groups=groups,
+    )
+
+
+def _scheduler(optimizer: Any, o: OptimizerConfig, steps: int) -> Any:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr if o.lr_schedule != "constant" else o.lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(steps, o.warmup_steps + 1),
+        lr_decay_style=o.lr_schedule,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(steps, 1),
+        wd_incr_style="constant",
+    )
+
+
+def sft_step(m: SFTModel, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches.
+
+    Returns ``loss`` (mean ``-log p`` over the step's response tokens on all data-parallel
+    ranks, on every pipeline stage), ``grad_norm`` (pre-clip, global), ``lr``, ``skipped``.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(m.ddp.parameters()).device
+
+    def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
+        mb = {key: value.to(device) for key, value in next(data_iterator).items()}
+        positions = torch.arange(mb["tokens"].shape[1], device=device).expand_as(mb["tokens"])
+        logprobs_bL = net(
+            mb["tokens"], positions, None,
+            output_processor=m.head, output_processor_context=mb["targets"],
+        )  # fmt: skip
+        return logprobs_bL, lambda logprobs: sft_loss(logprobs, mb["mask"])
+
+    m.ddp.train()
+    m.ddp.zero_grad_buffer()
+    m.optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[m.ddp],
+        num_microbatches=len(micro_batches),
+        seq_length=max(mb["tokens"].shape[1] for mb in micro_batches),
+        micro_batch_size=max(mb["tokens"].shape[0] for mb in micro_batches),
+        forward_only=False,
+    )
+    out = _optimizer_step(m.optimizer, m.scheduler)
+    out["loss"] = _global_loss(reports, m.groups)
+    return out
+
+
+def _optimizer_step(optimizer: Any, scheduler: Any) -> dict[str, float]:
+    # The global norm is reduced over every rank holding gradients, so all ranks agree to skip.
+    optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad()
+        return {"grad_norm": grad_norm, "skipped": 1.0, "lr": _lr(optimizer)}
+    updated, _, _ = optimizer.step()
+    if updated:
+        scheduler.step(increment=1)
+    return {"grad_norm": grad_norm, "skipped": 0.0 if updated else 1.0, "lr": _lr(optimizer)}
+
+
+def _lr(optimizer: Any) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _global_loss(reports: list[dict[str, torch.Tensor]], groups: ParallelGroups) -> float:
+    """The step's mean loss: summed over micro-batches and DP x CP, shared with every stage."""
+    total = torch.zeros(2, dtype=torch.float64)
+    if reports:  # the last pipeline stage; its DP x CP group holds only last-stage ranks
+        total = torch.stack([r["loss"] for r in reports]).sum(0).double()
+        dist.all_reduce(total, group=groups.dp_cp)
+    if groups.layout.pp > 1:
+        last = dist.get_process_group_ranks(groups.pp)[-1]
+        dist.broadcast(total, src=last, group=groups.pp)
+    return float(total[0] / total[1].clamp(min=1.0))
+
+
+def sft_train(
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    groups: ParallelGroups,
+    sequences: Sequence[SFTSequence],
+    *,
+    optimizer: OptimizerConfig,
+    steps: int,
+    batch_size: int,
+    micro_batch_size: int,
+    seed: int,
+    vocab_size: int,
+    pad_id: int,
+    init: str | Path | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> tuple[SFTModel, list[dict[str, float]]]:
+    """Build a model (from ``seed``, or loaded from ``init``) and fine-tune it ``steps`` steps.
+
+    ``batch_size`` sequences per step over all data-parallel ranks (a multiple of the DP size
+    whose per-rank share is split into micro-batches of ``micro_batch_size``). ``on_step(step,
+    metrics)`` is called after each step (progress bars). Returns the model and the per-step
+    metrics (see :func:`sft_step`).
+    """
+    dp = groups.layout.dp
+    if steps < 1 or batch_size < 1 or micro_batch_size < 1 or batch_size % dp:
+        raise ValueError(
+            f"need steps >= 1, micro_batch_size >= 1 and a batch_size divisible by the "
+            f"data-parallel size {dp}; got steps={steps}, batch_size={batch_size}, "
+            f"micro_batch_size={micro_batch_size}"
+        )
+    m = build_sft_model(
+        model_cfg, parallel_cfg, groups, optimizer,
+        vocab_size=vocab_size, steps=steps, seed=seed, init=init,
+    )  # fmt: skip
+    sampler = PromptSampler(
+        len(sequences), prompts_per_step=batch_size, dp_rank=groups.coords["dp"],
+        dp_size=dp, seed=seed,
+    )  # fmt: skip
+    history = []
+    for step in range(1, steps + 1):
+        mine = [sequences[i] for i in sampler.next_step()]
+        micro = [
+            micro_batch(mine[k : k + micro_batch_size], pad_id)
+            for k in range(0, len(mine), micro_batch_size)
+        ]
+        metrics = sft_step(m, micro)
+        history.append(metrics)
+        if on_step is not None:
+            on_step(step, metrics)
+    return m, history
