@@ -11,6 +11,7 @@ Only the student trains, and the student's groups are megatron-core's global par
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -77,3 +78,23 @@ def build_optimizer(ddp_model: Any, cfg: OptimizerConfig) -> Any:
         params_dtype=params_dtype,
     )
     return get_megatron_optimizer(mcore, [ddp_model])
+
+
+def step_optimizer(optimizer: Any, scheduler: Any) -> dict[str, float]:
+    """One optimizer step after a forward/backward, unless the global gradient norm is not finite.
+
+    megatron-core clips by a NaN norm without complaint in bf16/fp32 (no grad scaler), which
+    would corrupt the weights: the norm is checked first. It is reduced over every rank holding
+    gradients, so all ranks agree to skip. Returns ``grad_norm`` (pre-clip), ``skipped``, ``lr``.
+    """
+    optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    lr = float(optimizer.param_groups[0]["lr"])
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad()
+        return {"grad_norm": grad_norm, "skipped": 1.0, "lr": lr}
+    updated, _, _ = optimizer.step()
+    if updated and scheduler is not None:
+        scheduler.step(increment=1)
+    lr = float(optimizer.param_groups[0]["lr"])
+    return {"grad_norm": grad_norm, "skipped": 0.0 if updated else 1.0, "lr": lr}

@@ -19,7 +19,6 @@ of the response.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from megatron_gndpo.checkpoint.dist import load_checkpoint
 from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_gndpo.data.sampler import PromptSampler
 from megatron_gndpo.data.tokenizer import Tokenizer
-from megatron_gndpo.engine.optimizer import build_optimizer, wrap_ddp
+from megatron_gndpo.engine.optimizer import build_optimizer, step_optimizer, wrap_ddp
 from megatron_gndpo.models.gpt import build_gpt
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -186,26 +185,9 @@ def sft_step(m: SFTModel, micro_batches: list[dict[str, torch.Tensor]]) -> dict[
         micro_batch_size=max(mb["tokens"].shape[0] for mb in micro_batches),
         forward_only=False,
     )
-    out = _optimizer_step(m.optimizer, m.scheduler)
+    out = step_optimizer(m.optimizer, m.scheduler)
     out["loss"] = _global_loss(reports, m.groups)
     return out
-
-
-def _optimizer_step(optimizer: Any, scheduler: Any) -> dict[str, float]:
-    # The global norm is reduced over every rank holding gradients, so all ranks agree to skip.
-    optimizer.prepare_grads()
-    grad_norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad()
-        return {"grad_norm": grad_norm, "skipped": 1.0, "lr": _lr(optimizer)}
-    updated, _, _ = optimizer.step()
-    if updated:
-        scheduler.step(increment=1)
-    return {"grad_norm": grad_norm, "skipped": 0.0 if updated else 1.0, "lr": _lr(optimizer)}
-
-
-def _lr(optimizer: Any) -> float:
-    return float(optimizer.param_groups[0]["lr"])
 
 
 def _global_loss(reports: list[dict[str, torch.Tensor]], groups: ParallelGroups) -> float:

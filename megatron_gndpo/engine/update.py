@@ -15,7 +15,6 @@ model's head at position ``t`` predicts token ``t + 1``, so they are shifted by 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from megatron_gndpo.algorithms.losses import (
     ppo_clip_loss,
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
+from megatron_gndpo.engine.optimizer import step_optimizer
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 
 
@@ -153,26 +153,8 @@ def run_update(
             micro_batch_size=max(m["tokens"].shape[0] for m in micro),
             forward_only=False,
         )
-        results.append(_optimizer_step(optimizer, scheduler) | _summarise(reports, dp_group))
+        results.append(step_optimizer(optimizer, scheduler) | _summarise(reports, dp_group))
     return results
-
-
-def _optimizer_step(optimizer: Any, scheduler: Any) -> dict[str, float]:
-    # megatron-core clips by a NaN norm without complaint in bf16/fp32 (no grad scaler): check
-    # the global norm first. It is reduced over every rank holding gradients, so all agree.
-    optimizer.prepare_grads()
-    grad_norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad()
-        return {"grad_norm": grad_norm, "skipped": 1.0, "lr": _lr(optimizer)}
-    updated, _, _ = optimizer.step()
-    if updated and scheduler is not None:
-        scheduler.step(increment=1)
-    return {"grad_norm": grad_norm, "skipped": 0.0 if updated else 1.0, "lr": _lr(optimizer)}
-
-
-def _lr(optimizer: Any) -> float:
-    return float(optimizer.param_groups[0]["lr"])
 
 
 def _summarise(reports: list[dict[str, torch.Tensor]], dp_group: Any) -> dict[str, float]:
