@@ -63,6 +63,10 @@ def _child(
         results.put((rank, "error", traceback.format_exc()))
 
 
+# The port is free when chosen but another process may take it before rank 0 binds it.
+_PORT_TAKEN = ("Address already in use", "EADDRINUSE")
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -70,7 +74,21 @@ def run_distributed(
     *,
     timeout_s: float = 180.0,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return values by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return values by rank.
+
+    A launch that fails only because its rendezvous port was taken meanwhile is retried once.
+    """
+    try:
+        return _launch(fn, world_size, args, timeout_s)
+    except RuntimeError as err:
+        if not any(marker in str(err) for marker in _PORT_TAKEN):
+            raise
+        return _launch(fn, world_size, args, timeout_s)
+
+
+def _launch(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout_s: float
+) -> list[Any]:
     from megatron_gndpo.parallel.distributed import free_port
 
     ctx = mp.get_context("spawn")
