@@ -39,6 +39,7 @@ setup(
         "psutil>=5.9",
         "tqdm>=4.66",
         "numpy>=1.26",
+        "matplotlib>=3.8",
         "pyyaml>=6.0",
         "sentencepiece>=0.2",
         "wandb>=0.18",

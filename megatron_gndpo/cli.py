@@ -3,6 +3,7 @@
     megatron-gndpo train [--config FILE] [section.key=value ...]     (under torchrun or srun)
     megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [section.key=value ...]
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
+    megatron-gndpo demo [--quick] [--run-dir DIR] [--cache-dir DIR]   (one process, CPU is fine)
 
 Without ``--config`` the embedded default is used: ``plan``/``config`` start from the release
 defaults with tiny models; ``train`` runs ``megatron_gndpo/configs/tiny_cpu.yaml`` (a tiny
@@ -93,6 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_cfg.add_argument("action", choices=("show", "validate", "fields"))
     _add_config_args(p_cfg, world_default=None)
+
+    p_demo = sub.add_parser(
+        "demo",
+        help="distil a tiny reasoning teacher into a student on the CPU: GNDPO vs OPD vs RLVR",
+        description="Train a small teacher and a weaker student on the built-in chains task "
+        "(cached), then train the student with GNDPO, OPD and RLVR from the same start and seeds "
+        "and write a report (metrics, plots, summary.md) into the run directory. One process; "
+        "no GPU and no downloads needed.",
+    )
+    p_demo.add_argument("--quick", action="store_true", help="a smaller run (under 5 minutes)")
+    p_demo.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="report folder")
+    p_demo.add_argument(
+        "--cache-dir", type=Path, help="tokenizer and trained models (default: RUN_DIR/cache)"
+    )
     return parser
 
 
@@ -165,6 +180,18 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from megatron_gndpo.demo.report import summary_numbers, summary_table, verdict
+    from megatron_gndpo.demo.run import run_demo
+
+    summary = run_demo(args.run_dir, args.cache_dir, quick=args.quick)
+    numbers = summary_numbers(summary)
+    print(f"report written to {summary.run_dir / 'summary.md'}")
+    print(summary_table(numbers), end="")
+    print(verdict(numbers), end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # argparse fills a positional list only once: overrides after an option (`config validate
@@ -176,8 +203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [arg for arg in extra if arg.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "demo":  # it takes no config overrides
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _cmd_demo(args)
     args.overrides = [*args.overrides, *extra]
-    handlers = {"plan": _cmd_plan, "config": _cmd_config, "train": _cmd_train}
+    handlers = {
+        "plan": _cmd_plan, "config": _cmd_config, "train": _cmd_train, "demo": _cmd_demo,
+    }  # fmt: skip
     try:
         return handlers[args.command](args)
     except ConfigError as err:

@@ -1,0 +1,65 @@
+"""``megatron-gndpo demo --quick`` end to end, as a newcomer runs it: the report and its numbers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_gndpo.demo.report import PLOTS
+from megatron_gndpo.demo.run import METHODS
+
+pytestmark = [pytest.mark.megatron]
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def test_demo_quick_writes_a_finite_report(tmp_path: Path) -> None:
+    run_dir = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "demo", "--quick",
+         "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"report written to {run_dir / 'summary.md'}" in done.stdout
+    assert "| student + gndpo |" in done.stdout
+
+    summary = (run_dir / "summary.md").read_text()
+    assert "| teacher |" in summary and "GNDPO did" in summary
+    for plot in PLOTS:
+        path = run_dir / plot
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+        assert f"]({plot})" in summary
+
+    numbers = json.loads((run_dir / "summary.json").read_text())
+    assert set(numbers["methods"]) == set(METHODS)
+    assert 0.0 <= numbers["student_start_accuracy"] <= numbers["teacher_accuracy"] <= 1.0
+    for name, m in numbers["methods"].items():
+        assert m["start_accuracy"] == numbers["student_start_accuracy"], name  # same start
+        assert 0.0 <= m["final_accuracy"] <= 1.0
+        assert _finite(m["grad_norm"]["max"]) and _finite(m["grad_norm"]["median"]), (name, m)
+        assert m["wall_seconds"] > 0
+
+    with (run_dir / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    steps = numbers["steps"]
+    for name in METHODS:
+        method_dir = run_dir / name
+        assert (method_dir / "config.yaml").is_file()
+        lines = (method_dir / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in lines] == list(range(1, steps + 1))
+        mine = [r for r in rows if r["method"] == name]
+        assert [int(r["step"]) for r in mine] == list(range(steps + 1))  # step 0: the start
+        for r in mine[1:]:
+            for key in ("grad_norm", "score/mean", "advantage/std", "response_length/mean"):
+                assert math.isfinite(float(r[key])), (name, r["step"], key)
+        accuracies = [float(r["eval/accuracy"]) for r in mine if r["eval/accuracy"]]
+        assert len(accuracies) >= 2 and all(0.0 <= a <= 1.0 for a in accuracies)
