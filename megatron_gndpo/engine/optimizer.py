@@ -98,3 +98,23 @@ def step_optimizer(optimizer: Any, scheduler: Any) -> dict[str, float]:
         scheduler.step(increment=1)
     lr = float(optimizer.param_groups[0]["lr"])
     return {"grad_norm": grad_norm, "skipped": 0.0 if updated else 1.0, "lr": lr}
+
+
+def build_scheduler(optimizer: Any, cfg: OptimizerConfig, *, total_steps: int,
+                    warmup_steps: int) -> Any:  # fmt: skip
+    """megatron-core's learning-rate schedule over ``total_steps`` optimizer steps."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup_steps else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr if cfg.lr_schedule != "constant" else cfg.lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(total_steps, warmup_steps + 1),
+        lr_decay_style=cfg.lr_schedule,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )

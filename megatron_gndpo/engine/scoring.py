@@ -118,6 +118,20 @@ def _packed_micro_batch(
     return _MicroBatch(rows, tokens, positions, targets, mask.view(1, 1, total, total), segments)
 
 
+def schedule_groups(groups: ParallelGroups, model_config: Any) -> dict[str, Any]:
+    """The process-group arguments of megatron's schedules for a model on ``groups``.
+
+    The model's own pipeline group, not megatron's global one: the teacher has its own layout.
+    Build it once per model and reuse it (it creates a P2P communicator).
+    """
+    kwargs: dict[str, Any] = {"pg_collection": groups.pg_collection()}
+    if groups.layout.pp > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        kwargs["p2p_communicator"] = P2PCommunicator(groups.pp, model_config)
+    return kwargs
+
+
 def score_tokens(
     model: Any,
     groups: ParallelGroups,
@@ -160,12 +174,6 @@ def score_tokens(
         )
         return logprobs_bL, lambda output, non_loss_data=True: output.detach().float()
 
-    schedule_groups: dict[str, Any] = {"pg_collection": groups.pg_collection()}
-    if groups.layout.pp > 1:
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        # The model's own pipeline group (not megatron's global one: the teacher has its own).
-        schedule_groups["p2p_communicator"] = P2PCommunicator(groups.pp, model.config)
     was_training = model.training
     model.eval()
     try:
@@ -179,7 +187,7 @@ def score_tokens(
                 micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
                 forward_only=True,
                 collect_non_loss_data=True,
-                **schedule_groups,
+                **schedule_groups(groups, model.config),
             )
     finally:
         model.train(was_training)

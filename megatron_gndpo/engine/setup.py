@@ -19,7 +19,7 @@ from megatron_gndpo.config import Config, ConfigError, layout_of, to_dict
 from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
 from megatron_gndpo.data.datasets import EncodedPrompt
 from megatron_gndpo.data.tokenizer import Tokenizer
-from megatron_gndpo.engine.optimizer import build_optimizer, wrap_ddp
+from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_gndpo.engine.teacher import TeacherScorer
 from megatron_gndpo.logging import MetricsLogger, StageTimer, build_logger
 from megatron_gndpo.models.gpt import build_gpt, build_teacher
@@ -82,23 +82,11 @@ def check_same_tokenizer(student: Tokenizer, teacher: Tokenizer, cfg: Config) ->
 
 
 def _scheduler(optimizer: Any, cfg: Config) -> Any:
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    o, steps = cfg.optimizer, cfg.trainer.steps * cfg.trainer.optimizer_steps_per_rollout
-    warmup = o.warmup_steps * cfg.trainer.optimizer_steps_per_rollout
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if warmup else o.lr,
-        max_lr=o.lr,
-        min_lr=o.min_lr if o.lr_schedule != "constant" else o.lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=max(steps, warmup + 1),
-        lr_decay_style=o.lr_schedule,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=max(steps, 1),
-        wd_incr_style="constant",
-    )
+    per_rollout = cfg.trainer.optimizer_steps_per_rollout
+    return build_scheduler(
+        optimizer, cfg.optimizer, total_steps=cfg.trainer.steps * per_rollout,
+        warmup_steps=cfg.optimizer.warmup_steps * per_rollout,
+    )  # fmt: skip
 
 
 def _generator(

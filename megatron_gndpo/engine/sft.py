@@ -31,7 +31,12 @@ from megatron_gndpo.checkpoint.dist import load_checkpoint
 from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_gndpo.data.sampler import PromptSampler
 from megatron_gndpo.data.tokenizer import Tokenizer
-from megatron_gndpo.engine.optimizer import build_optimizer, step_optimizer, wrap_ddp
+from megatron_gndpo.engine.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    step_optimizer,
+    wrap_ddp,
+)
 from megatron_gndpo.models.gpt import build_gpt
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -137,21 +142,7 @@ def build_sft_model(
 
 
 def _scheduler(optimizer: Any, o: OptimizerConfig, steps: int) -> Any:
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if o.warmup_steps else o.lr,
-        max_lr=o.lr,
-        min_lr=o.min_lr if o.lr_schedule != "constant" else o.lr,
-        lr_warmup_steps=o.warmup_steps,
-        lr_decay_steps=max(steps, o.warmup_steps + 1),
-        lr_decay_style=o.lr_schedule,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=max(steps, 1),
-        wd_incr_style="constant",
-    )
+    return build_scheduler(optimizer, o, total_steps=steps, warmup_steps=o.warmup_steps)
 
 
 def sft_step(m: SFTModel, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.engine.scoring import schedule_groups
 from megatron_gndpo.models.logprob_head import output_inputs
 from megatron_gndpo.parallel.groups import ParallelGroups
 from megatron_gndpo.rollout.base import Rollout, RowStreams, SamplingParams, sample_next
@@ -73,6 +74,8 @@ class MegatronGenerator:
         self.vocab_size = vocab_size
         self.pad_id = pad_id
         self.max_sequence_length = max_sequence_length
+        # built once: a decode runs one schedule per token
+        self._schedule_groups = schedule_groups(groups, model.config)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int]
@@ -149,11 +152,6 @@ class MegatronGenerator:
             return out, lambda output, non_loss_data=True: output
 
         layout = self.groups.layout
-        schedule: dict[str, Any] = {"pg_collection": self.groups.pg_collection()}
-        if layout.pp > 1:
-            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-            schedule["p2p_communicator"] = P2PCommunicator(self.groups.pp, self.model.config)
         with torch.no_grad():
             outputs = get_forward_backward_func(pp_size=layout.pp)(
                 forward_step_func=forward_step,
@@ -164,7 +162,7 @@ class MegatronGenerator:
                 micro_batch_size=chunk_BS.shape[0],
                 forward_only=True,
                 collect_non_loss_data=True,
-                **schedule,
+                **self._schedule_groups,
             )
         logits = outputs[0] if self.groups.is_last_stage else None
         if layout.pp > 1:  # every stage samples the same tokens: give it the logits
