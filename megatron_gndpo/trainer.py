@@ -177,7 +177,9 @@ class Trainer:
             token_budget=self.cfg.trainer.scoring_token_budget,
             pack=self.cfg.trainer.pack_sequences,
         )  # fmt: skip
-        return broadcast_from_last_stage(lp, rollout.tokens.shape, c.student_groups)
+        device = next(c.student.parameters()).device  # the broadcast goes over NCCL on GPUs
+        lp = broadcast_from_last_stage(lp, rollout.tokens.shape, c.student_groups, device)
+        return lp.to(rollout.tokens.device)
 
     def _rewards(self, rollout: Rollout, prompts: list[Any]) -> torch.Tensor | None:
         answers = [prompts[int(i)].example.answer for i in rollout.prompt_index]

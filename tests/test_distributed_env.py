@@ -14,6 +14,7 @@ from megatron_gndpo.parallel.distributed import (
     detect_env,
     expand_slurm_nodelist,
     init_distributed,
+    shutdown_distributed,
 )
 
 TORCHRUN = {
@@ -172,3 +173,24 @@ def test_init_distributed_once_then_mismatch_raises() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_gpu_default_backend_pairs_nccl_with_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPU tensors (flags, metric sums) must still have a backend on GPU machines.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_backend() == "cpu:gloo,cuda:nccl"
+
+
+def test_device_map_backend_reaches_new_groups() -> None:
+    """The per-device backend syntax of the GPU default, exercised with its CPU half: groups
+    created afterwards (as megatron's are) inherit it and reduce CPU tensors."""
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    try:
+        init_distributed(detect_env({}), backend="cpu:gloo", timeout_s=60)
+        group = dist.new_group([0])
+        t = torch.tensor([2.0])
+        dist.all_reduce(t, group=group)
+        assert t.item() == 2.0
+    finally:
+        shutdown_distributed()

@@ -203,13 +203,25 @@ def score_tokens(
 
 
 def broadcast_from_last_stage(
-    value: torch.Tensor | None, shape: Sequence[int], groups: ParallelGroups
+    value: torch.Tensor | None,
+    shape: Sequence[int],
+    groups: ParallelGroups,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Give every pipeline stage the last stage's tensor (float32, ``shape``)."""
+    """Give every pipeline stage the last stage's tensor (float32, ``shape``) on ``device``.
+
+    Pass the model's device on GPUs so the broadcast goes through NCCL, not gloo.
+    """
+    if value is not None:
+        value = value.to(device)
     if groups.layout.pp == 1:
         assert value is not None
         return value
-    buffer = value if value is not None else torch.empty(tuple(shape), dtype=torch.float32)
+    buffer = (
+        value
+        if value is not None
+        else torch.empty(tuple(shape), dtype=torch.float32, device=device)
+    )
     last = dist.get_process_group_ranks(groups.pp)[-1]
     dist.broadcast(buffer, src=last, group=groups.pp)
     return buffer

@@ -54,12 +54,14 @@ class TeacherScorer:
 
     def score(self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor) -> torch.Tensor:
         """Teacher log-probs ``[n, S]`` (scoring convention) of this rank's rows."""
-        width = torch.tensor([tokens_nS.shape[1]])
+        # The exchange runs on the model's device: on GPUs the step batch travels over NCCL.
+        device = next(self.model.parameters()).device
+        width = torch.tensor([tokens_nS.shape[1]], device=device)
         dist.all_reduce(width, op=dist.ReduceOp.MAX)  # one padded width for the whole world
-        padded = torch.zeros(tokens_nS.shape[0], int(width), dtype=tokens_nS.dtype)
+        padded = torch.zeros(tokens_nS.shape[0], int(width), dtype=tokens_nS.dtype, device=device)
         padded[:, : tokens_nS.shape[1]] = tokens_nS
         all_tokens = _all_gather_rows(padded, self.student_groups.dp)
-        all_lengths = _all_gather_rows(lengths_n, self.student_groups.dp)
+        all_lengths = _all_gather_rows(lengths_n.to(device), self.student_groups.dp)
 
         teacher_dp = self.groups.layout.dp
         share = all_tokens.shape[0] // teacher_dp
@@ -69,9 +71,9 @@ class TeacherScorer:
             self.model, self.groups, all_tokens[rows], all_lengths[rows],
             head=self.head, token_budget=self.token_budget, pack=self.pack,
         )  # fmt: skip
-        mine = broadcast_from_last_stage(mine, (share, int(width)), self.groups)
+        mine = broadcast_from_last_stage(mine, (share, int(width)), self.groups, device)
         everything = _all_gather_rows(mine, self.groups.dp)
 
         n = tokens_nS.shape[0]
         s = self.student_groups.coords["dp"]
-        return everything[s * n : (s + 1) * n, : tokens_nS.shape[1]]
+        return everything[s * n : (s + 1) * n, : tokens_nS.shape[1]].to(tokens_nS.device)

@@ -10,7 +10,10 @@ Three launchers are understood, in this order of precedence:
   is set.
 - Nothing: a single process (rank 0 of 1) on a free local port.
 
-The backend is NCCL when CUDA is available and gloo otherwise.
+On GPUs the default process group has two backends, ``cpu:gloo,cuda:nccl``: CUDA tensors go
+through NCCL, and the few small CPU tensors the trainer reduces (stop flags, metric sums, widths)
+through gloo, so a collective never fails for its tensor's device. Groups created later (megatron's
+and ours) inherit both. Without CUDA the backend is gloo.
 """
 
 from __future__ import annotations
@@ -157,8 +160,8 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistributedEnv:
 
 
 def default_backend() -> str:
-    """NCCL on GPUs, gloo on CPUs."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """NCCL for CUDA tensors plus gloo for CPU tensors on GPUs; gloo alone on CPUs."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed(
@@ -182,7 +185,7 @@ def init_distributed(
             )
         return env
     backend = backend or default_backend()
-    if backend == "nccl":
+    if "nccl" in backend:
         if torch.cuda.device_count() <= env.local_rank:
             raise RuntimeError(
                 f"local rank {env.local_rank} has no GPU (this node has "
