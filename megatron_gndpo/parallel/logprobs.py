@@ -1,11 +1,11 @@
-"""Sampled-token log-probs over a vocab-parallel output layer: chunked, fused, with recompute.
+"""Token log-probs and entropy over a vocab-parallel output layer: chunked, fused, with recompute.
 
 Shape legend (suffixes on tensor names):
     T   tokens in the call (batch × sequence, flattened); the same tokens on every TP rank
     C   tokens in one chunk (at most ``chunk_tokens``)
     H   hidden size
     V   vocabulary rows held by this TP rank (the whole padded vocabulary without TP)
-    K   top-k candidates
+    K   target ids per token (multi-target calls), or top-k candidates
     P   ranks in the tensor-parallel group
 
 The math, per token t with target id y_t and temperature τ (the full vocabulary is the
@@ -15,12 +15,18 @@ concatenation of the TP shards in rank order, Megatron's contiguous split
     z_t    = hidden_t · W^T / τ,   z_tv = −inf for v ≥ vocab_size (padding: no probability mass)
     lse_t  = m_t + log Σ_v exp(z_tv − m_t),           m_t = max_v z_tv
     logp_t = z_t,y_t − lse_t
-    ∂logp_t/∂z_t = onehot(y_t) − softmax(z_t)
+    H_t    = −Σ_v p_tv log p_tv = lse_t − Σ_v p_tv z_tv,        p_t = softmax(z_t)
+    ∂logp_t/∂z_t = onehot(y_t) − p_t
+    ∂H_t/∂z_tv   = −p_tv · (log p_tv + H_t)
+
+With targets ``[T, K]`` (K ids per token: a teacher's top-k, a guidance token) ``logp_tk`` is
+the log-prob of ``y_tk`` and an upstream gradient ``g_tk`` gives ``Σ_k g_tk·(onehot(y_tk) − p_t)``.
 
 Per chunk of tokens, each rank does the arithmetic on its own shard and the autograd function
 only orders it around the collectives (as Megatron's ``tensor_parallel/cross_entropy.py`` does):
 
-    forward    local max ─ all_reduce(MAX) ─ local [Σ exp(z − m), z_y − m] ─ all_reduce(SUM)
+    forward    local max ─ all_reduce(MAX) ─ local [Σ exp(z − m), z_y − m (× K),
+               (Σ exp(z − m)·(z − m) for the entropy)] ─ all_reduce(SUM)
     backward   recompute z ─ local grad_z ─ grad_hidden_C = grad_z · W, grad_W += grad_zᵀ · hidden_C
                ─ after the last chunk, ONE all_reduce(SUM) of grad_hidden
 
@@ -31,7 +37,8 @@ With ``tp_group=None`` there is no collective at all and torch.distributed need 
 initialised.
 
 Memory: only ``[C, V]`` logits exist at a time (a few such buffers inside one chunk), never
-``[T, V]``. The forward saves hidden, weight, targets and the float32 ``lse [T]``; the backward
+``[T, V]``. The forward saves hidden, weight, targets and the float32 ``lse [T]`` (and ``H [T]``
+when the entropy is asked for); the backward
 recomputes each chunk's logits (one extra matmul per chunk, the usual recompute trade) and keeps a
 float32 weight-gradient accumulator of the weight's size.
 
@@ -76,9 +83,10 @@ class _VocabShard:
 class TokenStats:
     """Per-token diagnostics from :func:`vocab_parallel_token_stats` (all over the full vocab).
 
-    ``logprobs [T]`` float32 log-prob of the target; ``entropy [T]`` float32 entropy of the
-    (temperature-scaled) distribution; ``topk_logprobs [T, K]`` float32, descending, and
-    ``topk_ids [T, K]`` int64 global token ids of the K most likely tokens.
+    ``logprobs`` float32 log-probs of the targets, shaped like them (``[T]`` or ``[T, K]``);
+    ``entropy [T]`` float32 entropy of the (temperature-scaled) distribution;
+    ``topk_logprobs [T, k]`` float32, descending, and ``topk_ids [T, k]`` int64 global token ids
+    of the k most likely tokens.
     """
 
     logprobs: torch.Tensor
@@ -124,55 +132,79 @@ class _ShardMath:
     def shifted_exp_sums(
         logits_CV: torch.Tensor,
         max_C: torch.Tensor,
-        targets_C: torch.Tensor,
+        targets_CK: torch.Tensor,
         shard: _VocabShard,
         *,
         entropy: bool = False,
     ) -> torch.Tensor:
-        """This shard's partial sums ``[2, C]`` (``[3, C]`` with ``entropy``), to sum over TP.
+        """This shard's partial sums ``[1 + K, C]`` (``[2 + K, C]`` with ``entropy``), to sum
+        over TP.
 
-        Rows: ``Σ_v exp(z − m)``; ``z_y − m`` where this shard holds ``y``, else 0; with
-        ``entropy`` also ``Σ_v exp(z − m)·(z − m)``. ``m`` is the global max. Overwrites
-        ``logits_CV`` (it ends holding ``exp(z − m)``).
+        Rows: ``Σ_v exp(z − m)``; for each of the K targets ``z_y − m`` where this shard holds
+        ``y``, else 0; with ``entropy`` last ``Σ_v exp(z − m)·(z − m)``. ``m`` is the global max.
+        Overwrites ``logits_CV`` (it ends holding ``exp(z − m)``).
         """
         shifted_CV = logits_CV.sub_(max_C.unsqueeze(-1))
-        local_C, owned_C = _ShardMath.local_targets(targets_C, shard)
-        target_C = shifted_CV.gather(-1, local_C.unsqueeze(-1)).squeeze(-1)
-        target_C = target_C.masked_fill(~owned_C, 0.0)
+        local_CK, owned_CK = _ShardMath.local_targets(targets_CK, shard)
+        target_CK = shifted_CV.gather(-1, local_CK).masked_fill_(~owned_CK, 0.0)
         exp_CV = shifted_CV.exp_()
-        partials = [exp_CV.sum(dim=-1), target_C]
+        partials = [exp_CV.sum(dim=-1).unsqueeze(0), target_CK.t()]
         if entropy:
             # e·log e = e·(z − m), and 0 where e = 0 (padding: z = −inf) instead of 0·(−inf) = NaN.
-            partials.append(torch.special.xlogy(exp_CV, exp_CV).sum(dim=-1))
-        return torch.stack(partials)
+            partials.append(torch.special.xlogy(exp_CV, exp_CV).sum(dim=-1).unsqueeze(0))
+        return torch.cat(partials)
 
     @staticmethod
     def logprob_and_lse(
-        max_C: torch.Tensor, sums: torch.Tensor
+        max_C: torch.Tensor, sums: torch.Tensor, num_targets: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logp = (z_y − m) − log S`` and ``lse = m + log S`` from the global max and sums."""
+        """``logp [C, K] = (z_y − m) − log S`` and ``lse [C] = m + log S`` from the global max
+        and the summed partials."""
         log_sum_C = sums[0].log()
-        return sums[1] - log_sum_C, max_C + log_sum_C
+        logp_CK = sums[1 : 1 + num_targets].t() - log_sum_C.unsqueeze(-1)
+        return logp_CK, max_C + log_sum_C
 
     @staticmethod
     def entropy(sums: torch.Tensor) -> torch.Tensor:
         """``H = lse − Σ p·z = log S − Σ exp(z − m)·(z − m) / S`` from the summed partials."""
-        return sums[0].log() - sums[2] / sums[0]
+        return sums[0].log() - sums[-1] / sums[0]
 
     @staticmethod
     def grad_logits_(
         logits_CV: torch.Tensor,
         lse_C: torch.Tensor,
-        grad_C: torch.Tensor,
-        targets_C: torch.Tensor,
+        grad_CK: torch.Tensor | None,
+        targets_CK: torch.Tensor,
         shard: _VocabShard,
+        entropy: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``∂L/∂(hidden·Wᵀ) = g · (onehot(y) − softmax(z)) / τ``, written over ``logits_CV``."""
-        scale_C = grad_C.float() / shard.temperature
-        grad_CV = logits_CV.sub_(lse_C.unsqueeze(-1)).exp_()  # softmax; padding: exp(−inf) = 0
-        grad_CV.mul_(-scale_C.unsqueeze(-1))
-        local_C, owned_C = _ShardMath.local_targets(targets_C, shard)
-        grad_CV.scatter_add_(-1, local_C.unsqueeze(-1), (scale_C * owned_C).unsqueeze(-1))
+        """``∂L/∂(hidden·Wᵀ)``, written over ``logits_CV`` (a second ``[C, V]`` buffer with
+        ``entropy``).
+
+        ``[Σ_k g_k·(onehot(y_k) − p) − g_H·p·(log p + H)] / τ`` for the upstream gradients
+        ``grad_CK`` of the K target log-probs (``None``: zero) and, with ``entropy = (H_C,
+        g_H_C)``, of the entropy.
+        """
+        if grad_CK is None:
+            scale_CK = torch.zeros_like(targets_CK, dtype=torch.float32)
+        else:
+            scale_CK = grad_CK.float() / shard.temperature
+        scale_C = scale_CK.sum(dim=-1) if scale_CK.shape[-1] != 1 else scale_CK.squeeze(-1)
+        logp_CV = logits_CV.sub_(lse_C.unsqueeze(-1))  # log p; padding: −inf
+        if entropy is None:
+            grad_CV = logp_CV.exp_().mul_(-scale_C.unsqueeze(-1))  # padding: exp(−inf) = 0
+        else:
+            entropy_C, grad_entropy_C = entropy
+            p_CV = logp_CV.exp()
+            # p · [−(g_H/τ)·(log p + H) − Σ_k g_k/τ]
+            grad_CV = logp_CV.add_(entropy_C.unsqueeze(-1))
+            grad_CV.mul_((-grad_entropy_C.float() / shard.temperature).unsqueeze(-1))
+            grad_CV.sub_(scale_C.unsqueeze(-1)).mul_(p_CV)
+            del p_CV
+            # Padding columns: p = 0 times log p = −inf is NaN; their true gradient is 0.
+            grad_CV[:, shard.real_rows :] = 0.0
+        local_CK, owned_CK = _ShardMath.local_targets(targets_CK, shard)
+        grad_CV.scatter_add_(-1, local_CK, scale_CK * owned_CK)
         return grad_CV
 
     @staticmethod
@@ -212,10 +244,16 @@ def _chunks(num_tokens: int, chunk_tokens: int) -> Iterator[slice]:
         yield slice(start, min(start + chunk_tokens, num_tokens))
 
 
+def _as_TK(tensor: torch.Tensor) -> torch.Tensor:
+    """``[T]`` as ``[T, 1]`` (a view); ``[T, K]`` unchanged."""
+    return tensor.unsqueeze(-1) if tensor.dim() == 1 else tensor
+
+
 def _reduce_chunk(
-    logits_CV: torch.Tensor, targets_C: torch.Tensor, shard: _VocabShard, *, entropy: bool = False
+    logits_CV: torch.Tensor, targets_CK: torch.Tensor, shard: _VocabShard, *, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global max ``[C]`` and summed partials ``[2 or 3, C]`` of one chunk; overwrites logits.
+    """Global max ``[C]`` and summed partials ``[1 + K (+1), C]`` of one chunk; overwrites
+    logits.
 
     Every rank of the TP group must call this for every chunk (the chunking depends only on T,
     which all TP ranks share).
@@ -223,40 +261,60 @@ def _reduce_chunk(
     max_C = logits_CV.max(dim=-1).values
     # The shift must be the same on every shard for the partial sums to add up.
     _all_reduce(max_C, dist.ReduceOp.MAX, shard.group)
-    sums = _ShardMath.shifted_exp_sums(logits_CV, max_C, targets_C, shard, entropy=entropy)
-    # One reduction for all partials: the target term is nonzero on the one rank that owns y.
+    sums = _ShardMath.shifted_exp_sums(logits_CV, max_C, targets_CK, shard, entropy=entropy)
+    # One reduction for all partials: a target term is nonzero on the one rank that owns y.
     _all_reduce(sums, dist.ReduceOp.SUM, shard.group)
     return max_C, sums
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """``logp [T]`` from hidden ``[T, H]`` and this rank's output-layer shard ``[V, H]``."""
+    """``logp`` (shaped like the targets, ``[T]`` or ``[T, K]``) and, with ``with_entropy``,
+    also ``H [T]``, from hidden ``[T, H]`` and this rank's output-layer shard ``[V, H]``."""
 
     @staticmethod
     def forward(
         ctx: Any,
         hidden_TH: torch.Tensor,
         weight_VH: torch.Tensor,
-        targets_T: torch.Tensor,
+        targets: torch.Tensor,
         shard: _VocabShard,
-    ) -> torch.Tensor:
+        with_entropy: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden_TH.shape[0]
-        logp_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
-        lse_T = torch.empty_like(logp_T)
+        targets_TK = _as_TK(targets)  # [T] -> [T, 1]: one code path for both
+        logp = hidden_TH.new_empty(targets.shape, dtype=torch.float32)
+        logp_TK = _as_TK(logp)
+        lse_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
+        entropy_T = torch.empty_like(lse_T) if with_entropy else None
         for rows in _chunks(num_tokens, shard.chunk_tokens):
             logits_CV = _ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
-            max_C, sums = _reduce_chunk(logits_CV, targets_T[rows], shard)
-            logp_T[rows], lse_T[rows] = _ShardMath.logprob_and_lse(max_C, sums)
+            max_C, sums = _reduce_chunk(logits_CV, targets_TK[rows], shard, entropy=with_entropy)
+            logp_TK[rows], lse_T[rows] = _ShardMath.logprob_and_lse(
+                max_C, sums, targets_TK.shape[1]
+            )
+            if entropy_T is not None:
+                entropy_T[rows] = _ShardMath.entropy(sums)
             del logits_CV  # free this chunk before the next one is allocated
-        ctx.save_for_backward(hidden_TH, weight_VH, targets_T, lse_T)
+        if entropy_T is None:
+            ctx.save_for_backward(hidden_TH, weight_VH, targets, lse_T)
+            ctx.shard = shard
+            return logp
+        ctx.save_for_backward(hidden_TH, weight_VH, targets, lse_T, entropy_T)
         ctx.shard = shard
-        return logp_T
+        # An unused output's gradient stays None instead of a zero tensor (see backward).
+        ctx.set_materialize_grads(False)
+        return logp, entropy_T
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_T: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden_TH, weight_VH, targets_T, lse_T = ctx.saved_tensors
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        hidden_TH, weight_VH, targets, lse_T, *saved_entropy = ctx.saved_tensors
         shard: _VocabShard = ctx.shard
+        num_tokens = hidden_TH.shape[0]
+        targets_TK = _as_TK(targets)
+        grad_TK = None if grads[0] is None else _as_TK(grads[0])
+        grad_entropy_T = grads[1] if saved_entropy else None
+        entropy_T = saved_entropy[0] if grad_entropy_T is not None else None
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden_TH = (
             torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
@@ -268,10 +326,20 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_weight_VH = (
             torch.zeros_like(weight_VH, dtype=accumulate_dtype) if want_weight else None
         )
-        for rows in _chunks(hidden_TH.shape[0], shard.chunk_tokens):
+        for rows in _chunks(num_tokens, shard.chunk_tokens):
             logits_CV = _ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
+            entropy = (
+                None
+                if entropy_T is None or grad_entropy_T is None
+                else (entropy_T[rows], grad_entropy_T[rows])
+            )
             grad_CV = _ShardMath.grad_logits_(
-                logits_CV, lse_T[rows], grad_T[rows], targets_T[rows], shard
+                logits_CV,
+                lse_T[rows],
+                None if grad_TK is None else grad_TK[rows],
+                targets_TK[rows],
+                shard,
+                entropy,
             ).to(weight_VH.dtype)
             if grad_hidden_TH is not None:
                 torch.mm(grad_CV, weight_VH, out=grad_hidden_TH[rows])
@@ -291,38 +359,46 @@ class _LinearLogprobs(torch.autograd.Function):
             grad_weight_VH.to(weight_VH.dtype) if grad_weight_VH is not None else None,
             None,
             None,
+            None,
         )
 
 
 class _LogitsLogprobs(torch.autograd.Function):
-    """``logp [T]`` from already computed vocab-parallel logits ``[T, V]``; never writes them."""
+    """``logp`` (shaped like the targets, ``[T]`` or ``[T, K]``) from already computed
+    vocab-parallel logits ``[T, V]``; never writes them."""
 
     @staticmethod
     def forward(
-        ctx: Any, logits_TV: torch.Tensor, targets_T: torch.Tensor, shard: _VocabShard
+        ctx: Any, logits_TV: torch.Tensor, targets: torch.Tensor, shard: _VocabShard
     ) -> torch.Tensor:
         num_tokens = logits_TV.shape[0]
-        logp_T = logits_TV.new_empty(num_tokens, dtype=torch.float32)
-        lse_T = torch.empty_like(logp_T)
+        targets_TK = _as_TK(targets)
+        logp = logits_TV.new_empty(targets.shape, dtype=torch.float32)
+        logp_TK = _as_TK(logp)
+        lse_T = logits_TV.new_empty(num_tokens, dtype=torch.float32)
         for rows in _chunks(num_tokens, shard.chunk_tokens):
             scaled_CV = _ShardMath.scaled_logits(logits_TV[rows], shard, owned=False)
-            max_C, sums = _reduce_chunk(scaled_CV, targets_T[rows], shard)
-            logp_T[rows], lse_T[rows] = _ShardMath.logprob_and_lse(max_C, sums)
+            max_C, sums = _reduce_chunk(scaled_CV, targets_TK[rows], shard)
+            logp_TK[rows], lse_T[rows] = _ShardMath.logprob_and_lse(
+                max_C, sums, targets_TK.shape[1]
+            )
             del scaled_CV  # free this chunk before the next one is allocated
-        ctx.save_for_backward(logits_TV, targets_T, lse_T)
+        ctx.save_for_backward(logits_TV, targets, lse_T)
         ctx.shard = shard
-        return logp_T
+        return logp
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_T: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        logits_TV, targets_T, lse_T = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits_TV, targets, lse_T = ctx.saved_tensors
         shard: _VocabShard = ctx.shard
+        num_tokens = logits_TV.shape[0]
+        targets_TK, grad_TK = _as_TK(targets), _as_TK(grad)
         grad_logits_TV = torch.empty_like(logits_TV, memory_format=torch.contiguous_format)
-        for rows in _chunks(logits_TV.shape[0], shard.chunk_tokens):
+        for rows in _chunks(num_tokens, shard.chunk_tokens):
             scaled_CV = _ShardMath.scaled_logits(logits_TV[rows], shard, owned=False)
             grad_logits_TV[rows] = _ShardMath.grad_logits_(
-                scaled_CV, lse_T[rows], grad_T[rows], targets_T[rows], shard
+                scaled_CV, lse_T[rows], grad_TK[rows], targets_TK[rows], shard
             )
             del scaled_CV  # free this chunk before the next one is allocated
         # No collective: each rank's logits are its own shard.
@@ -381,22 +457,48 @@ def _checked_targets(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return targets
 
 
-def _check_linear_shapes(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+def _check_linear_shapes(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None
+) -> None:
+    """hidden ``[T, H]``, weight ``[V/tp, H]`` and (unless ``None``) targets ``[T]``/``[T, K]``."""
     if (
         hidden.dim() != 2
         or weight.dim() != 2
         or hidden.shape[1] != weight.shape[1]
-        or targets.shape != hidden.shape[:1]
+        or (
+            targets is not None
+            and (targets.dim() not in (1, 2) or targets.shape[:1] != hidden.shape[:1])
+        )
     ):
         raise ValueError(
-            "expected hidden [T, H], weight [V/tp, H] and targets [T] (flatten batch and "
-            f"sequence first), got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
-            f"targets {tuple(targets.shape)}"
+            "expected hidden [T, H], weight [V/tp, H] and targets [T] or [T, K] (flatten batch "
+            f"and sequence first), got hidden {tuple(hidden.shape)}, weight "
+            f"{tuple(weight.shape)}"
+            + ("" if targets is None else f", targets {tuple(targets.shape)}")
         )
+    if targets is not None and targets.dim() == 2 and targets.shape[1] == 0:
+        raise ValueError("targets [T, K] needs K >= 1 ids per token, got K = 0")
     if hidden.dtype != weight.dtype:
         raise ValueError(
             f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}"
         )
+
+
+def _linear_setup(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None,
+    tp_group: dist.ProcessGroup | None,
+    vocab_size: int | None,
+    chunk_tokens: int,
+    temperature: float,
+) -> tuple[_VocabShard, torch.Tensor]:
+    """Checked shard and int64 targets; ``targets=None`` gives ``[T, 0]`` (no target ids)."""
+    _check_linear_shapes(hidden, weight, targets)
+    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
+    if targets is None:
+        return shard, torch.zeros((hidden.shape[0], 0), dtype=torch.int64, device=hidden.device)
+    return shard, _checked_targets(targets, shard.vocab_size)
 
 
 def vocab_parallel_logprobs(
@@ -409,18 +511,23 @@ def vocab_parallel_logprobs(
     chunk_tokens: int = 2048,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-prob of each target token under ``softmax(hidden · W_fullᵀ / τ)``, float32 ``[T]``.
+    """Log-prob of target tokens under ``softmax(hidden · W_fullᵀ / τ)``, float32, shaped like
+    ``targets``: ``[T]`` for one id per token, ``[T, K]`` for K ids per token.
 
-    ``logp_t = z_t,y_t − log Σ_{v < vocab_size} exp(z_tv)`` with ``z_t = hidden_t · W_fullᵀ / τ``:
-    the output layer and the log-softmax fused, computed ``chunk_tokens`` tokens at a time so
-    that at most ``[chunk_tokens, V/tp]`` logits exist at once, with the chunk logits recomputed
-    in the backward (see the module docstring for the collectives and numerics).
+    ``logp_tk = z_t,y_tk − log Σ_{v < vocab_size} exp(z_tv)`` with
+    ``z_t = hidden_t · W_fullᵀ / τ``: the output layer and the log-softmax fused, computed
+    ``chunk_tokens`` tokens at a time so that at most ``[chunk_tokens, V/tp]`` logits exist at
+    once, with the chunk logits recomputed in the backward (see the module docstring for the
+    collectives and numerics). ``[T, K]`` targets score K arbitrary ids per token in the same
+    pass (the teacher's or student's top-k ids, a guidance token next to the sampled one); the
+    K target terms ride in the same all-reduce, and ids may repeat.
 
     Args:
         hidden: ``[T, H]``, any float dtype; the same tokens on every rank of ``tp_group``.
         weight: ``[V/tp, H]``, this TP rank's rows of the output layer (Megatron's contiguous
             split: rank r holds global ids [r·V/tp, (r+1)·V/tp)); same dtype as ``hidden``.
-        targets: ``[T]`` integer global token ids, each in ``[0, vocab_size)``.
+        targets: ``[T]`` or ``[T, K]`` (K ≥ 1) integer global token ids, each in
+            ``[0, vocab_size)``.
         tp_group: the tensor-parallel group the vocabulary is split over; ``None``: ``weight``
             is the whole output layer and no collective runs.
         vocab_size: the real vocabulary size; rows at or above it (TP padding, embedding rows
@@ -438,10 +545,61 @@ def vocab_parallel_logprobs(
     backward splits (``gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=
     False)``), not one whose backward reduce-scatters.
     """
-    _check_linear_shapes(hidden, weight, targets)
-    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
-    targets = _checked_targets(targets, shard.vocab_size)
-    return cast(torch.Tensor, _LinearLogprobs.apply(hidden, weight, targets, shard))
+    shard, targets = _linear_setup(
+        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature
+    )
+    return cast(torch.Tensor, _LinearLogprobs.apply(hidden, weight, targets, shard, False))
+
+
+def vocab_parallel_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_tokens: int = 2048,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target log-probs and the entropy from ONE fused pass: ``(logp, entropy)``, both float32
+    and both differentiable (a policy loss with an entropy bonus needs both from one forward).
+
+    ``logp`` is :func:`vocab_parallel_logprobs` (shaped like ``targets``, ``[T]`` or
+    ``[T, K]``); ``entropy [T]`` is ``H_t = −Σ_{v < vocab_size} p_tv log p_tv`` of the
+    temperature-scaled distribution ``p_t = softmax(z_t)``, one more partial sum in the same
+    all-reduce. Backward: ``∂H_t/∂z_tv = −p_tv·(log p_tv + H_t)`` (then ``/τ`` to the raw
+    logits), added to the log-prob gradient in the same recomputed chunk; a second ``[C, V]``
+    buffer holds ``p`` meanwhile. Either output may go unused. Arguments as in
+    :func:`vocab_parallel_logprobs`.
+    """
+    shard, targets = _linear_setup(
+        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature
+    )
+    logp, entropy_T = _LinearLogprobs.apply(hidden, weight, targets, shard, True)
+    return logp, entropy_T
+
+
+def vocab_parallel_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_tokens: int = 2048,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Entropy ``H_t = −Σ_{v < vocab_size} p_tv log p_tv`` of ``softmax(hidden · W_fullᵀ / τ)``,
+    float32 ``[T]``, differentiable w.r.t. ``hidden`` and ``weight``.
+
+    :func:`vocab_parallel_logprobs_and_entropy` without targets; prefer that one when the
+    target log-probs are needed too (one pass instead of two). Arguments as in
+    :func:`vocab_parallel_logprobs`.
+    """
+    shard, no_targets_T0 = _linear_setup(
+        hidden, weight, None, tp_group, vocab_size, chunk_tokens, temperature
+    )
+    _, entropy_T = _LinearLogprobs.apply(hidden, weight, no_targets_T0, shard, True)
+    return cast(torch.Tensor, entropy_T)
 
 
 def vocab_parallel_logprobs_from_logits(
@@ -452,7 +610,8 @@ def vocab_parallel_logprobs_from_logits(
     vocab_size: int | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-prob of each target from vocab-parallel logits ``[..., V/tp]``: float32 ``[...]``.
+    """Log-prob of targets from vocab-parallel logits ``[..., V/tp]``: float32 ``[...]`` for
+    targets ``[...]``, or ``[..., K]`` for targets ``[..., K]`` (K ids per position).
 
     ``logp = z_y − log Σ_{v < vocab_size} exp(z_v)`` with ``z = logits / τ``, the same math and
     collectives as :func:`vocab_parallel_logprobs` for logits that already exist (e.g. a model
@@ -460,18 +619,23 @@ def vocab_parallel_logprobs_from_logits(
     ``logits`` in place; its float32 working copies cover a bounded number of rows at a time.
     Differentiable w.r.t. ``logits`` (no collective in the backward).
     """
-    if logits.dim() < 1 or targets.shape != logits.shape[:-1]:
+    lead = logits.shape[:-1]
+    multi = targets.dim() == logits.dim() >= 2 and targets.shape[:-1] == lead
+    if logits.dim() < 1 or not (multi or targets.shape == lead):
         raise ValueError(
-            "expected logits [..., V/tp] and targets [...] with the same leading dims, got "
-            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}"
+            "expected logits [..., V/tp] and targets [...] (or [..., K]) with the same leading "
+            f"dims, got logits {tuple(logits.shape)} and targets {tuple(targets.shape)}"
         )
+    if multi and targets.shape[-1] == 0:
+        raise ValueError("targets [..., K] needs K >= 1 ids per position, got K = 0")
     shard = _vocab_shard(
         logits.shape[-1], tp_group, vocab_size, temperature, _FROM_LOGITS_CHUNK_TOKENS
     )
-    targets_T = _checked_targets(targets, shard.vocab_size).reshape(-1)
+    targets = _checked_targets(targets, shard.vocab_size)
     logits_TV = logits.reshape(-1, logits.shape[-1])
-    logp_T = cast(torch.Tensor, _LogitsLogprobs.apply(logits_TV, targets_T, shard))
-    return logp_T.view(targets.shape)
+    targets_T = targets.reshape(logits_TV.shape[0], -1) if multi else targets.reshape(-1)
+    logp = cast(torch.Tensor, _LogitsLogprobs.apply(logits_TV, targets_T, shard))
+    return logp.view(targets.shape)
 
 
 @torch.no_grad()
@@ -489,26 +653,29 @@ def vocab_parallel_token_stats(
 ) -> TokenStats:
     """Target log-probs plus optional entropy and top-k, forward only (no gradient).
 
-    Arguments as in :func:`vocab_parallel_logprobs`. Over the full (unpadded) vocabulary:
+    Arguments as in :func:`vocab_parallel_logprobs` (``targets`` ``[T]`` or ``[T, K]``; the
+    log-probs are shaped like them). Over the full (unpadded) vocabulary:
 
     - ``entropy``: ``H_t = lse_t − Σ_v p_tv · z_tv`` of the temperature-scaled distribution,
       from one more partial sum in the same all-reduce;
     - ``top_k``: each rank takes its best ``min(k, V/tp)`` logits (padding is −inf and never
       wins), one all-gather over ``tp_group`` brings every rank the ``P·k`` candidates, and the
       best ``k`` of those are the global top-k: log-probs descending, global token ids.
-      Requires ``0 <= top_k <= vocab_size``.
+      Requires ``0 <= top_k <= vocab_size``. ``top_k=1`` is the greedy (argmax) token and its
+      log-prob, e.g. TGPO's teacher guidance token from the teacher's scoring pass.
 
     Used for vOPD diagnostics and logging (e.g. teacher entropy, student top-k overlap).
     """
-    _check_linear_shapes(hidden, weight, targets)
-    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
-    targets = _checked_targets(targets, shard.vocab_size)
+    shard, targets = _linear_setup(
+        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature
+    )
     if not 0 <= top_k <= shard.vocab_size:
         raise ValueError(f"top_k must lie in [0, vocab_size={shard.vocab_size}], got {top_k}")
     num_tokens = hidden.shape[0]
-    out = TokenStats(logprobs=hidden.new_empty(num_tokens, dtype=torch.float32))
+    out = TokenStats(logprobs=hidden.new_empty(targets.shape, dtype=torch.float32))
+    logp_TK, targets_TK = _as_TK(out.logprobs), _as_TK(targets)
     if entropy:
-        out.entropy = torch.empty_like(out.logprobs)
+        out.entropy = hidden.new_empty(num_tokens, dtype=torch.float32)
     if top_k:
         out.topk_logprobs = hidden.new_empty((num_tokens, top_k), dtype=torch.float32)
         out.topk_ids = hidden.new_empty((num_tokens, top_k), dtype=torch.int64)
@@ -516,8 +683,8 @@ def vocab_parallel_token_stats(
         logits_CV = _ShardMath.linear_logits(hidden[rows], weight, shard)
         # Before _reduce_chunk, which overwrites the logits.
         candidates = _ShardMath.topk_candidates(logits_CV, top_k, shard) if top_k else None
-        max_C, sums = _reduce_chunk(logits_CV, targets[rows], shard, entropy=entropy)
-        out.logprobs[rows], lse_C = _ShardMath.logprob_and_lse(max_C, sums)
+        max_C, sums = _reduce_chunk(logits_CV, targets_TK[rows], shard, entropy=entropy)
+        logp_TK[rows], lse_C = _ShardMath.logprob_and_lse(max_C, sums, targets_TK.shape[1])
         if out.entropy is not None:
             out.entropy[rows] = _ShardMath.entropy(sums)
         if candidates is not None and out.topk_logprobs is not None and out.topk_ids is not None:
