@@ -1,7 +1,8 @@
 """The ``megatron-gndpo`` command.
 
     megatron-gndpo train [--config FILE] [section.key=value ...]     (under torchrun or srun)
-    megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [section.key=value ...]
+    megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [--gpu-memory-gib G] [--mfu M]
+                        [section.key=value ...]                         (memory and step time too)
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
     megatron-gndpo demo [--quick] [--run-dir DIR] [--cache-dir DIR]   (one process, CPU is fine)
 
@@ -42,6 +43,20 @@ def _add_config_args(parser: argparse.ArgumentParser, *, world_default: int | No
     )
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     fields = _EPILOG_HEAD + format_fields()
     parser = argparse.ArgumentParser(
@@ -55,15 +70,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_plan = sub.add_parser(
         "plan",
-        help="print the parallel layout and per-rank parameters of both models (no GPU needed)",
+        help="print both models' layouts, per-rank parameters and memory, and the step time "
+        "(no GPU needed)",
         description="Validate the config for N ranks and print both models' parallel layouts, "
-        "per-rank parameter counts and the resolved config. Needs no GPU and starts nothing.",
+        "per-rank parameter counts, an estimate of per-rank memory (with a WARNING for ranks "
+        "that will not fit the GPU), the step time at a stated MFU and the resolved config. "
+        "Needs no GPU and starts nothing.",
         epilog=fields,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(p_plan, world_default=8)
     p_plan.add_argument("--ranks", action="store_true", help="also list every rank's coordinates")
     p_plan.add_argument("--out", type=Path, help="write the resolved config to OUT/config.yaml")
+    p_plan.add_argument(
+        "--gpu-memory-gib", type=_positive, default=80.0,
+        help="memory of one GPU in GiB (default: 80, an H100 80GB)",
+    )  # fmt: skip
+    p_plan.add_argument(
+        "--mfu", type=_fraction, default=0.35,
+        help="model FLOPs utilisation assumed for the step time (default: 0.35)",
+    )  # fmt: skip
+    p_plan.add_argument(
+        "--peak-tflops", type=_positive, default=989.0,
+        help="dense bf16 peak of one GPU in TFLOP/s (default: 989, an H100 SXM)",
+    )  # fmt: skip
+    p_plan.add_argument(
+        "--hbm-tbps", type=_positive, default=3.35,
+        help="memory bandwidth of one GPU in TB/s, for the decode floor (default: 3.35, H100 SXM)",
+    )  # fmt: skip
 
     p_train = sub.add_parser(
         "train",
@@ -112,13 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_gndpo.plan import format_model_plan, plan
+    from megatron_gndpo import plan as planner
 
     cfg = validate(load_config(args.config, args.overrides), args.world_size)
-    student, teacher = plan(cfg, args.world_size)
+    hw = planner.Hardware(
+        gpu_memory_gib=args.gpu_memory_gib, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
+        hbm_bytes_per_s=args.hbm_tbps * 1e12,
+    )  # fmt: skip
+    student, teacher = planner.plan(cfg, args.world_size)
+    memory = planner.estimate_memory(cfg, args.world_size, hw)
+    warnings = planner.fit_warnings(memory, hw)
     print(f"megatron-gndpo {__version__} plan for {args.world_size} ranks")
-    print(format_model_plan(student, per_rank=args.ranks))
-    print(format_model_plan(teacher, per_rank=args.ranks))
+    print(planner.format_model_plan(student, per_rank=args.ranks))
+    print(planner.format_model_plan(teacher, per_rank=args.ranks))
+    print(planner.format_memory(cfg, memory, hw))
+    print("\n".join(warnings) if warnings else "every rank fits")
+    step_time = planner.estimate_step_time(cfg, args.world_size, hw)
+    print(planner.format_step_time(step_time, args.world_size, hw))
     batch = cfg.rollout.rollout_batch_size
     print(
         f"rollout: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} "

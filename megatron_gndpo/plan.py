@@ -1,8 +1,12 @@
-"""``megatron-gndpo plan``: the parallel layout of both models and their per-rank parameters.
+"""``megatron-gndpo plan``: both models' layouts, per-rank parameters and memory, step time.
 
 Pure arithmetic: no process group, no GPU, no megatron import, so a 256-rank (or 4096-rank) plan
-runs on a laptop. Parameter counts follow megatron-core's local GPT spec exactly (the tests
-compare them with real GPTModel shards at TP=1/2 and PP=2): the vocabulary padded to
+runs on a laptop. The memory estimate (bytes per rank: weights, gradients, optimizer shards,
+activations, rollout KV cache, the teacher) and the step time (model FLOPs at a stated MFU) are
+described where they are computed, below the parameter counts.
+
+Parameter counts follow megatron-core's local GPT spec exactly (the tests compare them with real
+GPTModel shards at TP=1/2 and PP=2): the vocabulary padded to
 ``make_vocab_size_divisible_by * tp`` and split over TP, attention and MLP matrices split over
 TP, norms and row-parallel biases replicated, embedding on the first stage, final norm and output
 layer on the last (a tied output layer is a copy of the embedding there when PP > 1).
@@ -12,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_gndpo.config.schema import Config, ModelConfig, ParallelConfig
+from megatron_gndpo.config.schema import Config, ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_gndpo.config.validate import layout_of
+from megatron_gndpo.logging.throughput import PEAK_BF16_FLOPS, model_flops_per_token
 from megatron_gndpo.parallel.groups import ParallelLayout
 
 
@@ -157,3 +162,377 @@ def format_model_plan(mp: ModelPlan, *, per_rank: bool = False) -> str:
                 f"  {r:>5}  {c['tp']:>3} {c['cp']:>3} {c['dp']:>4} {c['pp']:>3}  {params:,}"
             )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory and step time
+#
+# Per-rank bytes, by where they live in a step. Persistent: student weights, the fp32 gradient
+# buffer of megatron-core DDP, the optimizer state, the teacher's weights. Phase peaks, one at a
+# time: rollout (KV cache, or vLLM's share while it is awake), scoring (forward-only working set
+# of the teacher, then of the student), training (activations kept for backward + the log-prob
+# head). A rank's peak is persistent + the largest phase.
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GIB = 2**30
+
+# The trainer's log-prob heads use TokenLogProbs' default chunk (models/logprob_head.py): at most
+# [LOGPROB_CHUNK_TOKENS, V/tp] logits exist at once, never [T, V] (a test pins the two together).
+LOGPROB_CHUNK_TOKENS = 2048
+
+# Part of the GPU the estimate may not use: the CUDA context, NCCL buffers and the caching
+# allocator's fragmentation are not in the estimate (torch.cuda.max_memory_allocated excludes
+# them too), and together they take several GiB of an 80 GiB device.
+RESERVED_FRACTION = 0.10
+
+# Data-sheet numbers of an H100 SXM: dense bf16 tensor-core peak and HBM3 bandwidth.
+H100_PEAK_FLOPS = PEAK_BF16_FLOPS["H100"]
+H100_HBM_BYTES_PER_S = 3.35e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The GPU the plan is for and the efficiency it assumes."""
+
+    gpu_memory_gib: float = 80.0
+    peak_flops: float = H100_PEAK_FLOPS
+    mfu: float = 0.35
+    hbm_bytes_per_s: float = H100_HBM_BYTES_PER_S
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory_gib * GIB * (1 - RESERVED_FRACTION)
+
+
+def activation_bytes_per_token(
+    model: ModelConfig, tp: int, *, sequence_parallel: bool, seq_len: int
+) -> float:
+    """Bytes one transformer layer keeps for backward, per token, on one TP rank.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+    §4.1, without recompute: ``s·b·h·(34 + 5·a·s/h)`` bytes per layer for 16-bit activations,
+    ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with TP size t, all of it divided by t with sequence
+    parallelism. Generalised here to grouped-query attention and gated MLPs by counting the
+    saved tensors (elements per token, q = heads·head_dim, k = kv_heads·head_dim, f = ffn):
+
+        replicated over TP (split only with sequence parallelism):
+            two norm inputs 2h, QKV input h, fc1 input h                         = 4h
+        split over TP:
+            Q and K for the scores q + k, V k, attention output / projection input q,
+            activation input f (2f gated), fc2 input f, qk-norm inputs q + k (Qwen3)
+            score matrix 2.5·a·s only with megatron's local core attention (the paper's
+            5as²b bytes; megatron's unfused float32 softmax keeps its float32 output and a
+            16-bit copy, 6as²b, the fused kernel 2as²b); flash/SDPA attention keeps no [s, s]
+            tensor, which is why it is the default
+
+    The paper's dropout masks (2sbh bytes) are left out: our models build with zero dropout.
+    The sizes follow the parameter dtype (2 bytes for bf16).
+    """
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, k = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
+    replicated = 4 * h
+    split: float = (q + k) + k + q + f * (2 if model.swiglu else 1) + f
+    if model.qk_layernorm:
+        split += q + k
+    if model.core_attention == "local":
+        split += 2.5 * model.num_attention_heads * seq_len
+    elements = replicated / (tp if sequence_parallel else 1) + split / tp
+    return elements * BYTES[model.params_dtype]
+
+
+def logprob_head_bytes(model: ModelConfig, tp: int, *, training: bool) -> float:
+    """Working memory of the fused log-prob head on the last stage (parallel/logprobs.py).
+
+    Per chunk: the chunk's logits ``[C, V/tp]`` as the GEMM's output (param dtype) and their
+    float32 copy; in training also the float32 weight-gradient accumulator ``[V/tp, H]``.
+    """
+    vocab_shard = model.padded_vocab_size(tp) // tp
+    chunk = LOGPROB_CHUNK_TOKENS * vocab_shard * (BYTES[model.params_dtype] + 4)
+    return chunk + (vocab_shard * model.hidden_size * 4 if training else 0)
+
+
+def optimizer_bytes_per_param(model: ModelConfig, optimizer: OptimizerConfig) -> int:
+    """Optimizer state per parameter: an fp32 master copy (unless the parameters are fp32) and
+    Adam's two moments (SGD: one momentum buffer), 4 bytes each — 12 bytes for bf16 Adam."""
+    master = 0 if model.params_dtype == "fp32" else 4
+    return master + (8 if optimizer.optimizer == "adam" else 4)
+
+
+def sequence_length(cfg: Config) -> int:
+    """The longest rollout row: prompt + response, capped by the student's positions."""
+    longest = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
+    return min(longest, cfg.model.max_position_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """Estimated bytes on one rank holding student stage ``stage`` and teacher stage
+    ``teacher_stage``."""
+
+    stage: int
+    teacher_stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    teacher_weights: float
+    rollout: float
+    scoring: float
+    training: float
+
+    @property
+    def persistent(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.teacher_weights
+
+    @property
+    def phases(self) -> dict[str, float]:
+        return {"rollout": self.rollout, "scoring": self.scoring, "training": self.training}
+
+    @property
+    def peak(self) -> float:
+        return self.persistent + max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda name: self.phases[name])
+
+
+def _student_memory(cfg: Config, layout: ParallelLayout, stage: int, seq: int) -> dict[str, float]:
+    """Persistent and training-phase bytes of student stage ``stage`` (one rank)."""
+    model, par = cfg.model, cfg.parallel
+    params = stage_params(model, layout, stage)
+    per_layer = activation_bytes_per_token(
+        model, layout.tp, sequence_parallel=par.sequence_parallel, seq_len=seq
+    )
+    rows = cfg.rollout.rollout_batch_size // layout.dp
+    micro_batches = -(
+        -rows // (cfg.trainer.micro_batch_size * cfg.trainer.optimizer_steps_per_rollout)
+    )
+    # 1F1B: stage s holds the activations of (pp - s) micro-batches before its first backward.
+    in_flight = min(layout.pp - stage, max(micro_batches, 1))
+    tokens = cfg.trainer.micro_batch_size * seq / layout.cp
+    training = per_layer * tokens * (model.num_layers // layout.pp) * in_flight
+    last = stage == layout.pp - 1
+    shards = layout.dp * layout.cp if cfg.optimizer.use_distributed_optimizer else 1
+    return {
+        "weights": params * BYTES[model.params_dtype],
+        "grads": params * 4,  # DDP's main_grad buffer: grad_reduce_in_fp32 (engine/optimizer.py)
+        "optimizer": params * optimizer_bytes_per_param(model, cfg.optimizer) / shards,
+        "training": training + (logprob_head_bytes(model, layout.tp, training=True) if last else 0),
+    }
+
+
+def _forward_working_set(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    layout: ParallelLayout,
+    stage: int,
+    *,
+    tokens: float,
+    seq: int,
+) -> float:
+    """Bytes of a forward-only pass over ``tokens`` tokens in rows of up to ``seq``: nothing is
+    kept for backward, so one layer's tensors (bounded by what it would save) plus the log-prob
+    head on the last stage."""
+    per_layer = activation_bytes_per_token(
+        model, layout.tp, sequence_parallel=parallel.sequence_parallel, seq_len=seq
+    )
+    head = logprob_head_bytes(model, layout.tp, training=False) if stage == layout.pp - 1 else 0
+    return per_layer * tokens / layout.cp + head
+
+
+def kv_cache_bytes(model: ModelConfig, tp: int, layers: int, rows: int, positions: float) -> float:
+    """K and V of ``rows`` sequences of ``positions`` tokens over ``layers`` layers on one TP rank:
+    ``rows · positions · layers · 2 · (kv_heads/tp) · head_dim · bytes``."""
+    per_token = layers * 2 * (model.query_groups // tp) * model.head_dim
+    return rows * positions * per_token * BYTES[model.params_dtype]
+
+
+def _rollout_bytes(cfg: Config, layout: ParallelLayout, hw: Hardware, seq: int) -> float:
+    """Rollout-phase bytes: vLLM's share while awake, or the built-in engine's static KV cache
+    (every row of this DP rank at the full length) plus one layer of the prompts' prefill."""
+    if cfg.rollout.engine == "vllm":
+        return cfg.rollout.gpu_memory_utilization * hw.gpu_memory_gib * GIB
+    model = cfg.model
+    rows = cfg.rollout.rollout_batch_size // layout.dp
+    kv = kv_cache_bytes(model, layout.tp, model.num_layers // layout.pp, rows, seq)
+    prefill = (
+        activation_bytes_per_token(
+            model, layout.tp, sequence_parallel=cfg.parallel.sequence_parallel, seq_len=seq
+        )
+        * rows
+        * cfg.rollout.max_prompt_length
+    )
+    return kv + prefill
+
+
+def estimate_memory(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> list[RankMemory]:
+    """Per-rank memory of every (student stage, teacher stage) pair that some rank holds."""
+    s_layout = layout_of(cfg.parallel, world_size)
+    t_layout = layout_of(cfg.teacher.parallel, world_size)
+    seq = sequence_length(cfg)
+    # A scoring micro-batch holds up to scoring_token_budget tokens, and at least one whole row.
+    score_tokens = max(cfg.trainer.scoring_token_budget, seq)
+    teacher = cfg.teacher.model
+    pairs = sorted(
+        {(s_layout.coords(r)["pp"], t_layout.coords(r)["pp"]) for r in range(world_size)}
+    )
+    rollout = _rollout_bytes(cfg, s_layout, hw, seq)
+    out = []
+    for stage, t_stage in pairs:
+        student = _student_memory(cfg, s_layout, stage, seq)
+        scoring = max(
+            _forward_working_set(
+                cfg.model, cfg.parallel, s_layout, stage, tokens=score_tokens, seq=seq
+            ),
+            _forward_working_set(
+                teacher, cfg.teacher.parallel, t_layout, t_stage, tokens=score_tokens, seq=seq
+            ),
+        )
+        out.append(
+            RankMemory(
+                stage=stage,
+                teacher_stage=t_stage,
+                weights=student["weights"],
+                grads=student["grads"],
+                optimizer=student["optimizer"],
+                teacher_weights=stage_params(teacher, t_layout, t_stage)
+                * BYTES[teacher.params_dtype],
+                rollout=rollout,
+                scoring=scoring,
+                training=student["training"],
+            )
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step's phases at the assumed MFU (all GPUs busy, no pipeline bubble)."""
+
+    tokens: int  # rollout_batch_size · (max prompt + max response): every row at full length
+    generation_flops_s: float  # 2·N per token (prefill and decode) at the MFU
+    decode_floor_s: float  # each decode step reads the weights and the KV cache from HBM
+    scoring_s: float  # teacher + student forward, 2·N per token each
+    training_s: float  # 6·N per token
+
+    @property
+    def rollout_s(self) -> float:
+        return max(self.generation_flops_s, self.decode_floor_s)
+
+    @property
+    def total_s(self) -> float:
+        return self.rollout_s + self.scoring_s + self.training_s
+
+
+def estimate_step_time(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> StepTime:
+    """Step time from model FLOPs (logging/throughput.py) at ``hw.mfu`` of ``hw.peak_flops``.
+
+    Generation is also bounded below by memory bandwidth: each of the max_response decode steps
+    of a model replica reads its weights and its KV cache (half full on average), split over
+    its TP ranks (pipeline stages run one after another per token).
+    """
+    seq = sequence_length(cfg)
+    tokens = cfg.rollout.rollout_batch_size * seq
+    student, teacher = cfg.model, cfg.teacher.model
+    forward = model_flops_per_token(student, seq, training=False)
+    training = model_flops_per_token(student, seq, training=True)
+    scoring = forward + model_flops_per_token(teacher, seq, training=False)
+    rate = world_size * hw.peak_flops * hw.mfu  # FLOP/s of the whole job
+    layout = layout_of(cfg.parallel, world_size)
+    rows = cfg.rollout.rollout_batch_size // layout.dp
+    mean_positions = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length / 2
+    kv = kv_cache_bytes(student, 1, student.num_layers, rows, mean_positions)
+    weights = total_params(student) * BYTES[student.params_dtype]
+    per_decode_step = (weights + kv) / layout.tp / hw.hbm_bytes_per_s
+    return StepTime(
+        tokens=tokens,
+        generation_flops_s=forward * tokens / rate,
+        decode_floor_s=cfg.rollout.max_response_length * per_decode_step,
+        scoring_s=scoring * tokens / rate,
+        training_s=training * tokens / rate,
+    )
+
+
+# What to change when a component is the largest part of a rank that does not fit.
+_FIXES = {
+    "weights": "raise parallel.tensor_parallel or parallel.pipeline_parallel",
+    "grads": "raise parallel.tensor_parallel or parallel.pipeline_parallel",
+    "optimizer": "keep optimizer.use_distributed_optimizer on and raise the data-parallel size",
+    "teacher": "raise teacher.parallel.tensor_parallel or teacher.parallel.pipeline_parallel",
+    "rollout": "lower rollout.gpu_memory_utilization (vLLM), or rows per rank / "
+    "rollout.max_response_length (built-in KV cache)",
+    "scoring": "lower trainer.scoring_token_budget",
+    "training": "lower trainer.micro_batch_size, set parallel.sequence_parallel=true, or raise "
+    "parallel.tensor_parallel / pipeline_parallel",
+}
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def fit_warnings(rows: list[RankMemory], hw: Hardware) -> list[str]:
+    """One WARNING line per (student stage, teacher stage) whose peak exceeds the usable memory."""
+    out = []
+    for r in rows:
+        if r.peak <= hw.usable_bytes:
+            continue
+        parts = {
+            "weights": r.weights, "grads": r.grads, "optimizer": r.optimizer,
+            "teacher": r.teacher_weights, r.peak_phase: r.phases[r.peak_phase],
+        }  # fmt: skip
+        biggest = max(parts, key=lambda name: parts[name])
+        out.append(
+            f"WARNING: ranks of student stage {r.stage} / teacher stage {r.teacher_stage} need "
+            f"{_gib(r.peak)} GiB at their {r.peak_phase} peak, more than the "
+            f"{_gib(hw.usable_bytes)} GiB usable of a {hw.gpu_memory_gib:g} GiB GPU; the largest "
+            f"part is {biggest} ({_gib(parts[biggest])} GiB): {_FIXES[biggest]}"
+        )
+    return out
+
+
+def format_memory(cfg: Config, rows: list[RankMemory], hw: Hardware) -> str:
+    seq = sequence_length(cfg)
+    engine = cfg.rollout.engine
+    lines = [
+        f"memory per rank, GiB ({hw.gpu_memory_gib:g} GiB GPU, {_gib(hw.usable_bytes)} usable "
+        f"after {RESERVED_FRACTION:.0%} for CUDA context, NCCL and fragmentation); rows of "
+        f"{seq} tokens, micro-batch {cfg.trainer.micro_batch_size}, scoring micro-batch "
+        f"{max(cfg.trainer.scoring_token_budget, seq)} tokens, rollout engine {engine}",
+        f"  {'stage s/t':>9} | {'weights':>7} {'grads':>6} {'optim':>6} {'teacher':>7} | "
+        f"{'rollout':>7} {'scoring':>7} {'training':>8} | {'peak':>6}  phase",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {f'{r.stage}/{r.teacher_stage}':>9} | {_gib(r.weights):>7} {_gib(r.grads):>6} "
+            f"{_gib(r.optimizer):>6} {_gib(r.teacher_weights):>7} | {_gib(r.rollout):>7} "
+            f"{_gib(r.scoring):>7} {_gib(r.training):>8} | {_gib(r.peak):>6}  {r.peak_phase}"
+        )
+    lines += [
+        "  weights: params dtype; grads: fp32 DDP buffer; optim: fp32 master + Adam moments / "
+        "(DP*CP); teacher: its weights on its own layout",
+        "  rollout: "
+        + (
+            "vLLM's gpu_memory_utilization share"
+            if engine == "vllm"
+            else "KV cache of this DP rank's rows at full length + one prefill layer"
+        )
+        + "; scoring: one forward layer + log-prob chunk; training: activations "
+        "(Korthikanti et al. 2022, no recompute) of the 1F1B micro-batches in flight + log-prob "
+        f"head ({LOGPROB_CHUNK_TOKENS}-token chunks)",
+        "  peak = weights + grads + optim + teacher + the largest phase",
+    ]
+    return "\n".join(lines)
+
+
+def format_step_time(st: StepTime, world_size: int, hw: Hardware) -> str:
+    return "\n".join([
+        f"step time at MFU {hw.mfu:g} of {hw.peak_flops / 1e12:g} TFLOP/s per GPU on "
+        f"{world_size} GPUs, every row at full length ({st.tokens:,} tokens; an upper bound):",
+        f"  rollout   {st.rollout_s:8.1f} s  (2N FLOPs/token: {st.generation_flops_s:.1f} s; "
+        f"decode floor, weights + KV cache read at {hw.hbm_bytes_per_s / 1e12:g} TB/s per step: "
+        f"{st.decode_floor_s:.1f} s)",
+        f"  scoring   {st.scoring_s:8.1f} s  (teacher + student forward, 2N FLOPs/token each)",
+        f"  training  {st.training_s:8.1f} s  (6N FLOPs/token)",
+        f"  total     {st.total_s:8.1f} s per step, {st.tokens / st.total_s:,.0f} tokens/s",
+    ])  # fmt: skip

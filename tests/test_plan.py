@@ -1,4 +1,5 @@
-"""``plan``'s parameter arithmetic: real model sizes, shards that add up, stages that cover.
+"""``plan``'s arithmetic: real model sizes, shards that add up, stages that cover; memory and
+step-time estimates against the H200 measurement in docs/DESIGN.md.
 
 Pure arithmetic, no processes. The sharded counts are checked against the unsharded total plus
 exactly what sharding duplicates: per-layer norms (and qk-norms and row-parallel biases), the
@@ -13,8 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gndpo.config import Config, ModelConfig, ParallelConfig, load_config
-from megatron_gndpo.plan import layer_params, plan, plan_model, stage_params, total_params
+from megatron_gndpo.cli import main
+from megatron_gndpo.config import Config, ModelConfig, ParallelConfig, load_config, validate
+from megatron_gndpo.logging.throughput import model_flops_per_token
+from megatron_gndpo.plan import (
+    GIB,
+    LOGPROB_CHUNK_TOKENS,
+    Hardware,
+    activation_bytes_per_token,
+    estimate_memory,
+    estimate_step_time,
+    fit_warnings,
+    layer_params,
+    plan,
+    plan_model,
+    sequence_length,
+    stage_params,
+    total_params,
+)
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
@@ -183,3 +200,145 @@ def test_tied_embedding_is_copied_to_the_last_stage() -> None:
     two_tied = plan_model("m", tied, ParallelConfig(pipeline_parallel=2), 2).stages
     two_untied = plan_model("m", untied, ParallelConfig(pipeline_parallel=2), 2).stages
     assert [s.params_per_rank for s in two_tied] == [s.params_per_rank for s in two_untied]
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory and step time
+
+
+def design_benchmark_config(core_attention: str) -> Config:
+    """The shape of docs/DESIGN.md's H200 table: Qwen2.5-1.5B with untied embeddings (1.78B
+    params), bf16, one rank (TP=PP=DP=1), one micro-batch of one 4096-token row."""
+    overrides = [
+        "model.tie_embeddings=false",
+        f"model.core_attention={core_attention}",
+        "rollout.max_prompt_length=1024",
+        "rollout.max_response_length=3072",
+        "rollout.prompts_per_step=1",
+        "rollout.samples_per_prompt=1",
+        "trainer.micro_batch_size=1",
+        "teacher.parallel.tensor_parallel=1",
+    ]
+    return validate(load_config(EXAMPLES_DIR / "qwen2.5-1.5b_from_7b.yaml", overrides), 1)
+
+
+@pytest.mark.parametrize(
+    ("core_attention", "measured_gib"),
+    [("sdpa", 19.0), ("local", 51.5)],  # docs/DESIGN.md, megatron-core GPTModel rows
+)
+def test_memory_estimate_within_25_percent_of_the_h200_measurement(
+    core_attention: str, measured_gib: float
+) -> None:
+    """Planner vs docs/DESIGN.md's measured peak (torch.cuda.max_memory_allocated) on one H200.
+
+    Measured: megatron-core GPTModel, local spec, bf16, 1.78B params (Qwen2.5-1.5B shape, untied),
+    seq 4096, micro-batch 1, forward + backward, no optimizer: 19.0 GiB with the SDPA core
+    attention, 51.5 GiB with megatron's local attention. The benchmark's model is not wrapped in
+    DDP, so its gradients are bf16 ``.grad`` (the size of the weights), not the trainer's fp32
+    main-grad buffer, and it has no optimizer state. The matching estimate is therefore
+    weights + weights (bf16 grads) + the training phase (activations of one micro-batch and the
+    log-prob head). It gives 17.0 GiB (-10%) and 43.3 GiB (-16%).
+    """
+    cfg = design_benchmark_config(core_attention)
+    assert total_params(cfg.model) == 1_777_088_000  # "1.78B params untied"
+    assert sequence_length(cfg) == 4096
+    (rank,) = estimate_memory(cfg, 1)
+    estimate_gib = (2 * rank.weights + rank.training) / GIB
+    assert abs(estimate_gib - measured_gib) <= 0.25 * measured_gib, estimate_gib
+
+
+def test_activation_formula_reduces_to_korthikanti() -> None:
+    """For a GPT-3-style layer (MHA, 4h GELU MLP, local attention) the per-token bytes are the
+    paper's ``h·(10 + 24/t) + 5·a·s/t`` (``h·34/t + 5as/t`` with sequence parallelism) minus its
+    two dropout masks (2h bytes), since our layers have no dropout."""
+    a, h, s = 16, 1024, 2048
+    gpt3 = ModelConfig(
+        hidden_size=h, num_attention_heads=a, ffn_hidden_size=4 * h, swiglu=False,
+        core_attention="local", params_dtype="bf16",
+    )  # fmt: skip
+    for t in (1, 2, 4, 8):
+        plain = activation_bytes_per_token(gpt3, t, sequence_parallel=False, seq_len=s)
+        assert plain == pytest.approx(h * (10 + 24 / t) + 5 * a * s / t - 2 * h)
+        sp = activation_bytes_per_token(gpt3, t, sequence_parallel=True, seq_len=s)
+        assert sp == pytest.approx((34 * h + 5 * a * s) / t - 2 * h / t)
+
+
+def test_logprob_chunk_is_the_trainers() -> None:
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+
+    default = {f.name: f.default for f in dataclasses.fields(TokenLogProbs)}["chunk_tokens"]
+    assert default == LOGPROB_CHUNK_TOKENS
+
+
+def test_llama_8b_from_70b_recipe_fits_an_h100() -> None:
+    cfg = example("llama3.1-8b_from_70b.yaml")
+    rows = estimate_memory(cfg, 64)
+    assert {(r.stage, r.teacher_stage) for r in rows} == {(0, 0), (0, 1)}  # teacher PP=2
+    assert fit_warnings(rows, Hardware()) == []
+    assert max(r.peak for r in rows) < Hardware().usable_bytes
+
+
+def test_a_70b_teacher_on_one_gpu_warns() -> None:
+    cfg = load_config(
+        EXAMPLES_DIR / "llama3.1-8b_from_70b.yaml",
+        ["teacher.parallel.tensor_parallel=1", "teacher.parallel.pipeline_parallel=1"],
+    )
+    rows = estimate_memory(cfg, 64)
+    assert rows[0].teacher_weights / GIB > 130  # 70.6B params in bf16 on every rank
+    (warning,) = fit_warnings(rows, Hardware())
+    assert warning.startswith("WARNING: ")
+    assert "largest part is teacher" in warning
+    assert "teacher.parallel.tensor_parallel" in warning
+
+
+def test_plan_command_prints_the_memory_table_and_the_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "-c", str(EXAMPLES_DIR / "llama3.1-8b_from_70b.yaml"), "-n", "64"]
+    assert (
+        main([*argv, "teacher.parallel.tensor_parallel=1", "teacher.parallel.pipeline_parallel=1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "memory per rank, GiB (80 GiB GPU, 72.0 usable" in out
+    assert sum(line.startswith("WARNING: ") for line in out.splitlines()) == 1
+    assert main([*argv, "--gpu-memory-gib", "141", "--mfu", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "every rank fits" in out and "WARNING" not in out
+    assert "(141 GiB GPU, 126.9 usable" in out
+    assert "step time at MFU 0.5 of 989 TFLOP/s per GPU on 64 GPUs" in out
+
+
+def test_step_time_is_model_flops_at_the_mfu() -> None:
+    """Training is 6N per token, scoring 2N for the teacher plus 2N for the student, generation
+    2N, at mfu × peak on every GPU; the decode floor reads weights + KV per generated token."""
+    cfg = example("qwen3-8b_from_32b.yaml")
+    hw = Hardware(mfu=0.5)
+    st = estimate_step_time(cfg, 32, hw)
+    seq = sequence_length(cfg)
+    assert st.tokens == 512 * seq
+    rate = 32 * hw.peak_flops * hw.mfu
+    fwd = model_flops_per_token(cfg.model, seq, training=False)
+    teacher_fwd = model_flops_per_token(cfg.teacher.model, seq, training=False)
+    assert st.training_s == pytest.approx(3 * fwd * st.tokens / rate)
+    assert st.scoring_s == pytest.approx((fwd + teacher_fwd) * st.tokens / rate)
+    assert st.generation_flops_s == pytest.approx(fwd * st.tokens / rate)
+    assert st.total_s == pytest.approx(st.rollout_s + st.scoring_s + st.training_s)
+    assert st.rollout_s == max(st.generation_flops_s, st.decode_floor_s)
+    # Twice the GPUs (same layout, twice the DP) halves every FLOP-bound phase.
+    assert estimate_step_time(cfg, 64, hw).training_s == pytest.approx(st.training_s / 2)
+
+
+def test_memory_parts_follow_the_layout() -> None:
+    """Doubling DP shards the optimizer further and leaves weights and gradients alone; the
+    distributed optimizer off keeps the whole state on every rank."""
+    cfg = example("qwen3-8b_from_32b.yaml")
+    (r32, _), (r64, _) = estimate_memory(cfg, 32), estimate_memory(cfg, 64)
+    assert (r64.weights, r64.grads) == (r32.weights, r32.grads)
+    assert r64.optimizer == pytest.approx(r32.optimizer / 2)
+    assert r32.grads == 2 * r32.weights  # fp32 main grads beside bf16 weights
+    assert r32.optimizer == pytest.approx(6 * r32.weights / 16)  # 12 bytes/param over DP=16
+    whole = load_config(
+        EXAMPLES_DIR / "qwen3-8b_from_32b.yaml", ["optimizer.use_distributed_optimizer=false"]
+    )
+    assert estimate_memory(whole, 32)[0].optimizer == pytest.approx(6 * r32.weights)
