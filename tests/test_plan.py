@@ -10,6 +10,8 @@ padded; a tied output layer is a second copy of the embedding on the last stage 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -342,3 +344,48 @@ def test_memory_parts_follow_the_layout() -> None:
         EXAMPLES_DIR / "qwen3-8b_from_32b.yaml", ["optimizer.use_distributed_optimizer=false"]
     )
     assert estimate_memory(whole, 32)[0].optimizer == pytest.approx(6 * r32.weights)
+
+
+# The memory arithmetic in each recipe's header comment; tiny_cpu.yaml has none.
+PEAK_LINE = re.compile(r"peak per GPU: ([\d.]+) GiB \(persistent ([\d.]+) \+ (\w+) ([\d.]+)\)")
+FIX_LINE = re.compile(r"With ((?:[\w.]+=\S+ )+)the peak is ([\d.]+) GiB")
+STEP_LINE = re.compile(r"step (\d+) s\.")
+RECIPES = [("qwen2.5-1.5b_from_7b.yaml", 8), ("qwen3-8b_from_32b.yaml", 32),
+           ("llama3.1-8b_from_70b.yaml", 64)]  # fmt: skip
+
+
+def _comment(name: str) -> str:
+    lines = (EXAMPLES_DIR / name).read_text().splitlines()
+    return " ".join(
+        line.lstrip("# ") for line in itertools.takewhile(lambda x: x.startswith("#"), lines)
+    )
+
+
+@pytest.mark.parametrize(("name", "world"), RECIPES)
+def test_recipe_comments_match_the_planner(name: str, world: int) -> None:
+    """Each recipe's comment block states the planner's peak, its parts and the step time; they
+    must stay within 2% of what ``plan`` prints for the recipe at its world size."""
+    text = _comment(name)
+    peak_match = PEAK_LINE.search(text)
+    assert peak_match, f"{name}: no 'peak per GPU' line in the header comment"
+    cfg = example(name)
+    worst = max(estimate_memory(cfg, world), key=lambda r: r.peak)
+    peak, persistent, phase, phase_gib = peak_match.groups()
+    assert float(peak) == pytest.approx(worst.peak / GIB, rel=0.02)
+    assert float(persistent) == pytest.approx(worst.persistent / GIB, rel=0.02)
+    assert (phase, float(phase_gib)) == (
+        worst.peak_phase,
+        pytest.approx(worst.phases[phase] / GIB, rel=0.02),
+    )
+    fits = worst.peak <= Hardware().usable_bytes
+    assert ("DOES NOT FIT" not in text) == fits
+    fix = FIX_LINE.search(text)
+    assert (fix is not None) == (not fits), f"{name}: a recipe that does not fit names a fix"
+    if fix is not None:
+        fixed = load_config(EXAMPLES_DIR / name, fix[1].split())
+        fixed_peak = max(r.peak for r in estimate_memory(fixed, world))
+        assert fixed_peak <= Hardware().usable_bytes
+        assert float(fix[2]) == pytest.approx(fixed_peak / GIB, rel=0.02)
+    step = STEP_LINE.search(text)
+    assert step, f"{name}: no step time in the header comment"
+    assert float(step[1]) == pytest.approx(estimate_step_time(cfg, world).total_s, rel=0.02)
