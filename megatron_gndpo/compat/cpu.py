@@ -308,6 +308,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.transformer.dot_product_attention",
           "inference and context buffers use the current device"),
     Patch("megatron.core.models.gpt.gpt_model", "inference logits buffers use the current device"),
+    Patch("megatron.core.models.multimodal.llava_model",
+          "LLaVAModel.forward makes its empty sound tensors on torch.cuda.current_device()"),
     Patch("megatron.core.models.common.embeddings.rope_utils",
           "context-parallel index tensors are pinned"),
     Patch("megatron.core.rerun_state_machine", "validation flags are made with device='cuda'"),

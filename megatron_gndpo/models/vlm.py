@@ -1,0 +1,289 @@
+"""Vision-language models (LLaVA / InternVL style) on megatron-core, student and teacher.
+
+:class:`VisionLanguageModel` is megatron-core's ``LLaVAModel`` (language GPT + ViT + projector,
+its parameter names, freezing, pipeline input handling and shared embeddings) with two changes:
+
+- the encoder and projector are built by ``models/vision.py`` (the pieces megatron-core lacks
+  without Transformer Engine, InternViT's layer scale and InternVL's projector);
+- ``forward`` works on **expanded** token ids: every image tile occupies ``tokens_per_tile``
+  consecutive placeholder ids (``VisionConfig.image_token_id``), each replaced one for one by an
+  image embedding. The combined sequence is then the token sequence itself: position ``t`` of the
+  ids is position ``t`` of the language model, the KV cache and the log-probs, so rollouts,
+  scoring and the update need no position remapping. It also forwards an ``output_processor``
+  (:class:`~megatron_gndpo.models.logprob_head.TokenLogProbs`) to the language model, so no
+  logits are ever formed. ``LLaVAModel.forward`` does neither, and its labels path drops the
+  response token right after an image.
+
+With pipeline parallelism the encoder, the projector and the embedding live on the first stage;
+the encoder is always one stage with the language model's tensor parallelism. The frozen parts
+(the encoder, optionally the projector) have ``requires_grad=False``, so megatron's DDP gives them
+no gradient buffer and ``get_megatron_optimizer`` leaves them out; they also run without autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.models import vision as vision_parts
+from megatron_gndpo.models.gpt import layer_spec, transformer_config
+from megatron_gndpo.parallel.groups import ParallelGroups
+
+
+def _llava_base() -> type:
+    from megatron.core.models.multimodal.llava_model import LLaVAModel
+
+    return LLaVAModel
+
+
+def _class() -> type:
+    """The model class, defined on first use (megatron-core is imported lazily)."""
+    global _VLM_CLASS
+    if _VLM_CLASS is None:
+        _VLM_CLASS = _define_class(_llava_base())
+    return _VLM_CLASS
+
+
+_VLM_CLASS: type | None = None
+
+
+def _define_class(base: type) -> type:
+    from megatron.core.models.multimodal.llava_model import pixel_shuffle
+    from megatron.core.transformer.enums import ModelType
+
+    class VisionLanguageModel(base):
+        """LLaVAModel on expanded image placeholders, with a log-prob output processor."""
+
+        def __init__(
+            self,
+            *,
+            vision: VisionConfig,
+            language_config: Any,
+            language_spec: Any,
+            vocab_size: int,
+            max_sequence_length: int,
+            position_embedding_type: str,
+            rotary_base: int,
+            share_embeddings_and_output_weights: bool,
+            parallel_output: bool,
+            pre_process: bool,
+            post_process: bool,
+            pg_collection: Any,
+            rope_scaling_factor: float | None = None,
+        ) -> None:
+            encoder_config = vision_parts.encoder_transformer_config(vision, language_config)
+            projector_config = vision_parts.projector_transformer_config(vision, language_config)
+            # LLaVAModel builds the language model; the encoder is built below instead (its
+            # own builder cannot take the norms or the layer scale megatron-core lacks).
+            super().__init__(
+                language_transformer_config=language_config,
+                language_transformer_layer_spec=language_spec,
+                language_vocab_size=vocab_size,
+                language_max_sequence_length=max_sequence_length,
+                vision_transformer_config=encoder_config,
+                vision_transformer_layer_spec=None,
+                drop_vision_class_token=vision.drop_class_token,
+                vision_projection_config=projector_config,
+                vision_projection_layer_spec=None,
+                parallel_output=parallel_output,
+                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                language_position_embedding_type=position_embedding_type,
+                pre_process=pre_process,
+                post_process=post_process,
+                add_encoder=False,
+                add_decoder=True,
+                img_h=vision.image_size,
+                img_w=vision.image_size,
+                patch_dim=vision.patch_size,
+                language_rotary_base=rotary_base,
+                language_rope_scaling=rope_scaling_factor is not None,
+                language_rope_scaling_factor=rope_scaling_factor or 8.0,
+                image_token_index=vision.image_token_id,
+                pixel_shuffle=vision.pixel_shuffle,
+                pg_collection=pg_collection,
+            )
+            # megatron's schedules read model_type; LLaVAModel does not set it
+            self.model_type = ModelType.encoder_or_decoder
+            self.vision = vision
+            if pre_process:
+                self.add_encoder = True
+                self._drop_vision_class_token = vision.drop_class_token
+                self.vision_model = vision_parts.build_encoder(
+                    vision, encoder_config, pg_collection
+                )
+                self.vision_projection = vision_parts.build_projector(
+                    vision, projector_config, pg_collection.tp
+                )
+            if self.img_seq_len != vision.tokens_per_tile:
+                raise AssertionError(
+                    f"megatron-core counts {self.img_seq_len} image tokens per tile, "
+                    f"VisionConfig {vision.tokens_per_tile}: update VisionConfig.tokens_per_tile"
+                )
+            self.freeze(
+                freeze_language_model=False,
+                freeze_vision_model=vision.freeze_encoder,
+                freeze_vision_projection=vision.freeze_projector,
+            )
+
+        @property
+        def tokens_per_tile(self) -> int:
+            return int(self.img_seq_len)
+
+        def train(self, mode: bool = True) -> VisionLanguageModel:
+            super().train(mode)
+            # a frozen encoder stays in eval mode (dropout off), as in the paper's runs
+            if self.vision_model is not None and self.vision.freeze_encoder:
+                self.vision_model.eval()
+            return self
+
+        def image_embeddings(self, images: torch.Tensor) -> torch.Tensor:
+            """``[n, 3, H, W]`` tiles -> ``[n * tokens_per_tile, h_lm]`` projected embeddings.
+
+            Frozen parts run without autograd: no activations are kept for them.
+            """
+            vision = self.vision
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not vision.freeze_encoder):
+                x = self.vision_model(images.to(self.vision_model.conv1.weight.dtype))
+                if vision.drop_class_token and vision.has_class_token:
+                    x = x[:, self.vision_model.class_token_len :, :]
+                if vision.pixel_shuffle:
+                    x = pixel_shuffle(x)  # [n, tokens_per_tile, 4 * h_vit]
+            x = x.permute(1, 0, 2).contiguous()  # [tokens_per_tile, n, h]
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not vision.freeze_projector):
+                x = self.vision_projection(x)  # [tokens_per_tile, n, h_lm]
+            # tile-major: tile 0's tokens, then tile 1's, ... (the placeholders' order)
+            return x.transpose(0, 1).reshape(-1, x.shape[-1])
+
+        def forward(
+            self,
+            images: torch.Tensor | None,
+            input_ids: torch.Tensor | None,
+            position_ids: torch.Tensor | None,
+            attention_mask: torch.Tensor | None,
+            *,
+            inference_context: Any = None,
+            output_processor: Any = None,
+            output_processor_context: Any = None,
+            runtime_gather_output: bool | None = None,
+        ) -> torch.Tensor:
+            """Language-model output on the combined sequence (logits, or the processor's).
+
+            ``input_ids [b, s]`` hold ``tokens_per_tile`` placeholder ids per tile of
+            ``images [n, 3, H, W]`` (all rows' tiles, row-major); every placeholder position
+            takes the next image embedding. Stages after the first ignore ``images`` and ids.
+            """
+            decoder_input = None
+            if self.pre_process:
+                assert input_ids is not None
+                decoder_input = self._combined_embeddings(images, input_ids, position_ids)
+            return self.language_model(
+                input_ids=None,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                decoder_input=decoder_input,
+                inference_context=inference_context,
+                runtime_gather_output=runtime_gather_output,
+                output_processor=output_processor,
+                output_processor_context=output_processor_context,
+            )
+
+        def _combined_embeddings(
+            self,
+            images: torch.Tensor | None,
+            input_ids: torch.Tensor,
+            position_ids: torch.Tensor | None,
+        ) -> torch.Tensor:
+            image_mask_BS = input_ids == self.image_token_index
+            n_placeholders = int(image_mask_BS.sum())
+            n_tiles = 0 if images is None else images.shape[0]
+            if n_placeholders != n_tiles * self.tokens_per_tile:
+                raise ValueError(
+                    f"the ids hold {n_placeholders} image placeholders (id "
+                    f"{self.image_token_index}) but {n_tiles} image tile(s) need "
+                    f"{n_tiles} x {self.tokens_per_tile}; expand each image's placeholder with "
+                    "megatron_gndpo.data.images before scoring"
+                )
+            text_ids = input_ids.masked_fill(image_mask_BS, 0)
+            embeddings_SBH = self.language_model.embedding(
+                input_ids=text_ids, position_ids=position_ids
+            )
+            if images is None or n_tiles == 0:
+                return embeddings_SBH
+            image_NH = self.image_embeddings(images).to(embeddings_SBH.dtype)
+            # [s, b] order of the mask must visit placeholders row by row: transpose to [b, s]
+            embeddings_BSH = embeddings_SBH.transpose(0, 1)
+            mask_BSH = image_mask_BS.unsqueeze(-1).expand_as(embeddings_BSH)
+            embeddings_BSH = embeddings_BSH.masked_scatter(mask_BSH, image_NH)
+            return embeddings_BSH.transpose(0, 1).contiguous()
+
+    return VisionLanguageModel
+
+
+def build_vlm(
+    model: ModelConfig,
+    vision: VisionConfig,
+    parallel: ParallelConfig,
+    groups: ParallelGroups,
+    *,
+    parallel_output: bool = True,
+) -> Any:
+    """A :class:`VisionLanguageModel` holding this rank's shard, encoder frozen per ``vision``.
+
+    The language model is the GPT of ``model`` (same TransformerConfig and layer spec as
+    :func:`~megatron_gndpo.models.gpt.build_gpt`), sharded over ``parallel``'s TP and PP.
+    """
+    layout = groups.layout
+    if layout.tp != parallel.tensor_parallel or layout.pp != parallel.pipeline_parallel:
+        raise ValueError(
+            f"the groups are for {layout.describe()} but the parallel config asks for "
+            f"TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel}"
+        )
+    if parallel.sequence_parallel or parallel.context_parallel > 1:
+        raise ValueError(
+            "megatron-core's LLaVA model supports sequence/context parallelism only with "
+            "Transformer Engine attention; set sequence_parallel=false and context_parallel=1"
+        )
+    tp = parallel.tensor_parallel
+    if vision.num_attention_heads % tp:
+        raise ValueError(
+            f"the vision encoder's num_attention_heads ({vision.num_attention_heads}) must divide "
+            f"by tensor_parallel ({tp})"
+        )
+    if not 0 <= vision.image_token_id < model.vocab_size:
+        raise ValueError(
+            f"vision.image_token_id ({vision.image_token_id}) is not in the language model's "
+            f"vocabulary [0, {model.vocab_size}); use the tokenizer's image placeholder id"
+        )
+    return _class()(
+        vision=vision,
+        language_config=transformer_config(model, parallel),
+        language_spec=layer_spec(model),
+        vocab_size=model.padded_vocab_size(tp),
+        max_sequence_length=model.max_position_embeddings,
+        position_embedding_type=model.position_embedding,
+        rotary_base=int(model.rotary_base),
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        parallel_output=parallel_output,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        pg_collection=groups.pg_collection(),
+        rope_scaling_factor=model.rotary_scaling_factor,
+    )
+
+
+def build_vlm_teacher(
+    model: ModelConfig, vision: VisionConfig, parallel: ParallelConfig, groups: ParallelGroups
+) -> Any:
+    """The frozen VLM teacher: eval mode, no gradients, its own layout."""
+    teacher = build_vlm(model, vision, parallel, groups)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def frozen_parameters(model: Any) -> dict[str, torch.Tensor]:
+    """Copies of the parameters that do not train (the frozen encoder/projector), by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}

@@ -1,0 +1,138 @@
+"""Forward-only log-probs of a VLM on rows with images, at any TP/PP, never forming logits.
+
+The multimodal counterpart of ``engine/scoring.score_tokens`` (same contract, same micro-batch
+planning and schedule arguments), for a :class:`~megatron_gndpo.models.vlm.VisionLanguageModel`:
+each row's ids hold its images' expanded placeholders (``data/images.py``), so the log-prob at
+position ``t`` is that of ``tokens[t]`` given everything before it, image embeddings included; a
+response that starts right after an image gets the log-prob of its first token from the last
+image position, which megatron's LLaVA labels path would drop.
+
+Legend: B = rows, S = padded row length, L = micro-batch row length, N = image tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_gndpo.engine.scoring import plan_padded, schedule_groups
+from megatron_gndpo.models.logprob_head import TokenLogProbs
+from megatron_gndpo.parallel.groups import ParallelGroups
+
+
+@dataclasses.dataclass
+class VisionMicroBatch:
+    """Rows padded to one length, with their image tiles in row order."""
+
+    rows: list[int]
+    tokens: torch.Tensor  # [b, L]
+    positions: torch.Tensor  # [b, L]
+    targets: torch.Tensor  # [b, L]: the next token at each position (pad where none)
+    images: torch.Tensor | None  # [N, 3, H, W]: the rows' tiles, row by row
+
+
+def pad_id_for(image_token_id: int) -> int:
+    """A padding id that is not the image placeholder (padding must not take an image)."""
+    return 1 if image_token_id == 0 else 0
+
+
+def vision_micro_batch(
+    tokens_BS: torch.Tensor,
+    lengths: Sequence[int],
+    images: Sequence[torch.Tensor | None],
+    rows: Sequence[int],
+    *,
+    image_token_id: int,
+) -> VisionMicroBatch:
+    """``rows`` of the batch right-padded to their longest, with their images concatenated."""
+    width = max(lengths[r] for r in rows)
+    pad = pad_id_for(image_token_id)
+    tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : lengths[r]] = tokens_BS[r, : lengths[r]]
+    targets = torch.full_like(tokens, pad)
+    targets[:, :-1] = tokens[:, 1:]
+    positions = torch.arange(width).unsqueeze(0).expand(len(rows), -1)
+    tiles = [images[r] for r in rows if images[r] is not None and images[r].shape[0] > 0]  # type: ignore[union-attr]
+    stacked = torch.cat(tiles) if tiles else None  # type: ignore[arg-type]
+    return VisionMicroBatch(list(rows), tokens, positions, targets, stacked)
+
+
+def score_multimodal(
+    model: Any,
+    groups: ParallelGroups,
+    tokens_BS: torch.Tensor,
+    lengths_B: torch.Tensor,
+    images: Sequence[torch.Tensor | None],
+    *,
+    head: TokenLogProbs,
+    token_budget: int,
+) -> torch.Tensor | None:
+    """Log-probs of every text token given its prefix and images, float32 ``[B, S]``.
+
+    ``out[b, t] = log p(tokens[b, t] | tokens[b, :t], images of row b)`` for
+    ``1 <= t < lengths[b]`` where ``tokens[b, t]`` is not an image placeholder; 0 at image
+    positions, at t = 0 and at padding. ``images[b]`` is row b's tiles ``[N_b, 3, H, W]`` (None
+    without images). Every rank of the model's layout calls it with the same rows; ranks off the
+    last stage get None.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_attr_wrapped_model
+
+    image_token_id = get_attr_wrapped_model(model, "image_token_index")
+    lengths = [int(n) for n in lengths_B.tolist()]
+    if tokens_BS.dim() != 2 or len(lengths) != tokens_BS.shape[0] or len(images) != len(lengths):
+        raise ValueError(
+            f"expected tokens [B, S], lengths [B] and B image entries, got "
+            f"{tuple(tokens_BS.shape)}, {len(lengths)} and {len(images)}"
+        )
+    if any(n < 1 or n > tokens_BS.shape[1] for n in lengths):
+        raise ValueError(f"every length must be in [1, {tokens_BS.shape[1]}], got {lengths}")
+    micro_batches = [
+        vision_micro_batch(tokens_BS.cpu(), lengths, images, rows, image_token_id=image_token_id)
+        for rows in plan_padded(lengths, token_budget)
+    ]
+    device = next(model.parameters()).device
+
+    def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
+        mb = next(data_iterator)
+        logprobs_bL = net(
+            None if mb.images is None else mb.images.to(device),
+            mb.tokens.to(device),
+            mb.positions.to(device),
+            None,
+            output_processor=head,
+            output_processor_context=mb.targets.to(device),
+        )
+        return logprobs_bL, lambda output, non_loss_data=True: output.detach().float()
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = get_forward_backward_func(pp_size=groups.layout.pp)(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[model],
+                num_microbatches=len(micro_batches),
+                seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+                micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+                forward_only=True,
+                collect_non_loss_data=True,
+                **schedule_groups(groups, model.config),
+            )
+    finally:
+        model.train(was_training)
+    if not groups.is_last_stage:
+        return None
+    out_BS = torch.zeros(tokens_BS.shape, dtype=torch.float32)
+    for mb, logprobs_bL in zip(micro_batches, outputs, strict=True):
+        for i, row in enumerate(mb.rows):
+            n = lengths[row]
+            # the log-prob predicted at position t is that of token t + 1
+            out_BS[row, 1:n] = logprobs_bL[i, : n - 1].cpu()
+    out_BS[tokens_BS.cpu() == image_token_id] = 0.0  # an image position has no token log-prob
+    return out_BS.to(tokens_BS.device)
