@@ -15,12 +15,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.parallel import vocab_stats
 from megatron_gndpo.parallel.logprobs import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
     vocab_parallel_logprobs_and_entropy,
     vocab_parallel_logprobs_from_logits,
     vocab_parallel_token_stats,
+)
+from megatron_gndpo.parallel.vocab_stats import (
+    vocab_parallel_argmax,
+    vocab_parallel_kl,
+    vocab_parallel_kl_from_logits,
+    vocab_parallel_sample,
 )
 from tests.harness import run_distributed
 from tests.test_logprobs import MemoryRecorder, make_case, reference_log_softmax
@@ -261,6 +268,161 @@ def test_errors_name_the_problem():
 
 
 # ---------------------------------------------------------------------------------------------
+# Forward-only: argmax, sampling, full-vocabulary KL (parallel/vocab_stats.py).
+
+
+def reference_gumbel(seed: int, tokens: int, chunk: int, vocab_size: int) -> torch.Tensor:
+    """float64 [T, vocab_size] noise laid out as vocab_parallel_sample draws it: per chunk of
+    tokens, per block of _NOISE_BLOCK_IDS ids, one [C, block] float64 uniform draw."""
+    gen = torch.Generator().manual_seed(seed)
+    block = vocab_stats._NOISE_BLOCK_IDS
+    rows = []
+    for start in range(0, tokens, chunk):
+        num = min(chunk, tokens - start)
+        rows.append(
+            torch.cat(
+                [
+                    torch.rand(
+                        (num, min(block, vocab_size - lo)), generator=gen, dtype=torch.float64
+                    )
+                    for lo in range(0, vocab_size, block)
+                ],
+                dim=-1,
+            )
+        )
+    uniform_TV = torch.cat(rows) if rows else torch.empty(0, vocab_size, dtype=torch.float64)
+    return -(-uniform_TV.log()).log()
+
+
+def test_argmax_matches_reference_and_token_stats_top1():
+    tokens, vocab_size, temp = 37, 45, 0.7
+    hidden_TH, weight_VH, targets_T = make_case(tokens, 16, 50, vocab_size)
+    weight_VH[vocab_size:] = 10.0 * hidden_TH[:1]  # padding that would win if not masked
+    ids_T = vocab_parallel_argmax(hidden_TH, weight_VH, vocab_size=vocab_size, chunk_tokens=8)
+    ref_TV = reference_log_softmax(hidden_TH, weight_VH, vocab_size, temp)
+    assert ids_T.dtype == torch.int64 and torch.equal(ids_T, ref_TV.argmax(-1))
+    stats = vocab_parallel_token_stats(
+        hidden_TH, weight_VH, targets_T, vocab_size=vocab_size, temperature=temp, top_k=1
+    )
+    assert stats.topk_ids is not None and stats.topk_logprobs is not None
+    assert torch.equal(stats.topk_ids[:, 0], ids_T)
+    torch.testing.assert_close(
+        stats.topk_logprobs[:, 0].double(), ref_TV.max(-1).values, **FP32_TOL
+    )
+
+
+@pytest.mark.parametrize("block", [4096, 10], ids=["one-block", "blocks-of-10"])
+def test_sample_is_gumbel_max_of_the_documented_noise(block, monkeypatch):
+    monkeypatch.setattr(vocab_stats, "_NOISE_BLOCK_IDS", block)
+    tokens, vocab_size, temp, chunk = 37, 45, 0.7, 8
+    hidden_TH, weight_VH, _ = make_case(tokens, 16, 50, vocab_size)
+    weight_VH[vocab_size:] = 10.0 * hidden_TH[:1]
+    kwargs = {"vocab_size": vocab_size, "chunk_tokens": chunk, "temperature": temp}
+    ids_T = vocab_parallel_sample(
+        hidden_TH, weight_VH, generator=torch.Generator().manual_seed(7), **kwargs
+    )
+    ref_TV = reference_log_softmax(hidden_TH, weight_VH, vocab_size, temp)[:, :vocab_size]
+    noise_TV = reference_gumbel(7, tokens, chunk, vocab_size)
+    assert torch.equal(ids_T, (ref_TV + noise_TV).argmax(-1))
+    again = vocab_parallel_sample(
+        hidden_TH, weight_VH, generator=torch.Generator().manual_seed(7), **kwargs
+    )
+    other = vocab_parallel_sample(
+        hidden_TH, weight_VH, generator=torch.Generator().manual_seed(8), **kwargs
+    )
+    assert torch.equal(ids_T, again) and not torch.equal(ids_T, other)
+
+
+def test_sample_frequencies_follow_the_tempered_softmax():
+    tokens, vocab_size, temp = 6000, 6, 1.5
+    hidden_TH, weight_VH, _ = make_case(1, 4, 8, vocab_size)
+    weight_VH[vocab_size:] = 10.0 * hidden_TH  # padding that would win if not masked
+    ids_T = vocab_parallel_sample(
+        hidden_TH.expand(tokens, -1),
+        weight_VH,
+        generator=torch.Generator().manual_seed(0),
+        vocab_size=vocab_size,
+        chunk_tokens=1000,
+        temperature=temp,
+    )
+    freq_V = torch.bincount(ids_T, minlength=8).double() / tokens
+    probs_V = reference_log_softmax(hidden_TH, weight_VH, vocab_size, temp)[0].exp()
+    assert not freq_V[vocab_size:].any()
+    # binomial std ≤ sqrt(0.25 / 6000) ≈ 0.0065: 0.03 is over 4.5 sigma
+    torch.testing.assert_close(freq_V, probs_V, rtol=0, atol=0.03)
+
+
+def reference_kl(hidden_p, weight_p, hidden_q, weight_q, vocab_size, temp):
+    logp_TV = reference_log_softmax(hidden_p, weight_p, vocab_size, temp)[:, :vocab_size]
+    logq_TV = reference_log_softmax(hidden_q, weight_q, vocab_size, temp)[:, :vocab_size]
+    return (logp_TV.exp() * (logp_TV - logq_TV)).sum(-1)
+
+
+def kl_pair(tokens, rows, vocab_size, *, seed=0):
+    """Student p (H=8) and teacher q (H=12, bfloat16-free float32) sharing the vocabulary."""
+    hidden_p, weight_p, _ = make_case(tokens, 8, rows, vocab_size, seed=seed)
+    hidden_q, weight_q, _ = make_case(tokens, 12, rows, vocab_size, seed=seed + 100)
+    weight_p[vocab_size:] = 10.0 * weight_p[:1]  # padding that would dominate if not masked
+    weight_q[vocab_size:] = -10.0 * weight_q[:1]
+    return hidden_p, weight_p, hidden_q, weight_q
+
+
+@pytest.mark.parametrize(
+    ("tokens", "rows", "vocab_size", "chunk", "temp"),
+    [(37, 50, 45, 8, 0.7), (16, 33, 33, 64, 1.0), (0, 7, 7, 2, 1.0)],
+    ids=["padding-chunks-not-dividing", "one-chunk-no-padding", "no-tokens"],
+)
+def test_kl_matches_reference(tokens, rows, vocab_size, chunk, temp):
+    hidden_p, weight_p, hidden_q, weight_q = kl_pair(tokens, rows, vocab_size)
+    kwargs = {"vocab_size": vocab_size, "temperature": temp}
+    kl_T = vocab_parallel_kl(hidden_p, weight_p, hidden_q, weight_q, chunk_tokens=chunk, **kwargs)
+    assert kl_T.dtype == torch.float32 and kl_T.shape == (tokens,)
+    ref_T = reference_kl(hidden_p, weight_p, hidden_q, weight_q, vocab_size, temp)
+    torch.testing.assert_close(kl_T.double(), ref_T, **FP32_TOL)
+    same_T = vocab_parallel_kl(hidden_p, weight_p, hidden_p, weight_p, **kwargs)
+    torch.testing.assert_close(same_T, torch.zeros(tokens), rtol=0, atol=1e-6)
+    logits_p = (hidden_p @ weight_p.t()).view(1, tokens, rows)
+    logits_q = (hidden_q @ weight_q.t()).view(1, tokens, rows)
+    before = logits_p.clone()
+    from_logits = vocab_parallel_kl_from_logits(logits_p, logits_q, **kwargs)
+    assert from_logits.shape == (1, tokens) and torch.equal(logits_p, before)
+    torch.testing.assert_close(from_logits[0].double(), ref_T, **FP32_TOL)
+
+
+def test_kl_memory_is_bounded_by_the_chunk():
+    tokens, vocab, chunk = 1024, 2000, 128
+    hidden_p, weight_p, hidden_q, weight_q = kl_pair(tokens, vocab, vocab)
+    chunk_bytes = 4 * chunk * vocab
+    with MemoryRecorder(hidden_p, weight_p, hidden_q, weight_q) as rec:
+        vocab_parallel_kl(hidden_p, weight_p, hidden_q, weight_q, chunk_tokens=chunk)
+    assert rec.largest_numel <= chunk * vocab
+    assert rec.peak_bytes < 3.25 * chunk_bytes  # both models' logits and a − b
+    assert 8 * chunk_bytes <= 4 * tokens * vocab
+
+
+def test_forward_only_errors_name_the_problem():
+    hidden_p, weight_p, hidden_q, weight_q = kl_pair(6, 10, 8)
+    with pytest.raises(ValueError, match="same vocabulary rows"):
+        vocab_parallel_kl(hidden_p, weight_p, hidden_q, weight_q[:9])
+    with pytest.raises(ValueError, match="same tokens"):
+        vocab_parallel_kl(hidden_p, weight_p, hidden_q[:5], weight_q)
+    with pytest.raises(ValueError, match=r"hidden \(6, 12\), weight \(10, 8\)"):
+        vocab_parallel_kl(hidden_q, weight_p, hidden_q, weight_q)
+    with pytest.raises(ValueError, match="share a dtype"):
+        vocab_parallel_kl(hidden_p, weight_p, hidden_q.double(), weight_q)
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_kl(hidden_p, weight_p, hidden_q, weight_q, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"vocab_size=11"):
+        vocab_parallel_argmax(hidden_p, weight_p, vocab_size=11)
+    with pytest.raises(ValueError, match="same shape"):
+        vocab_parallel_kl_from_logits(torch.randn(3, 10), torch.randn(3, 9))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        vocab_parallel_sample(
+            hidden_p, weight_p, generator=torch.Generator().manual_seed(0), chunk_tokens=0
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # Tensor parallel: one 4-rank launch, TP = 1, 2 and 4, every function of this file.
 
 TP_TOKENS, TP_HIDDEN, TP_VOCAB, TP_CHUNK, TP_TEMP, TP_K = 23, 8, 37, 5, 0.9, 6
@@ -287,7 +449,48 @@ def shard_of(weight_VH: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
     return weight_VH[tp_rank * rows : (tp_rank + 1) * rows].clone()
 
 
+# Student and teacher for the forward-only checks: the same data at every TP size (64 rows
+# split 64/32/16 per rank; with TP=4 rank 2 holds 5 real ids, rank 3 padding only), so the
+# sampled ids can be compared across TP sizes. Noise blocks of 10 ids straddle the shards.
+TP_ROWS, TP_HIDDEN_TEACHER, TP_SEED, TP_NOISE_BLOCK = 64, 12, 99, 10
+
+
+def shared_case() -> tuple[torch.Tensor, ...]:
+    """Student hidden [T, 8], weight [64, 8]; teacher hidden [T, 12], weight [64, 12]; [T]."""
+    hidden_p, weight_p, targets_T = make_case(TP_TOKENS, TP_HIDDEN, TP_ROWS, TP_VOCAB, seed=5)
+    hidden_q, weight_q, _ = make_case(TP_TOKENS, TP_HIDDEN_TEACHER, TP_ROWS, TP_VOCAB, seed=6)
+    weight_p[TP_VOCAB:] = 10.0 * hidden_p[:1]  # padding that would win if it were not masked
+    weight_q[TP_VOCAB:] = 10.0 * hidden_q[:1]
+    return hidden_p, weight_p, hidden_q, weight_q, targets_T
+
+
+def _forward_only_checks(tp: int, tp_rank: int, group: Any) -> dict[str, Any]:
+    hidden_p, weight_p, hidden_q, weight_q, targets_T = shared_case()
+    weight_p, weight_q = shard_of(weight_p, tp, tp_rank), shard_of(weight_q, tp, tp_rank)
+    kwargs: dict[str, Any] = {"tp_group": group, "vocab_size": TP_VOCAB, "chunk_tokens": TP_CHUNK}
+    tempered = {**kwargs, "temperature": TP_TEMP}
+    logits_kwargs = {"tp_group": group, "vocab_size": TP_VOCAB, "temperature": TP_TEMP}
+    # (5) the student's top-k ids, and the teacher's log-probs of those ids
+    stats = vocab_parallel_token_stats(hidden_p, weight_p, targets_T, top_k=TP_K, **tempered)
+    assert stats.topk_ids is not None
+    return {
+        "argmax": vocab_parallel_argmax(hidden_p, weight_p, **kwargs),
+        "sample": vocab_parallel_sample(
+            hidden_p, weight_p, generator=torch.Generator().manual_seed(TP_SEED), **tempered
+        ),
+        "kl": vocab_parallel_kl(hidden_p, weight_p, hidden_q, weight_q, **tempered),
+        "kl_from_logits": vocab_parallel_kl_from_logits(
+            hidden_p @ weight_p.t(), hidden_q @ weight_q.t(), **logits_kwargs
+        ),
+        "student_topk": (stats.topk_ids, stats.topk_logprobs),
+        "teacher_at_student_topk": vocab_parallel_logprobs(
+            hidden_q, weight_q, stats.topk_ids, **tempered
+        ),
+    }
+
+
 def _tp_body(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+    vocab_stats._NOISE_BLOCK_IDS = TP_NOISE_BLOCK  # this spawned process only
     # Group creation is collective: every rank creates every group, in the same order.
     groups: dict[int, dist.ProcessGroup | None] = {1: None}
     for size in (2, 4):
@@ -329,6 +532,7 @@ def _tp_body(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
         out["from_logits"] = vocab_parallel_logprobs_from_logits(
             logits_TV, targets_TK, **from_logits_kwargs
         )
+        out.update(_forward_only_checks(tp, tp_rank, group))
         results[tp] = out
     return results
 
@@ -340,8 +544,43 @@ def check_tp_grads(grads, ref_grads, own: slice, where: str) -> None:
     torch.testing.assert_close(grad_weight.double(), ref_weight[own], **FP32_TOL, msg=where)
 
 
+def check_forward_only(got: dict[str, Any], where: str) -> None:
+    """argmax, sample, KL and the top-k pieces against the gathered float64 computation."""
+    hidden_p, weight_p, hidden_q, weight_q, _ = shared_case()
+    logp_TV = reference_log_softmax(hidden_p, weight_p, TP_VOCAB, TP_TEMP)[:, :TP_VOCAB]
+    logq_TV = reference_log_softmax(hidden_q, weight_q, TP_VOCAB, TP_TEMP)[:, :TP_VOCAB]
+    assert torch.equal(got["argmax"], logp_TV.argmax(-1)), where
+    noise_TV = reference_gumbel(TP_SEED, TP_TOKENS, TP_CHUNK, TP_VOCAB)
+    assert torch.equal(got["sample"], (logp_TV + noise_TV).argmax(-1)), where
+    ref_kl_T = (logp_TV.exp() * (logp_TV - logq_TV)).sum(-1)
+    for key in ("kl", "kl_from_logits"):
+        torch.testing.assert_close(got[key].double(), ref_kl_T, **FP32_TOL, msg=where)
+
+    # (5) vOPD / TrOPD top-k pieces: the student's top-k over the full vocabulary, the
+    # teacher's log-probs of those ids, and the top-k KL renormalised over them for both.
+    ref_top_TK, ref_ids_TK = logp_TV.topk(TP_K, dim=-1)
+    ids_TK, top_TK = got["student_topk"]
+    assert torch.equal(ids_TK, ref_ids_TK), where
+    torch.testing.assert_close(top_TK.double(), ref_top_TK, **FP32_TOL, msg=where)
+    ref_teacher_TK = logq_TV.gather(-1, ref_ids_TK)
+    teacher_TK = got["teacher_at_student_topk"]
+    torch.testing.assert_close(teacher_TK.double(), ref_teacher_TK, **FP32_TOL, msg=where)
+
+    def topk_kl(logp_TK: torch.Tensor, logq_TK: torch.Tensor) -> torch.Tensor:
+        logp_TK, logq_TK = logp_TK.log_softmax(-1), logq_TK.log_softmax(-1)
+        return (logp_TK.exp() * (logp_TK - logq_TK)).sum(-1)
+
+    torch.testing.assert_close(
+        topk_kl(top_TK.double(), teacher_TK.double()),
+        topk_kl(ref_top_TK, ref_teacher_TK),
+        **FP32_TOL,
+        msg=where,
+    )
+
+
 @pytest.mark.distributed
-def test_tensor_parallel_matches_reference_for_tp_1_2_4():
+def test_tensor_parallel_matches_reference_for_tp_1_2_4(monkeypatch):
+    monkeypatch.setattr(vocab_stats, "_NOISE_BLOCK_IDS", TP_NOISE_BLOCK)  # as _tp_body does
     ranks = run_distributed(_tp_body, world_size=4, timeout_s=180)
     for tp in (1, 2, 4):
         hidden_TH, weight_VH, targets_TK, grad_TK = tp_case(tp)
@@ -374,3 +613,6 @@ def test_tensor_parallel_matches_reference_for_tp_1_2_4():
             torch.testing.assert_close(entropy_T.double(), ref_entropy_T, **FP32_TOL, msg=where)
             check_tp_grads(grads, ref_grads["entropy"], own, f"entropy {where}")
             torch.testing.assert_close(got["from_logits"].double(), ref_TK, **FP32_TOL, msg=where)
+            check_forward_only(got, where)
+            # the sample is the same at every TP size, not only equal to the reference
+            assert torch.equal(got["sample"], ranks[0][1]["sample"]), where

@@ -42,6 +42,10 @@ when the entropy is asked for); the backward
 recomputes each chunk's logits (one extra matmul per chunk, the usual recompute trade) and keeps a
 float32 weight-gradient accumulator of the weight's size.
 
+Forward-only argmax, sampling and the full-vocabulary KL between two models live in the sibling
+:mod:`megatron_gndpo.parallel.vocab_stats`, built on this module's per-shard helpers
+(``_ShardMath``, ``_VocabShard``, the chunking and collective wrappers).
+
 Precision: the chunk matmul runs in the inputs' dtype (on GPUs a bf16 GEMM accumulates in
 float32 and rounds its output to bf16), then the logits are cast to float32 and everything after
 that is float32, the same numerics as Megatron's ``GPTModel`` output layer followed by
