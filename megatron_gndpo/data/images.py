@@ -1,0 +1,384 @@
+"""Prompts with images: loading, preprocessing and placeholder expansion, done once per row.
+
+A row's text carries one marker (``<image>``) per image. :func:`encode_multimodal` turns the row
+into what every model sees:
+
+- ``pixels [N, 3, H, W]``: each image resized (or tiled, InternVL-style, up to ``max_tiles``
+  tiles plus a thumbnail) to the encoder's ``image_size`` and normalised with its mean/std;
+- ``ids``: the chat-templated prompt in which each image's marker is replaced by
+  ``tiles x tokens_per_tile`` copies of the placeholder id, one per image embedding.
+
+Because this happens once, before rollout, the student and the teacher score the very same ids
+and pixels. That only works when their image-token layouts agree (placeholder id, tokens per tile,
+tile size, tiling, normalisation): :func:`check_same_image_layout` fails clearly otherwise, and
+:func:`check_row` checks one row's ids against a layout.
+
+Rows come from JSONL (image paths, relative to the file), Parquet (image bytes, as the
+geometry3k release stores them: pyarrow, the ``parquet`` extra) or the built-in visual task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.data.tasks import visual
+from megatron_gndpo.data.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+IMAGE_MARKER = visual.IMAGE_MARKER
+
+
+@dataclasses.dataclass(frozen=True)
+class MultimodalExample:
+    """One prompt with its images (paths, bytes or decoded) and reference answer."""
+
+    prompt: str
+    answer: str | None
+    images: tuple[Any, ...]
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageLayout:
+    """How images become tokens; student and teacher must share it (the ids are shared)."""
+
+    image_token_id: int
+    tokens_per_tile: int
+    image_size: int
+    max_tiles: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    @classmethod
+    def of(cls, vision: VisionConfig) -> ImageLayout:
+        return cls(
+            image_token_id=vision.image_token_id,
+            tokens_per_tile=vision.tokens_per_tile,
+            image_size=vision.image_size,
+            max_tiles=vision.max_tiles,
+            mean=vision.image_mean,
+            std=vision.image_std,
+        )
+
+
+def check_same_image_layout(student: VisionConfig, teacher: VisionConfig) -> None:
+    """Fail, naming every difference, unless the teacher can score the student's rows as is."""
+    ours, theirs = ImageLayout.of(student), ImageLayout.of(teacher)
+    hints = {
+        "image_token_id": "both tokenizers must use the same image placeholder id",
+        "tokens_per_tile": "choose image_size/patch_size/pixel_shuffle/drop_class_token so "
+        "that one tile gives the same number of image tokens",
+        "image_size": "both encoders must take tiles of the same size",
+        "max_tiles": "tile images the same way",
+        "mean": "normalise pixels the same way (image_mean)",
+        "std": "normalise pixels the same way (image_std)",
+    }
+    problems = [
+        f"{field}: student {getattr(ours, field)} vs teacher {getattr(theirs, field)} ({hint})"
+        for field, hint in hints.items()
+        if getattr(ours, field) != getattr(theirs, field)
+    ]
+    if problems:
+        raise ValueError(
+            "the student's and the teacher's image-token layouts differ, so the teacher cannot "
+            "score the student's rows:\n  - " + "\n  - ".join(problems)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Pixels
+
+
+def load_image(source: Any, base: Path | None = None) -> Image.Image:
+    """An RGB image from a path (relative to ``base``), encoded bytes, or a PIL image."""
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    if isinstance(source, bytes | bytearray):
+        return Image.open(io.BytesIO(source)).convert("RGB")
+    path = Path(source)
+    if base is not None and not path.is_absolute():
+        path = base / path
+    if not path.is_file():
+        raise FileNotFoundError(f"image {path} does not exist (paths are relative to the JSONL)")
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def tile_grid(width: int, height: int, max_tiles: int) -> tuple[int, int]:
+    """InternVL's grid choice: ``(cols, rows)`` with at most ``max_tiles`` tiles whose aspect
+    ratio is closest to the image's (ties go to more tiles)."""
+    aspect = width / height
+    grids = sorted(
+        {
+            (c, r)
+            for c in range(1, max_tiles + 1)
+            for r in range(1, max_tiles + 1)
+            if c * r <= max_tiles
+        },
+        key=lambda g: (abs(aspect - g[0] / g[1]), -g[0] * g[1]),
+    )
+    return grids[0]
+
+
+def tile_image(image: Image.Image, size: int, max_tiles: int) -> list[Image.Image]:
+    """``image`` as ``size``-square tiles: one resize with ``max_tiles=1``, else the grid's
+    tiles row by row plus a thumbnail of the whole image (InternVL's dynamic preprocessing)."""
+    from PIL import Image
+
+    resample = Image.Resampling.BICUBIC
+    if max_tiles == 1:
+        return [image.resize((size, size), resample)]
+    cols, rows = tile_grid(image.width, image.height, max_tiles)
+    if cols * rows == 1:
+        return [image.resize((size, size), resample)]
+    grid = image.resize((cols * size, rows * size), resample)
+    tiles = [
+        grid.crop((c * size, r * size, (c + 1) * size, (r + 1) * size))
+        for r in range(rows)
+        for c in range(cols)
+    ]
+    return [*tiles, image.resize((size, size), resample)]
+
+
+def normalise(tiles: Sequence[Image.Image], layout: ImageLayout) -> torch.Tensor:
+    """Tiles as float32 ``[N, 3, H, W]``: pixel values in [0, 1], minus mean, over std."""
+    import numpy as np
+
+    pixels = torch.stack(
+        [torch.from_numpy(np.asarray(t, dtype=np.uint8).copy()) for t in tiles]
+    )  # [N, H, W, 3]
+    x = pixels.permute(0, 3, 1, 2).float() / 255.0
+    mean = torch.tensor(layout.mean).view(1, 3, 1, 1)
+    std = torch.tensor(layout.std).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+# ---------------------------------------------------------------------------------------------
+# Token ids
+
+
+@dataclasses.dataclass(frozen=True)
+class MultimodalRow:
+    """A prompt ready for any model with this layout: expanded ids and normalised tiles."""
+
+    example: MultimodalExample
+    ids: list[int]
+    pixels: torch.Tensor | None  # [N, 3, H, W]; None without images
+    tiles_per_image: tuple[int, ...]
+
+
+def expand_markers(
+    ids: Sequence[int],
+    marker_ids: Sequence[int],
+    tiles_per_image: Sequence[int],
+    layout: ImageLayout,
+) -> list[int]:
+    """``ids`` with the i-th occurrence of ``marker_ids`` replaced by image i's placeholders."""
+    if not marker_ids:
+        raise ValueError("the image marker encodes to no tokens; use a marker the tokenizer keeps")
+    if layout.image_token_id in ids:
+        raise ValueError(
+            f"the prompt's text already contains the image placeholder id "
+            f"{layout.image_token_id}; choose a placeholder id the tokenizer never produces"
+        )
+    out: list[int] = []
+    t, k, m = 0, 0, len(marker_ids)
+    while t < len(ids):
+        if list(ids[t : t + m]) == list(marker_ids):
+            if k == len(tiles_per_image):
+                raise ValueError(
+                    f"the prompt has more {IMAGE_MARKER} markers than its {len(tiles_per_image)} "
+                    "image(s); give one image per marker"
+                )
+            out += [layout.image_token_id] * (tiles_per_image[k] * layout.tokens_per_tile)
+            t, k = t + m, k + 1
+        else:
+            out.append(int(ids[t]))
+            t += 1
+    if k != len(tiles_per_image):
+        raise ValueError(
+            f"the prompt has {k} {IMAGE_MARKER} marker(s) but {len(tiles_per_image)} image(s); "
+            f"put one {IMAGE_MARKER} in the prompt where each image goes"
+        )
+    return out
+
+
+def encode_multimodal(
+    example: MultimodalExample,
+    tokenizer: Tokenizer,
+    layout: ImageLayout,
+    *,
+    base: Path | None = None,
+    marker: str = IMAGE_MARKER,
+) -> MultimodalRow:
+    """The row's expanded, chat-templated ids and its normalised tiles (see the module doc)."""
+    tiles: list[Image.Image] = []
+    tiles_per_image = []
+    for source in example.images:
+        image_tiles = tile_image(load_image(source, base), layout.image_size, layout.max_tiles)
+        tiles += image_tiles
+        tiles_per_image.append(len(image_tiles))
+    ids = expand_markers(
+        tokenizer.apply_chat_template(example.prompt),
+        tokenizer.encode(marker),
+        tiles_per_image,
+        layout,
+    )
+    pixels = normalise(tiles, layout) if tiles else None
+    row = MultimodalRow(example, ids, pixels, tuple(tiles_per_image))
+    check_row(row.ids, row.tiles_per_image, layout)
+    return row
+
+
+def check_row(ids: Sequence[int], tiles_per_image: Sequence[int], layout: ImageLayout) -> None:
+    """Fail unless ``ids`` hold, per image, one contiguous run of its placeholders."""
+    runs, t = [], 0
+    while t < len(ids):
+        if ids[t] == layout.image_token_id:
+            start = t
+            while t < len(ids) and ids[t] == layout.image_token_id:
+                t += 1
+            runs.append(t - start)
+        else:
+            t += 1
+    expected = [n * layout.tokens_per_tile for n in tiles_per_image]
+    # adjacent images merge into one run; compare totals and the run boundaries they allow
+    if sum(runs) != sum(expected) or any(r % layout.tokens_per_tile for r in runs):
+        raise ValueError(
+            f"the row's image placeholders (id {layout.image_token_id}) form runs {runs}, but "
+            f"its images need {expected} ({layout.tokens_per_tile} per tile): the ids were "
+            "expanded for another image-token layout (check_same_image_layout)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Data sets
+
+
+def load_multimodal_prompts(
+    spec: str,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    image_key: str = "images",
+) -> list[MultimodalExample]:
+    """Prompts with images from ``.jsonl`` (paths), ``.parquet`` (bytes) or ``builtin:visual``.
+
+    ``image_key`` holds one image or a list: a path (JSONL, relative to the file), bytes, or a
+    ``{"bytes": ..., "path": ...}`` struct (Hugging Face ``datasets`` Image columns in Parquet).
+    """
+    if spec in (f"builtin:{name}" for name in BUILTIN_VISUAL):
+        return BUILTIN_VISUAL[spec.removeprefix("builtin:")]()
+    path = Path(spec)
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise ValueError(
+            f"cannot read multimodal prompts from {spec!r}: use a .jsonl file (image paths), a "
+            f".parquet file (image bytes) or one of "
+            + ", ".join(f"builtin:{n}" for n in BUILTIN_VISUAL)
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    records = _jsonl(path) if path.suffix == ".jsonl" else _parquet(path)
+    examples = [
+        _example(record, where, index, prompt_key, answer_key, image_key, base=path.parent)
+        for index, (where, record) in enumerate(records)
+    ]
+    if not examples:
+        raise ValueError(f"prompt file {path} contains no records")
+    return examples
+
+
+def _jsonl(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if line.strip():
+                where = f"{path}:{line_number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{where}: expected a JSON object per line")
+                yield where, record
+
+
+def _parquet(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"cannot read {path}: Parquet needs pyarrow, which is not installed; "
+            "`pip install 'megatron-gndpo[parquet]'` (or pyarrow), or convert the rows to .jsonl "
+            "with image paths"
+        ) from None
+    rows = pq.read_table(path).to_pylist()
+    return ((f"{path} row {i}", row) for i, row in enumerate(rows))
+
+
+def _example(
+    record: Mapping[str, Any],
+    where: str,
+    index: int,
+    prompt_key: str,
+    answer_key: str,
+    image_key: str,
+    *,
+    base: Path,
+) -> MultimodalExample:
+    prompt = record.get(prompt_key)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(
+            f"{where}: {prompt_key!r} must be a non-empty string; the record has {sorted(record)}"
+        )
+    raw = record.get(image_key)
+    items = [] if raw is None else raw if isinstance(raw, list) else [raw]
+    images = tuple(_image_source(item, where, base) for item in items)
+    if prompt.count(IMAGE_MARKER) != len(images):
+        raise ValueError(
+            f"{where}: the prompt has {prompt.count(IMAGE_MARKER)} {IMAGE_MARKER} marker(s) but "
+            f"the record has {len(images)} image(s) in {image_key!r}; put one marker per image"
+        )
+    answer = record.get(answer_key)
+    text = None if answer is None else answer if isinstance(answer, str) else json.dumps(answer)
+    return MultimodalExample(prompt=prompt, answer=text, images=images, index=index)
+
+
+def _image_source(item: Any, where: str, base: Path) -> str | bytes:
+    if isinstance(item, dict):  # a datasets Image struct
+        item = item.get("bytes") or item.get("path")
+    if isinstance(item, bytes | bytearray):
+        return bytes(item)
+    if isinstance(item, str) and item:
+        path = Path(item) if Path(item).is_absolute() else base / item
+        return str(path)
+    raise ValueError(
+        f"{where}: an image must be a path, bytes or a {{'bytes', 'path'}} struct; got "
+        f"{type(item).__name__}"
+    )
+
+
+def _builtin_visual(seed: int, n: int) -> list[MultimodalExample]:
+    problems = visual.generate(n, seed, visual.DEFAULT_DIFFICULTY)
+    return [
+        MultimodalExample(prompt=p.prompt, answer=p.answer, images=(p.image,), index=i)
+        for i, p in enumerate(problems)
+    ]
+
+
+# Built-in sets (builtin:visual, builtin:visual_eval), each from its own seed.
+BUILTIN_VISUAL = {
+    "visual": lambda: _builtin_visual(visual.TRAIN_SEED, 256),
+    "visual_eval": lambda: _builtin_visual(visual.EVAL_SEED, 64),
+}

@@ -1,0 +1,160 @@
+"""Image prompts: the built-in visual task, preprocessing, placeholder expansion, layout checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.data import images as img
+from megatron_gndpo.data.tasks import visual
+from megatron_gndpo.data.tokenizer import CharTokenizer
+
+HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
+VISION = VisionConfig(image_size=28, patch_size=7, image_token_id=CharTokenizer.UNK_ID)
+LAYOUT = img.ImageLayout.of(VISION)
+
+
+def test_visual_task_is_deterministic_and_checkable() -> None:
+    for difficulty in (1, 2, 3):
+        a = visual.generate(20, seed=3, difficulty=difficulty)
+        b = visual.generate(20, seed=3, difficulty=difficulty)
+        assert [p.prompt for p in a] == [p.prompt for p in b]
+        assert all(p.image.tobytes() == q.image.tobytes() for p, q in zip(a, b, strict=True))
+        for p in a:
+            assert p.prompt.startswith(visual.IMAGE_MARKER) and p.image.size == (56, 56)
+            product = "product" in p.prompt
+            value = 1 if product else 0
+            for d in p.digits:
+                value = value * d if product else value + d
+            assert p.answer == str(value) and p.solution.endswith(f"\\boxed{{{value}}}")
+            assert len(p.digits) == {1: 2, 2: 3}.get(difficulty, len(p.digits))
+    assert any("product" in p.prompt for p in visual.generate(20, seed=3, difficulty=3))
+    assert (
+        visual.generate(5, seed=1)[0].image.tobytes()
+        != visual.generate(5, seed=2)[0].image.tobytes()
+    )
+    with pytest.raises(ValueError, match="difficulty"):
+        visual.generate(1, difficulty=4)
+    with pytest.raises(ValueError, match="legible"):
+        visual.generate(1, size=20)
+
+
+def test_digits_are_drawn_where_they_should_be() -> None:
+    # an 8 lights every segment, a 1 only the right ones: the 8 has more ink
+    rng = random.Random(0)
+    eight = visual.render((8,), random.Random(0), 56)
+    one = visual.render((1,), rng, 56)
+    ink = lambda im: int((np.asarray(im) != 255).any(-1).sum())
+    assert ink(eight) > 2 * ink(one) > 0
+
+
+def test_tiling_and_normalisation() -> None:
+    from PIL import Image
+
+    wide = Image.new("RGB", (200, 100), (255, 0, 0))
+    assert img.tile_grid(200, 100, 6) == (2, 1)
+    tiles = img.tile_image(wide, 28, max_tiles=6)
+    assert len(tiles) == 3 and all(t.size == (28, 28) for t in tiles)  # 2 tiles + thumbnail
+    assert len(img.tile_image(wide, 28, max_tiles=1)) == 1
+    pixels = img.normalise(tiles, LAYOUT)
+    assert pixels.shape == (3, 3, 28, 28) and pixels.dtype == torch.float32
+    red = (1.0 - LAYOUT.mean[0]) / LAYOUT.std[0]
+    torch.testing.assert_close(pixels[:, 0], torch.full((3, 28, 28), red))
+
+
+def test_encode_expands_markers_once_for_student_and_teacher() -> None:
+    tok = CharTokenizer()
+    problem = visual.generate(1, seed=0)[0]
+    example = img.MultimodalExample(problem.prompt, problem.answer, (problem.image,), 0)
+    row = img.encode_multimodal(example, tok, LAYOUT)
+    n = VISION.tokens_per_tile
+    start = row.ids.index(LAYOUT.image_token_id)
+    assert row.ids[start : start + n] == [LAYOUT.image_token_id] * n
+    assert row.ids.count(LAYOUT.image_token_id) == n
+    assert tok.decode(row.ids[start + n :]) == "\nWhat is the sum of the digits shown?\nA: "
+    assert row.pixels is not None and row.pixels.shape == (1, 3, 28, 28)
+    assert row.tiles_per_image == (1,)
+    # a teacher with the same layout accepts the row; another layout fails clearly
+    teacher = VisionConfig(
+        encoder="internvit", image_size=28, patch_size=7, pixel_shuffle=True, image_token_id=3,
+        hidden_size=64, num_layers=4,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="tokens_per_tile: student 16 vs teacher 4"):
+        img.check_same_image_layout(VISION, teacher)
+    with pytest.raises(ValueError, match="image_token_id: student 3 vs teacher 5"):
+        img.check_same_image_layout(VISION, VisionConfig(image_size=28, image_token_id=5))
+    img.check_same_image_layout(
+        VISION, VisionConfig(hidden_size=64, num_layers=4, image_token_id=3)
+    )
+    with pytest.raises(ValueError, match="another image-token layout"):
+        img.check_row(row.ids, row.tiles_per_image, img.ImageLayout.of(teacher))
+
+
+def test_marker_count_must_match_images() -> None:
+    tok = CharTokenizer()
+    marker = tok.encode(img.IMAGE_MARKER)
+    ids = tok.encode("a <image> b <image>")
+    with pytest.raises(ValueError, match="2 <image> marker"):
+        img.expand_markers(ids, marker, [1, 1, 1], LAYOUT)
+    with pytest.raises(ValueError, match="more <image> markers"):
+        img.expand_markers(tok.encode("<image><image>"), marker, [1], LAYOUT)
+    with pytest.raises(ValueError, match="already contains the image placeholder"):
+        img.expand_markers([LAYOUT.image_token_id], marker, [], LAYOUT)
+    out = img.expand_markers(ids, marker, [1, 2], LAYOUT)
+    assert out.count(LAYOUT.image_token_id) == 3 * VISION.tokens_per_tile
+
+
+def test_jsonl_rows_with_image_paths(tmp_path: Path) -> None:
+    problems = visual.generate(2, seed=4)
+    lines = []
+    for i, p in enumerate(problems):
+        p.image.save(tmp_path / f"{i}.png")
+        lines.append(
+            json.dumps({"prompt": p.prompt, "answer": int(p.answer), "images": [f"{i}.png"]})
+        )
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    examples = img.load_multimodal_prompts(str(tmp_path / "rows.jsonl"))
+    assert [e.answer for e in examples] == [p.answer for p in problems]
+    row = img.encode_multimodal(examples[1], CharTokenizer(), LAYOUT)
+    direct = img.normalise(img.tile_image(problems[1].image, 28, 1), LAYOUT)
+    assert row.pixels is not None and torch.equal(row.pixels, direct)  # PNG is lossless
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "no marker", "images": ["0.png"]}))
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: the prompt has 0 <image> marker"):
+        img.load_multimodal_prompts(str(tmp_path / "bad.jsonl"))
+
+
+def test_parquet_style_records_with_image_bytes(tmp_path: Path) -> None:
+    problem = visual.generate(1, seed=5)[0]
+    buffer = io.BytesIO()
+    problem.image.save(buffer, format="PNG")
+    record = {"prompt": problem.prompt, "answer": problem.answer,
+              "images": [{"bytes": buffer.getvalue(), "path": None}]}  # fmt: skip
+    example = img._example(record, "x row 0", 0, "prompt", "answer", "images", base=tmp_path)
+    assert example.images == (buffer.getvalue(),)
+    assert img.load_image(example.images[0]).tobytes() == problem.image.tobytes()
+    if HAS_PYARROW:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist([record]), tmp_path / "rows.parquet")
+        loaded = img.load_multimodal_prompts(str(tmp_path / "rows.parquet"))
+        assert loaded[0].images == (buffer.getvalue(),)
+    else:
+        (tmp_path / "rows.parquet").write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match=r"megatron-gndpo\[parquet\]"):
+            img.load_multimodal_prompts(str(tmp_path / "rows.parquet"))
+
+
+def test_builtin_visual_sets() -> None:
+    train = img.load_multimodal_prompts("builtin:visual")
+    held_out = img.load_multimodal_prompts("builtin:visual_eval")
+    assert len(train) == 256 and len(held_out) == 64
+    assert train[0].images[0].tobytes() != held_out[0].images[0].tobytes()
