@@ -22,8 +22,15 @@ from megatron_gndpo.algorithms.metrics import advantage_metrics, score_metrics
 from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
 from megatron_gndpo.checkpoint.dist import latest_step, load_checkpoint, save_checkpoint
 from megatron_gndpo.config import Config, to_yaml
-from megatron_gndpo.engine.advantages import compute_advantages
-from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
+from megatron_gndpo.engine.methods import (
+    Scores,
+    Targets,
+    build_targets,
+    student_request,
+    student_scores_first,
+    teacher_request,
+)
+from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
 from megatron_gndpo.engine.setup import Components, build_components
 from megatron_gndpo.engine.update import UpdateBatch, run_update
 from megatron_gndpo.logging import progress
@@ -37,7 +44,8 @@ from megatron_gndpo.rewards.verifiable import reward
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
-_LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac")
+_LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac", "guidance/kl_mean")
+_OPTIONAL_KEYS = ("guidance/kl_mean",)
 
 
 class _StopRequest:
@@ -84,21 +92,18 @@ class Trainer:
             rollout = self._rollout(prompts)
             if hasattr(c.generator, "sleep"):
                 c.generator.sleep()  # give the GPU memory to scoring and training
-        with timer.time("teacher_logprobs"):
-            teacher_lp = c.teacher.score(rollout.tokens, rollout.lengths)
-        with timer.time("old_logprobs"):
-            old_lp = self._student_logprobs(rollout)
+        teacher, student = self._score(rollout)  # timed inside: the order depends on the method
         with timer.time("advantages"):
             rewards = self._rewards(rollout, prompts)
-            advantages, metrics = self._advantages(rollout, teacher_lp, old_lp, rewards)
+            targets, metrics = self._targets(rollout, teacher, student, rewards)
         with timer.time("update"):
-            metrics |= self._update(rollout, old_lp, advantages, teacher_lp)
+            metrics |= self._update(rollout, student["logprobs"], targets, teacher["logprobs"])
         with timer.time("weight_sync"):
             metrics |= self._sync_engine()
         self.step_count += 1
         with timer.time("checkpoint"):
             self._maybe_save()
-        metrics |= self._rollout_metrics(rollout, old_lp, rewards)
+        metrics |= self._rollout_metrics(rollout, student, rewards)
         metrics |= timer.pop()
         metrics["time/step"] = time.perf_counter() - started
         metrics["tokens/s"] = metrics["tokens/step"] / metrics["time/step"]
@@ -170,16 +175,34 @@ class Trainer:
             family=self.cfg.model.hf_family,
         )  # fmt: skip
 
-    def _student_logprobs(self, rollout: Rollout) -> torch.Tensor:
+    def _score(self, rollout: Rollout) -> tuple[Scores, Scores]:
+        """Teacher and student (rollout-weight) scores of the rollout; see engine/methods.py for
+        what each method asks of them (vOPD scores the student first)."""
+        a, timer = self.cfg.algorithm, self.c.timer
+        student = None
+        if student_scores_first(a):
+            with timer.time("old_logprobs"):
+                student = self._student_scores(rollout, student_request(a, None))
+        with timer.time("teacher_logprobs"):
+            teacher = self.c.teacher.score_batch(
+                rollout.tokens, rollout.lengths, teacher_request(a, student)
+            )
+        if student is None:
+            with timer.time("old_logprobs"):
+                student = self._student_scores(rollout, student_request(a, teacher))
+        return teacher, student
+
+    def _student_scores(self, rollout: Rollout, request: ScoreRequest) -> Scores:
         c = self.c
-        lp = score_tokens(
+        scores = score_batch(
             c.student, c.student_groups, rollout.tokens, rollout.lengths, head=c.head,
             token_budget=self.cfg.trainer.scoring_token_budget,
-            pack=self.cfg.trainer.pack_sequences,
+            pack=self.cfg.trainer.pack_sequences, request=request,
         )  # fmt: skip
         device = next(c.student.parameters()).device  # the broadcast goes over NCCL on GPUs
-        lp = broadcast_from_last_stage(lp, rollout.tokens.shape, c.student_groups, device)
-        return lp.to(rollout.tokens.device)
+        specs = request.specs(*rollout.tokens.shape)
+        scores = broadcast_scores(scores, specs, c.student_groups, device)
+        return {key: value.to(rollout.tokens.device) for key, value in scores.items()}
 
     def _rewards(self, rollout: Rollout, prompts: list[Any]) -> torch.Tensor | None:
         answers = [prompts[int(i)].example.answer for i in rollout.prompt_index]
@@ -191,24 +214,25 @@ class Trainer:
         ]
         return torch.tensor([reward(t, a) for t, a in zip(texts, answers, strict=True)])
 
-    def _advantages(
-        self, rollout: Rollout, teacher_lp: torch.Tensor, old_lp: torch.Tensor,
-        rewards: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    def _targets(
+        self, rollout: Rollout, teacher: Scores, student: Scores, rewards: torch.Tensor | None
+    ) -> tuple[Targets, dict[str, float]]:
         mask = rollout.response_mask
         group = self.c.student_groups.dp_cp
         a = self.cfg.algorithm
+        teacher_lp, old_lp = teacher["logprobs"], student["logprobs"]
         metrics = score_metrics(teacher_lp, old_lp, mask.float(), kl_clip=a.kl_clip, group=group)
-        advantages = compute_advantages(
-            a, teacher_logprobs=teacher_lp, old_logprobs=old_lp, response_mask=mask,
-            rewards=rewards, group_size=self.params.samples_per_prompt, group=group,
+        targets, extra = build_targets(
+            a, teacher=teacher, student=student, response_mask=mask, rewards=rewards,
+            group_size=self.params.samples_per_prompt, group=group, step=self.step_count + 1,
+            tokens=rollout.tokens,
         )  # fmt: skip
-        return advantages, metrics | advantage_metrics(advantages, mask.float(), group=group)
+        metrics |= extra | advantage_metrics(targets.advantages, mask.float(), group=group)
+        return targets, metrics
 
     def _update(
-        self, rollout: Rollout, old_lp: torch.Tensor, advantages: torch.Tensor,
-        teacher_lp: torch.Tensor,
-    ) -> dict[str, float]:  # fmt: skip
+        self, rollout: Rollout, old_lp: torch.Tensor, targets: Targets, teacher_lp: torch.Tensor
+    ) -> dict[str, float]:
         c, t = self.c, self.cfg.trainer
         mask = rollout.response_mask
         bad = torch.tensor([float(not torch.isfinite(teacher_lp[mask]).all())])
@@ -217,7 +241,11 @@ class Trainer:
             return {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
         steps = run_update(
             c.ddp, c.optimizer, c.scheduler,
-            UpdateBatch(rollout.tokens, old_lp, advantages, mask),
+            UpdateBatch(
+                rollout.tokens, old_lp, targets.advantages, mask, pg_mask=targets.pg_mask,
+                aux_ids=targets.aux_ids, aux_logq=targets.aux_logq, aux_mask=targets.aux_mask,
+                aux_coef=targets.aux_coef, entropy_coef=targets.entropy_coef,
+            ),
             head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
             optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,
         )  # fmt: skip
@@ -226,7 +254,8 @@ class Trainer:
         return last
 
     def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The last stage's loss statistics on every stage (the logging rank is on the first)."""
+        """The last stage's loss statistics on every stage (the logging rank is on the first);
+        a statistic this method does not produce stays absent."""
         groups = self.c.student_groups
         values = torch.tensor(
             [metrics.get(k, math.nan) for k in _LAST_STAGE_KEYS], dtype=torch.float64
@@ -234,29 +263,33 @@ class Trainer:
         if groups.layout.pp > 1:
             last = dist.get_process_group_ranks(groups.pp)[-1]
             dist.broadcast(values, src=last, group=groups.pp)
-        return dict(zip(_LAST_STAGE_KEYS, values.tolist(), strict=True))
+        out = dict(zip(_LAST_STAGE_KEYS, values.tolist(), strict=True))
+        return {k: v for k, v in out.items() if k not in _OPTIONAL_KEYS or not math.isnan(v)}
 
     def _rollout_metrics(
-        self, rollout: Rollout, old_lp: torch.Tensor, rewards: torch.Tensor | None
+        self, rollout: Rollout, student: Scores, rewards: torch.Tensor | None
     ) -> dict[str, float]:
         group = self.c.student_groups.dp_cp
         lengths = rollout.response_lengths.double()
         mask = rollout.response_mask
-        gap = (old_lp - rollout.sampler_logprobs).abs()[mask].double()
+        gap = (student["logprobs"] - rollout.sampler_logprobs).abs()[mask].double()
+        entropy = student["entropy"][mask].double()
         reward_sum = rewards.double().sum() if rewards is not None else torch.tensor(0.0)
         stats = torch.tensor(
             [len(lengths), float(lengths.sum()), float(gap.sum()), gap.numel(),
-             float(reward_sum), float(rollout.finished.sum())],
+             float(reward_sum), float(rollout.finished.sum()), float(entropy.sum())],
             dtype=torch.float64,
         )  # fmt: skip
         dist.all_reduce(stats, group=group)
         longest = lengths.max().reshape(1)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-        rows, total, gap_sum, tokens, reward_sum, finished = stats.tolist()
+        rows, total, gap_sum, tokens, reward_sum, finished, entropy_sum = stats.tolist()
         out = {
             "response_length/mean": total / rows,
             "response_length/max": float(longest),
             "sampler_gap/mean_abs": gap_sum / max(tokens, 1.0),
+            # the student's entropy on its own samples, at the rollout weights
+            "entropy/mean": entropy_sum / max(tokens, 1.0),
             "finished/frac": finished / rows,
             "tokens/step": total,  # generated tokens of the whole step (all DP ranks)
             "prompts/skipped_too_long": float(self.c.skipped_prompts),

@@ -151,14 +151,15 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     # A rollout whose teacher log-probs hold a NaN: reported, skipped, nothing corrupted.
     trainer = _trainer(f"{root}/nan", "trainer.steps=3")
     trainer.step()
-    score = trainer.c.teacher.score
+    score = trainer.c.teacher.score_batch
 
-    def poisoned(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        lp = score(tokens, lengths).clone()
-        lp[0, int(lengths[0]) - 1] = float("nan")
-        return lp
+    def poisoned(tokens: torch.Tensor, lengths: torch.Tensor, request=None):  # type: ignore[no-untyped-def]
+        scores = dict(score(tokens, lengths, request))
+        scores["logprobs"] = scores["logprobs"].clone()
+        scores["logprobs"][0, int(lengths[0]) - 1] = float("nan")
+        return scores
 
-    trainer.c.teacher.score = poisoned  # type: ignore[method-assign]
+    trainer.c.teacher.score_batch = poisoned  # type: ignore[method-assign]
     before = _snapshot(trainer.c.student)
     adam = [
         s["exp_avg"].clone()
@@ -172,7 +173,7 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
         s["exp_avg"] for s in trainer.c.optimizer.chained_optimizers[0].optimizer.state.values()
     ]
     out["nan_adam_kept"] = all(torch.equal(a, b) for a, b in zip(adam, after, strict=True))
-    trainer.c.teacher.score = score  # type: ignore[method-assign]
+    trainer.c.teacher.score_batch = score  # type: ignore[method-assign]
     out["after_nan"] = trainer.step()
     trainer.c.logger.close()
     _reset()

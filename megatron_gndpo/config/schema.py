@@ -166,11 +166,57 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TGPOConfig:
+    """TGPO (arXiv 2605.13230): GRPO on the verifiable reward plus a decaying pull towards the
+    teacher's next token at every response position (docs/methods/tgpo.md; details not stated in
+    the paper's abstract or release are our reading)."""
+
+    guidance: Literal["loss", "advantage"] = "loss"
+    """loss: add coef * mean_t[-log p_student(teacher token)] to the loss (the release default);
+    advantage: add coef * p_old(teacher token) to each token's advantage instead."""
+    teacher_token: Literal["greedy", "topk"] = "greedy"
+    """greedy: the teacher's argmax token at each position; topk: forward KL to the teacher's
+    top_k tokens instead of one token (guidance=loss only)."""
+    top_k: int = 20
+    """Teacher tokens for teacher_token=topk (the release tries 5, 20 and 100)."""
+    coef_start: float = 0.002
+    """lambda_0, the guidance coefficient at step 1 (release default 0.002)."""
+    coef_decay: float = 1e-5
+    """delta: lambda_k = max(lambda_0 - (k - 1) * delta, 0) (release default 1e-5 per step)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrOPDConfig:
+    """TrOPD (arXiv 2606.01249): on-policy distillation inside a per-token trust region, teacher
+    imitation outside it (docs/methods/tropd.md; the threshold rule and outlier details are our
+    reading)."""
+
+    trust_threshold: float = 1.0
+    """A token is trusted when p_teacher(y) >= trust_threshold * p_student(y) (in (0, 1])."""
+    outlier: Literal["topk_kl", "mask", "clip"] = "topk_kl"
+    """Untrusted tokens: topk_kl (forward KL over the teacher's top_k instead of the policy
+    gradient), mask (no loss), clip (advantage bounded below by -outlier_clip)."""
+    outlier_clip: float = 1.0
+    """With outlier=clip: the lowest advantage an untrusted token may take."""
+    top_k: int = 20
+    """Teacher tokens of the forward-KL term (outliers and teacher-written prefix tokens)."""
+    kl_coef: float = 1.0
+    """Weight of the forward-KL term against the policy gradient."""
+    prefix_share_start: float = 0.0
+    """Off-policy guidance: share of the teacher's own response kept as a prefix the student
+    continues from, at step 1 (0 disables it; the teacher then generates every step)."""
+    prefix_share_end: float = 0.0
+    """The prefix share reached after prefix_decay_steps steps (linear)."""
+    prefix_decay_steps: int = 100
+    """Steps over which the prefix share moves from prefix_share_start to prefix_share_end."""
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     """The advantage estimator and policy loss (see ALGORITHMS.md in the docs)."""
 
     estimator: str = "gndpo"
-    """Advantage estimator: gndpo, opd, grpo, reinforce_pp, vopd or mix."""
+    """Advantage estimator: gndpo, opd, grpo, reinforce_pp, vopd, mix, tgpo or tropd."""
     kl_clip: float = 5.0
     """Clamp C on the per-token score teacher_logp - student_logp (release default 5.0)."""
     policy_loss: str = "gspo"
@@ -194,6 +240,20 @@ class AlgorithmConfig:
     """vOPD: KL over the student's top-k tokens renormalised; 0 uses the full vocabulary."""
     gamma: float = 1.0
     """Discount of reinforce_pp returns."""
+    entropy_coef: float | None = None
+    """Entropy bonus beta: the loss subtracts beta * H_t of the student; null means the
+    method's default (0.001 for tgpo, as its release; 0 otherwise)."""
+    tgpo: TGPOConfig = dataclasses.field(default_factory=TGPOConfig)
+    """TGPO settings (estimator tgpo)."""
+    tropd: TrOPDConfig = dataclasses.field(default_factory=TrOPDConfig)
+    """TrOPD settings (estimator tropd)."""
+
+    @property
+    def entropy_bonus(self) -> float:
+        """beta: entropy_coef, or the method's default when it is null."""
+        if self.entropy_coef is not None:
+            return self.entropy_coef
+        return 0.001 if self.estimator == "tgpo" else 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import importlib.util
 
 from megatron_gndpo.algorithms import AGGREGATIONS, ESTIMATORS, POLICY_LOSSES
 from megatron_gndpo.config.loader import ConfigError
-from megatron_gndpo.config.schema import Config, ModelConfig, ParallelConfig
+from megatron_gndpo.config.schema import AlgorithmConfig, Config, ModelConfig, ParallelConfig
 from megatron_gndpo.parallel.groups import ParallelLayout
 
 _DISTILL_ESTIMATORS = ("gndpo", "opd", "vopd")
@@ -132,16 +132,45 @@ def _algorithm_problems(cfg: Config) -> list[str]:
                 "algorithm.estimator=mix needs algorithm.outcome_weight > 0 "
                 "(with 0 use the distillation estimator alone)"
             )
+    p += _guidance_problems(a)
     if cfg.rollout.engine == "vllm" and cfg.parallel.pipeline_parallel > 1:
         p.append(
             "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "
             "colocated with each tensor-parallel group); use the builtin engine with PP > 1"
         )
-    uses_grpo = a.estimator == "grpo" or (a.estimator == "mix" and a.outcome_estimator == "grpo")
+    uses_grpo = a.estimator in ("grpo", "tgpo") or (
+        a.estimator == "mix" and a.outcome_estimator == "grpo"
+    )
     if uses_grpo and cfg.rollout.samples_per_prompt < 2:
         p.append(
             "grpo compares samples of the same prompt: rollout.samples_per_prompt must be >= 2"
         )
+    return p
+
+
+def _guidance_problems(a: AlgorithmConfig) -> list[str]:
+    """TGPO, TrOPD and the entropy bonus."""
+    p, g, t = list[str](), a.tgpo, a.tropd
+    if a.entropy_coef is not None and a.entropy_coef < 0:
+        p.append(f"algorithm.entropy_coef must be >= 0 (or null), got {a.entropy_coef}")
+    _positive(p, "algorithm.tgpo.top_k", g.top_k)
+    _positive(p, "algorithm.tgpo.coef_start", g.coef_start, strict=False)
+    _positive(p, "algorithm.tgpo.coef_decay", g.coef_decay, strict=False)
+    if g.guidance == "advantage" and g.teacher_token == "topk":
+        p.append(
+            "algorithm.tgpo.teacher_token=topk needs algorithm.tgpo.guidance=loss (the "
+            "advantage bonus is defined for one teacher token)"
+        )
+    if not 0.0 < t.trust_threshold <= 1.0:
+        p.append(f"algorithm.tropd.trust_threshold must be in (0, 1], got {t.trust_threshold}")
+    _positive(p, "algorithm.tropd.outlier_clip", t.outlier_clip)
+    _positive(p, "algorithm.tropd.top_k", t.top_k)
+    _positive(p, "algorithm.tropd.kl_coef", t.kl_coef, strict=False)
+    for name in ("prefix_share_start", "prefix_share_end"):
+        share = getattr(t, name)
+        if not 0.0 <= share < 1.0:
+            p.append(f"algorithm.tropd.{name} must be in [0, 1), got {share}")
+    _positive(p, "algorithm.tropd.prefix_decay_steps", t.prefix_decay_steps, strict=False)
     return p
 
 

@@ -16,17 +16,19 @@ from megatron_gndpo.config.schema import AlgorithmConfig
 
 def _distill(
     name: str, cfg: AlgorithmConfig, teacher: torch.Tensor, old: torch.Tensor,
-    mask: torch.Tensor, group: Any,
+    mask: torch.Tensor, group: Any, token_kl: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     if name == "gndpo":
         return adv.gndpo_advantages(teacher, old, mask, kl_clip=cfg.kl_clip, group=group)
     if name == "opd":
         return adv.opd_advantages(teacher, old, mask, kl_clip=cfg.kl_clip)
     if name == "vopd":
-        raise NotImplementedError(
-            "the vopd estimator needs the student's top-k distribution and the teacher's "
-            "log-probs of those ids, which the trainer does not compute yet; use gndpo or opd"
-        )
+        if token_kl is None:
+            raise ValueError(
+                "the vopd estimator needs token_kl, the per-token KL(student || teacher) at the "
+                "rollout weights (engine/methods.py computes it from the scoring passes)"
+            )
+        return adv.vopd_advantages(teacher, old, mask, token_kl)
     raise ValueError(f"unknown distillation estimator {name!r}")
 
 
@@ -51,11 +53,15 @@ def compute_advantages(
     rewards: torch.Tensor | None,
     group_size: int,
     group: Any,
+    token_kl: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float32 ``[n, S]`` advantages of ``cfg.estimator``, 0 off the response."""
+    """Float32 ``[n, S]`` advantages of ``cfg.estimator``, 0 off the response.
+
+    ``token_kl [n, S]``: KL(student || teacher) per position, for vopd (alone or in mix).
+    """
     mask = response_mask.float()
     if cfg.estimator in ("gndpo", "opd", "vopd"):
-        return _distill(cfg.estimator, cfg, teacher_logprobs, old_logprobs, mask, group)
+        return _distill(cfg.estimator, cfg, teacher_logprobs, old_logprobs, mask, group, token_kl)
     if rewards is None:
         raise ValueError(
             f"estimator {cfg.estimator} needs a verifiable reward: the prompts have no answers "
@@ -64,7 +70,9 @@ def compute_advantages(
     if cfg.estimator in ("grpo", "reinforce_pp"):
         return _outcome(cfg.estimator, cfg, rewards, mask, group_size, group)
     if cfg.estimator == "mix":
-        distill = _distill(cfg.distill_estimator, cfg, teacher_logprobs, old_logprobs, mask, group)
+        distill = _distill(
+            cfg.distill_estimator, cfg, teacher_logprobs, old_logprobs, mask, group, token_kl
+        )
         outcome = _outcome(cfg.outcome_estimator, cfg, rewards, mask, group_size, group)
         return adv.mix_advantages(distill, outcome, outcome_weight=cfg.outcome_weight)
     raise ValueError(f"unknown estimator {cfg.estimator!r}")

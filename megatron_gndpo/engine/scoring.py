@@ -12,7 +12,11 @@ Two ways to fill a micro-batch, with the same numbers (tests check it):
   depends only on relative positions, which the packing preserves inside each segment; learned
   absolute positions get per-segment position ids.
 
-Legend: B = rows, S = padded row length, L = micro-batch row length.
+A :class:`ScoreRequest` asks for more than each token's log-prob, on the same pass: the model's
+top-k at every position, or the log-probs of other given ids (a vOPD teacher scores the
+student's top-k ids; TGPO/TrOPD students are trained towards the teacher's top-k).
+
+Legend: B = rows, S = padded row length, L = micro-batch row length, K = ids per position.
 """
 
 from __future__ import annotations
@@ -24,8 +28,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.models.logprob_head import TokenLogProbs
+from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreRequest:
+    """What :func:`score_batch` computes per token beyond its log-prob (scoring convention).
+
+    ``top_k``: the model's ``top_k`` most likely ids at token ``t``'s position (given
+    ``tokens[:t]``) and their log-probs. ``extra_ids [B, S, K]``: ids whose log-probs are wanted
+    at token ``t``'s position (0 where unused; must be valid ids). ``entropy``: the entropy of
+    the model's distribution at token ``t``'s position.
+    """
+
+    top_k: int = 0
+    extra_ids: torch.Tensor | None = None
+    entropy: bool = False
+
+    def specs(self, rows: int, width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every output of :func:`score_batch` for ``[rows, width]``."""
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            "logprobs": ((rows, width), torch.float32)
+        }
+        if self.top_k:
+            out["topk_logprobs"] = ((rows, width, self.top_k), torch.float32)
+            out["topk_ids"] = ((rows, width, self.top_k), torch.int64)
+        if self.extra_ids is not None:
+            out["extra_logprobs"] = ((rows, width, self.extra_ids.shape[-1]), torch.float32)
+        if self.entropy:
+            out["entropy"] = ((rows, width), torch.float32)
+        return out
 
 
 def plan_padded(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -79,10 +112,36 @@ class _MicroBatch:
     targets: torch.Tensor  # [b, L]: the next token at each position (0 where none)
     attention_mask: torch.Tensor | None  # [b, 1, L, L], True = masked; None = plain causal
     segments: list[tuple[int, int, int]]  # (row, batch index, start) of each original row
+    extra: torch.Tensor | None = None  # [b, L, K]: the extra ids of the next token's position
+
+    def context(self, request: ScoreRequest | None, device: torch.device) -> Any:
+        """The head's context: the targets alone, or a :class:`ScoreContext`."""
+        targets = self.targets.to(device)
+        if request is None:
+            return targets
+        extra = None if self.extra is None else self.extra.to(device)
+        return ScoreContext(targets, extra_ids=extra, entropy=request.entropy, top_k=request.top_k)
+
+
+def _next_position_extras(
+    extra_BSK: torch.Tensor | None,
+    rows: list[int],
+    lengths: list[int],
+    placement: list[tuple[int, int]],
+    shape: tuple[int, int],
+) -> torch.Tensor | None:
+    """Extra ids moved to the position that predicts their token: ``out[p] = extra[p + 1]``."""
+    if extra_BSK is None:
+        return None
+    out = torch.zeros(*shape, extra_BSK.shape[-1], dtype=torch.long)
+    for r, (index, start) in zip(rows, placement, strict=True):
+        n = lengths[r]
+        out[index, start : start + n - 1] = extra_BSK[r, 1:n]
+    return out
 
 
 def _padded_micro_batch(
-    tokens_BS: torch.Tensor, lengths: list[int], rows: list[int]
+    tokens_BS: torch.Tensor, lengths: list[int], rows: list[int], extra: torch.Tensor | None
 ) -> _MicroBatch:
     width = max(lengths[r] for r in rows)
     tokens = torch.zeros(len(rows), width, dtype=torch.long)
@@ -92,11 +151,13 @@ def _padded_micro_batch(
     targets[:, :-1] = tokens[:, 1:]
     positions = torch.arange(width).unsqueeze(0).expand(len(rows), -1)
     segments = [(r, i, 0) for i, r in enumerate(rows)]
-    return _MicroBatch(rows, tokens, positions, targets, None, segments)
+    placement = [(i, 0) for i in range(len(rows))]
+    extras = _next_position_extras(extra, rows, lengths, placement, (len(rows), width))
+    return _MicroBatch(rows, tokens, positions, targets, None, segments, extras)
 
 
 def _packed_micro_batch(
-    tokens_BS: torch.Tensor, lengths: list[int], rows: list[int]
+    tokens_BS: torch.Tensor, lengths: list[int], rows: list[int], extra: torch.Tensor | None
 ) -> _MicroBatch:
     total = sum(lengths[r] for r in rows)
     tokens = torch.zeros(1, total, dtype=torch.long)
@@ -115,7 +176,10 @@ def _packed_micro_batch(
     causal = torch.ones(total, total, dtype=torch.bool).tril()
     same_segment = segment_id.unsqueeze(0) == segment_id.unsqueeze(1)
     mask = ~(causal & same_segment)  # megatron convention: True = masked out
-    return _MicroBatch(rows, tokens, positions, targets, mask.view(1, 1, total, total), segments)
+    placement = [(0, start) for _, _, start in segments]
+    extras = _next_position_extras(extra, rows, lengths, placement, (1, total))
+    mask_11LL = mask.view(1, 1, total, total)
+    return _MicroBatch(rows, tokens, positions, targets, mask_11LL, segments, extras)
 
 
 def schedule_groups(groups: ParallelGroups, model_config: Any) -> dict[str, Any]:
@@ -148,6 +212,27 @@ def score_tokens(
     and at padding. Every rank of the model's layout calls it with the same rows of its data
     shard (TP ranks of one pipeline hold the same rows); ranks off the last stage get None.
     """
+    scores = score_batch(
+        model, groups, tokens_BS, lengths_B, head=head, token_budget=token_budget, pack=pack
+    )
+    return None if scores is None else scores["logprobs"]
+
+
+def score_batch(
+    model: Any,
+    groups: ParallelGroups,
+    tokens_BS: torch.Tensor,
+    lengths_B: torch.Tensor,
+    *,
+    head: TokenLogProbs,
+    token_budget: int,
+    pack: bool = False,
+    request: ScoreRequest | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """:func:`score_tokens` plus what ``request`` asks for: ``{name: [B, S] or [B, S, K]}``.
+
+    Keys and dtypes as :meth:`ScoreRequest.specs`; every output is 0 at t = 0 and at padding.
+    """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if tokens_BS.dim() != 2 or lengths_B.shape != tokens_BS.shape[:1]:
@@ -155,24 +240,33 @@ def score_tokens(
             f"expected tokens [B, S] and lengths [B], got {tuple(tokens_BS.shape)} and "
             f"{tuple(lengths_B.shape)}"
         )
+    extra = None if request is None else request.extra_ids
+    if extra is not None and extra.shape[:2] != tokens_BS.shape:
+        raise ValueError(
+            f"extra_ids {tuple(extra.shape)} must be [B, S, K] with [B, S] = "
+            f"{tuple(tokens_BS.shape)}"
+        )
     lengths = [int(n) for n in lengths_B.tolist()]
     if any(n < 1 or n > tokens_BS.shape[1] for n in lengths):
         raise ValueError(f"every length must be in [1, {tokens_BS.shape[1]}], got {lengths}")
     plan = plan_packed if pack else plan_padded
     make = _packed_micro_batch if pack else _padded_micro_batch
-    micro_batches = [make(tokens_BS.cpu(), lengths, rows) for rows in plan(lengths, token_budget)]
+    extra_cpu = None if extra is None else extra.cpu()
+    micro_batches = [
+        make(tokens_BS.cpu(), lengths, rows, extra_cpu) for rows in plan(lengths, token_budget)
+    ]
     device = next(model.parameters()).device
 
-    def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
+    def forward_step(data_iterator: Any, net: Any) -> tuple[Any, Any]:
         mb = next(data_iterator)
-        logprobs_bL = net(
+        output = net(
             mb.tokens.to(device),
             mb.positions.to(device),
             None if mb.attention_mask is None else mb.attention_mask.to(device),
             output_processor=head,
-            output_processor_context=mb.targets.to(device),
+            output_processor_context=mb.context(request, device),
         )
-        return logprobs_bL, lambda output, non_loss_data=True: output.detach().float()
+        return output, lambda output, non_loss_data=True: _detached(output)
 
     was_training = model.training
     model.eval()
@@ -193,13 +287,22 @@ def score_tokens(
         model.train(was_training)
     if not groups.is_last_stage:
         return None
-    out_BS = torch.zeros(tokens_BS.shape, dtype=torch.float32)
-    for mb, logprobs_bL in zip(micro_batches, outputs, strict=True):
+    specs = (request or ScoreRequest()).specs(*tokens_BS.shape)
+    out = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
+    for mb, output in zip(micro_batches, outputs, strict=True):
+        values = output if isinstance(output, dict) else {"logprobs": output}
         for row, index, start in mb.segments:
             n = lengths[row]
-            # the log-prob predicted at position t is that of token t + 1
-            out_BS[row, 1:n] = logprobs_bL[index, start : start + n - 1].cpu()
-    return out_BS.to(tokens_BS.device)
+            for key, value in values.items():
+                # what position t predicts belongs to token t + 1
+                out[key][row, 1:n] = value[index, start : start + n - 1].cpu()
+    return {key: value.to(tokens_BS.device) for key, value in out.items()}
+
+
+def _detached(output: torch.Tensor | dict[str, torch.Tensor]) -> Any:
+    if isinstance(output, dict):
+        return {key: value.detach() for key, value in output.items()}
+    return output.detach().float()
 
 
 def broadcast_from_last_stage(
@@ -225,3 +328,26 @@ def broadcast_from_last_stage(
     last = dist.get_process_group_ranks(groups.pp)[-1]
     dist.broadcast(buffer, src=last, group=groups.pp)
     return buffer
+
+
+def broadcast_scores(
+    scores: dict[str, torch.Tensor] | None,
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    groups: ParallelGroups,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """:func:`broadcast_from_last_stage` for every output of :func:`score_batch` (``specs``)."""
+    if groups.layout.pp == 1:
+        assert scores is not None
+        return {key: value.to(device) for key, value in scores.items()}
+    last = dist.get_process_group_ranks(groups.pp)[-1]
+    out = {}
+    for key, (shape, dtype) in specs.items():
+        buffer = (
+            scores[key].to(device)
+            if scores is not None
+            else torch.empty(shape, dtype=dtype, device=device)
+        )
+        dist.broadcast(buffer, src=last, group=groups.pp)
+        out[key] = buffer
+    return out

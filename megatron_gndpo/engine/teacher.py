@@ -15,12 +15,13 @@ Legend: n = rows of this student rank, N = rows of the step, S = padded position
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
+from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -54,26 +55,51 @@ class TeacherScorer:
 
     def score(self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor) -> torch.Tensor:
         """Teacher log-probs ``[n, S]`` (scoring convention) of this rank's rows."""
+        return self.score_batch(tokens_nS, lengths_n)["logprobs"]
+
+    def score_batch(
+        self,
+        tokens_nS: torch.Tensor,
+        lengths_n: torch.Tensor,
+        request: ScoreRequest | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """:func:`score_batch` outputs of this rank's rows (``[n, S]`` / ``[n, S, K]``)."""
         # The exchange runs on the model's device: on GPUs the step batch travels over NCCL.
         device = next(self.model.parameters()).device
-        width = torch.tensor([tokens_nS.shape[1]], device=device)
-        dist.all_reduce(width, op=dist.ReduceOp.MAX)  # one padded width for the whole world
-        padded = torch.zeros(tokens_nS.shape[0], int(width), dtype=tokens_nS.dtype, device=device)
-        padded[:, : tokens_nS.shape[1]] = tokens_nS
+        n, width_n = tokens_nS.shape
+        width_t = torch.tensor([width_n], device=device)
+        dist.all_reduce(width_t, op=dist.ReduceOp.MAX)  # one padded width for the whole world
+        width = int(width_t)
+        padded = torch.zeros(n, width, dtype=tokens_nS.dtype, device=device)
+        padded[:, :width_n] = tokens_nS
         all_tokens = _all_gather_rows(padded, self.student_groups.dp)
         all_lengths = _all_gather_rows(lengths_n.to(device), self.student_groups.dp)
+        all_extra = None
+        if request is not None and request.extra_ids is not None:
+            extra = torch.zeros(
+                n, width, request.extra_ids.shape[-1], dtype=torch.long, device=device
+            )
+            extra[:, :width_n] = request.extra_ids
+            all_extra = _all_gather_rows(extra, self.student_groups.dp)
 
         teacher_dp = self.groups.layout.dp
         share = all_tokens.shape[0] // teacher_dp
         d = self.groups.coords["dp"]
         rows = slice(d * share, (d + 1) * share)
-        mine = score_tokens(
-            self.model, self.groups, all_tokens[rows], all_lengths[rows],
-            head=self.head, token_budget=self.token_budget, pack=self.pack,
+        mine_request = None
+        if request is not None:
+            extra_rows = None if all_extra is None else all_extra[rows]
+            mine_request = dataclasses.replace(request, extra_ids=extra_rows)
+        mine = score_batch(
+            self.model, self.groups, all_tokens[rows], all_lengths[rows], head=self.head,
+            token_budget=self.token_budget, pack=self.pack, request=mine_request,
         )  # fmt: skip
-        mine = broadcast_from_last_stage(mine, (share, int(width)), self.groups, device)
-        everything = _all_gather_rows(mine, self.groups.dp)
+        specs = (mine_request or ScoreRequest()).specs(share, width)
+        mine = broadcast_scores(mine, specs, self.groups, device)
 
-        n = tokens_nS.shape[0]
         s = self.student_groups.coords["dp"]
-        return everything[s * n : (s + 1) * n, : tokens_nS.shape[1]].to(tokens_nS.device)
+        out = {}
+        for key, value in mine.items():
+            everything = _all_gather_rows(value, self.groups.dp)
+            out[key] = everything[s * n : (s + 1) * n, :width_n].to(tokens_nS.device)
+        return out

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megatron_gndpo.algorithms import aggregate_loss
+from megatron_gndpo.algorithms.guidance import forward_kl_to_targets
 from megatron_gndpo.algorithms.losses import (
     gspo_token_loss,
     importance_sampled_pg_loss,
@@ -27,17 +28,34 @@ from megatron_gndpo.algorithms.losses import (
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
 from megatron_gndpo.engine.optimizer import step_optimizer
-from megatron_gndpo.models.logprob_head import TokenLogProbs
+from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
 
 
 @dataclasses.dataclass
 class UpdateBatch:
-    """This rank's rows for the update, in the scoring convention."""
+    """This rank's rows for the update, in the scoring convention.
+
+    Beyond the policy gradient (see ``algorithms/guidance.py`` for the per-token loss
+    ``g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H``): ``pg_mask`` g (None: every response token),
+    the distillation target ``aux_ids`` / ``aux_logq`` on ``aux_mask`` d with weight
+    ``aux_coef`` λ, and the entropy bonus ``entropy_coef`` β.
+    """
 
     tokens: torch.Tensor  # [n, S] int64
     old_logprobs: torch.Tensor  # [n, S] float32
     advantages: torch.Tensor  # [n, S] float32
     response_mask: torch.Tensor  # [n, S] bool
+    pg_mask: torch.Tensor | None = None  # [n, S]
+    aux_ids: torch.Tensor | None = None  # [n, S, K] int64
+    aux_logq: torch.Tensor | None = None  # [n, S, K] float32
+    aux_mask: torch.Tensor | None = None  # [n, S]
+    aux_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Only the policy gradient: the head computes the sampled tokens' log-probs alone."""
+        return self.pg_mask is None and self.aux_ids is None and self.entropy_coef == 0.0
 
 
 def _shift(x_nS: torch.Tensor) -> torch.Tensor:
@@ -73,22 +91,50 @@ def policy_loss(
 
 
 def _micro_batches(batch: UpdateBatch, rows: list[int], size: int) -> list[dict[str, torch.Tensor]]:
+    optional = {
+        "pg_mask": batch.pg_mask, "aux_ids": batch.aux_ids, "aux_logq": batch.aux_logq,
+        "aux_mask": batch.aux_mask,
+    }  # fmt: skip
     out = []
     for start in range(0, len(rows), size):
         idx = torch.tensor(rows[start : start + size])
         mask = batch.response_mask[idx]
         width = int(mask.nonzero()[:, 1].max()) + 1 if bool(mask.any()) else 1
         tokens = batch.tokens[idx, :width]
-        out.append(
-            {
-                "tokens": tokens,
-                "targets": _shift(tokens),
-                "old": _shift(batch.old_logprobs[idx, :width]),
-                "adv": _shift(batch.advantages[idx, :width]),
-                "mask": _shift(mask[:, :width]),
-            }
-        )
+        mb = {
+            "tokens": tokens,
+            "targets": _shift(tokens),
+            "old": _shift(batch.old_logprobs[idx, :width]),
+            "adv": _shift(batch.advantages[idx, :width]),
+            "mask": _shift(mask[:, :width]),
+        }
+        mb |= {k: _shift(v[idx, :width]) for k, v in optional.items() if v is not None}
+        out.append(mb)
     return out
+
+
+def token_loss(
+    output: torch.Tensor | dict[str, torch.Tensor],
+    mb: dict[str, torch.Tensor],
+    batch: UpdateBatch,
+    cfg: AlgorithmConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss ``[b, L]`` = ``g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H`` and its info.
+
+    ``output``: the head's log-probs ``[b, L]`` (plain batches) or its dict with
+    ``extra_logprobs`` at ``aux_ids`` and ``entropy``.
+    """
+    logprobs = output if isinstance(output, torch.Tensor) else output["logprobs"]
+    loss, info = policy_loss(logprobs, mb["old"], mb["adv"], mb["mask"], cfg)
+    if "pg_mask" in mb:
+        loss = torch.where(mb["pg_mask"].bool(), loss, 0.0)
+    if isinstance(output, dict) and "aux_ids" in mb and batch.aux_coef:
+        kl = forward_kl_to_targets(output["extra_logprobs"], mb["aux_logq"])
+        loss = loss + batch.aux_coef * torch.where(mb["aux_mask"].bool(), kl, 0.0)
+        info["aux"] = kl.detach()
+    if isinstance(output, dict) and batch.entropy_coef:
+        loss = loss - batch.entropy_coef * output["entropy"]
+    return loss, info
 
 
 def run_update(
@@ -108,7 +154,8 @@ def run_update(
     ``dp_group`` is the data-parallel x context-parallel group the loss is averaged over.
     Metrics: ``loss`` (the global aggregated loss of the step, last stage only), ``grad_norm``
     (pre-clip, global), ``skipped`` (1.0 when a non-finite norm skipped the step), ``lr``, and
-    policy statistics (``ratio/mean``, ``clip/frac``) averaged over this rank's micro-batches.
+    policy statistics (``ratio/mean``, ``clip/frac``, and ``guidance/kl_mean`` when there is a
+    distillation term) as global token means.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -122,25 +169,31 @@ def run_update(
         def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
             mb = {key: value.to(device) for key, value in next(data_iterator).items()}
             positions = torch.arange(mb["tokens"].shape[1], device=device).expand_as(mb["tokens"])
-            logprobs = net(
+            context: Any = mb["targets"]
+            if not batch.plain:
+                context = ScoreContext(
+                    mb["targets"], extra_ids=mb.get("aux_ids"), entropy=_wants_entropy(batch)
+                )
+            output = net(
                 mb["tokens"], positions, None,
-                output_processor=head, output_processor_context=mb["targets"],
+                output_processor=head, output_processor_context=context,
             )  # fmt: skip
 
-            def loss_func(logprobs_bL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            def loss_func(output: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 mask = mb["mask"]
-                loss_bL, info = policy_loss(logprobs_bL, mb["old"], mb["adv"], mask, algorithm)
+                loss_bL, info = token_loss(output, mb, batch, algorithm)
                 numerator, count = aggregate_loss(loss_bL, mask, algorithm.aggregation)
                 tokens = mask.sum().clamp(min=1)
                 report = {
                     # [sum, count]: megatron sums reports over micro-batches; we divide later
-                    "loss": torch.stack([numerator.detach(), count.float()]),
-                    "ratio": torch.stack([(info["ratio"] * mask).sum().detach(), tokens]),
-                    "clipped": torch.stack([(info["clipped"] * mask).sum().detach(), tokens]),
+                    key: torch.stack([(info[name] * mask).sum().detach(), tokens])
+                    for key, name in _REPORTED.items()
+                    if name in info
                 }
+                report["loss"] = torch.stack([numerator.detach(), count.float()])
                 return numerator, count, report
 
-            return logprobs, loss_func
+            return output, loss_func
 
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -168,5 +221,12 @@ def _summarise(reports: list[dict[str, torch.Tensor]], dp_group: Any) -> dict[st
     keys = sorted(reports[0])
     totals = torch.stack([torch.stack([r[k] for r in reports]).sum(0) for k in keys]).double()
     torch.distributed.all_reduce(totals, group=dp_group)
-    means = {k: float(t[0] / t[1].clamp(min=1.0)) for k, t in zip(keys, totals, strict=True)}
-    return {"loss": means["loss"], "ratio/mean": means["ratio"], "clip/frac": means["clipped"]}
+    return {k: float(t[0] / t[1].clamp(min=1.0)) for k, t in zip(keys, totals, strict=True)}
+
+
+# Per-token loss info reported as global token means: metric name -> info key.
+_REPORTED = {"ratio/mean": "ratio", "clip/frac": "clipped", "guidance/kl_mean": "aux"}
+
+
+def _wants_entropy(batch: UpdateBatch) -> bool:
+    return batch.entropy_coef != 0.0

@@ -12,6 +12,11 @@ hidden states and the (vocab-parallel) output weight to the fused, chunked
 
 ``targets[b, s]`` is the token whose log-prob is wanted at position ``s`` (usually
 ``tokens[b, s + 1]``; the caller masks the last position).
+
+A :class:`ScoreContext` instead of the targets asks for more per position, still without
+logits: log-probs of ``K`` other ids (a teacher's top-k, a guidance token), the entropy, and
+(forward only) the model's own top-k. The head then returns a dict of ``[b, s]`` and
+``[b, s, K]`` tensors (keys in :class:`ScoreContext`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,11 @@ from typing import Any
 
 import torch
 
-from megatron_gndpo.parallel.logprobs import vocab_parallel_logprobs
+from megatron_gndpo.parallel.logprobs import (
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_and_entropy,
+    vocab_parallel_token_stats,
+)
 
 
 def output_inputs(
@@ -46,6 +55,22 @@ def output_inputs(
 
 
 @dataclasses.dataclass(frozen=True)
+class ScoreContext:
+    """What the head computes per position beyond the targets' log-probs.
+
+    Output keys: ``logprobs [b, s]`` always; ``extra_logprobs [b, s, K]`` (log-probs of
+    ``extra_ids``) when given; ``entropy [b, s]`` when asked; ``topk_logprobs`` and
+    ``topk_ids [b, s, top_k]`` when ``top_k > 0`` (forward only: no gradient). The log-probs
+    and the entropy are differentiable when the model runs with gradients.
+    """
+
+    targets: torch.Tensor  # [b, s] int64
+    extra_ids: torch.Tensor | None = None  # [b, s, K] int64
+    entropy: bool = False
+    top_k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenLogProbs:
     """GPTModel ``output_processor`` returning float32 ``[b, s]`` log-probs of the targets.
 
@@ -66,23 +91,67 @@ class TokenLogProbs:
         context: torch.Tensor,  # targets [b, s]
         config: Any,
         **_: Any,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         if getattr(config, "use_mup", False):
             raise NotImplementedError("MuP logit scaling is not supported by TokenLogProbs")
         hidden_states, weight, tp_group = output_inputs(hidden_states, output_layer, output_weight)
         s, b, h = hidden_states.shape
-        targets_SB = context.transpose(0, 1)
-        if targets_SB.shape != (s, b):
+        request = context if isinstance(context, ScoreContext) else ScoreContext(context)
+        if request.targets.shape != (b, s):
             raise ValueError(
-                f"targets {tuple(context.shape)} do not match the model's [b, s] = ({b}, {s})"
+                f"targets {tuple(request.targets.shape)} do not match the model's [b, s] = "
+                f"({b}, {s})"
             )
-        logprobs = vocab_parallel_logprobs(
-            hidden_states.reshape(s * b, h),
-            weight,
-            targets_SB.reshape(-1),
-            tp_group=tp_group if tp_group.size() > 1 else None,
-            vocab_size=self.vocab_size,
-            chunk_tokens=self.chunk_tokens,
-            temperature=self.temperature,
-        )
-        return logprobs.view(s, b).transpose(0, 1)
+        hidden_TH = hidden_states.reshape(s * b, h)
+        kwargs: dict[str, Any] = {
+            "tp_group": tp_group if tp_group.size() > 1 else None,
+            "vocab_size": self.vocab_size,
+            "chunk_tokens": self.chunk_tokens,
+            "temperature": self.temperature,
+        }
+        if not isinstance(context, ScoreContext):  # the hot path: sampled tokens only
+            logprobs = vocab_parallel_logprobs(hidden_TH, weight, _tokens_first(context), **kwargs)
+            return logprobs.view(s, b).transpose(0, 1)
+        return self._scores(hidden_TH, weight, request, (s, b), kwargs)
+
+    def _scores(
+        self,
+        hidden_TH: torch.Tensor,
+        weight: torch.Tensor,
+        request: ScoreContext,
+        sb: tuple[int, int],
+        kwargs: dict[str, Any],
+    ) -> dict[str, torch.Tensor]:
+        """The :class:`ScoreContext` outputs, ``[b, s]`` / ``[b, s, K]``."""
+        targets_T = _tokens_first(request.targets)
+        ids = targets_T.unsqueeze(-1)  # one pass for the targets, the K other ids and entropy
+        if request.extra_ids is not None:
+            ids = torch.cat([ids, _tokens_first(request.extra_ids)], -1)
+        if request.entropy:
+            logp_TK, entropy_T = vocab_parallel_logprobs_and_entropy(
+                hidden_TH, weight, ids, **kwargs
+            )
+        else:
+            logp_TK = vocab_parallel_logprobs(hidden_TH, weight, ids, **kwargs)
+        out = {"logprobs": logp_TK[:, 0]}
+        if request.extra_ids is not None:
+            out["extra_logprobs"] = logp_TK[:, 1:]
+        if request.entropy:
+            out["entropy"] = entropy_T
+        if request.top_k:
+            stats = vocab_parallel_token_stats(
+                hidden_TH.detach(), weight.detach(), targets_T, top_k=request.top_k, **kwargs
+            )
+            assert stats.topk_logprobs is not None and stats.topk_ids is not None
+            out["topk_logprobs"], out["topk_ids"] = stats.topk_logprobs, stats.topk_ids
+        return {key: _batch_first(value, sb) for key, value in out.items()}
+
+
+def _tokens_first(x_bs: torch.Tensor) -> torch.Tensor:
+    """``[b, s, ...]`` -> ``[s·b, ...]`` in the hidden states' (sequence-major) order."""
+    return x_bs.transpose(0, 1).reshape(-1, *x_bs.shape[2:])
+
+
+def _batch_first(x_T: torch.Tensor, sb: tuple[int, int]) -> torch.Tensor:
+    """``[s·b, ...]`` -> ``[b, s, ...]``."""
+    return x_T.view(*sb, *x_T.shape[1:]).transpose(0, 1)

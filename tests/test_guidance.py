@@ -1,0 +1,155 @@
+"""TGPO / TrOPD / forward-KL pieces against float64 references, and the update's token loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_gndpo.algorithms import guidance
+from megatron_gndpo.config.schema import AlgorithmConfig
+
+
+def _batch(seed: int, b: int = 3, t: int = 7, k: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = 11
+    student_full = torch.randn(b, t, vocab, generator=g, dtype=torch.float64).log_softmax(-1)
+    teacher_full = torch.randn(b, t, vocab, generator=g, dtype=torch.float64).log_softmax(-1)
+    ids = torch.randint(0, vocab, (b, t, k), generator=g)
+    sampled = torch.randint(0, vocab, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    return {
+        "student_full": student_full,
+        "teacher_full": teacher_full,
+        "ids": ids,
+        "ls": student_full.gather(-1, sampled.unsqueeze(-1)).squeeze(-1),
+        "lt": teacher_full.gather(-1, sampled.unsqueeze(-1)).squeeze(-1),
+        "mask": mask,
+    }
+
+
+def test_schedules() -> None:
+    # λ_k = max(λ_0 − (k − 1)·δ, 0) with the release defaults
+    assert guidance.linear_decay(1, 0.002, 1e-5) == 0.002
+    assert guidance.linear_decay(101, 0.002, 1e-5) == pytest.approx(0.001)
+    assert guidance.linear_decay(1000, 0.002, 1e-5) == 0.0
+    assert guidance.linear_schedule(1, 0.5, 0.0, 10) == 0.5
+    assert guidance.linear_schedule(6, 0.5, 0.0, 10) == pytest.approx(0.25)
+    assert guidance.linear_schedule(50, 0.5, 0.0, 10) == 0.0
+    assert guidance.linear_schedule(3, 0.5, 0.1, 0) == 0.1
+    with pytest.raises(ValueError, match="counted from 1"):
+        guidance.linear_decay(0, 0.002, 1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_forward_kl_to_targets_matches_reference(seed: int) -> None:
+    b = _batch(seed)
+    target = b["teacher_full"].gather(-1, b["ids"])  # teacher top-k-like, unnormalised
+    student = b["student_full"].gather(-1, b["ids"]).float().requires_grad_()
+    got = guidance.forward_kl_to_targets(student, target.float())
+    want = (target.exp() * (target - student.detach().double())).sum(-1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    assert student.grad is not None
+    torch.testing.assert_close(student.grad.double(), -target.exp(), rtol=1e-5, atol=1e-6)
+    # One guidance token with q = 1 is the cross-entropy −ls; q = 0 entries contribute nothing.
+    one = guidance.forward_kl_to_targets(student[..., :1], torch.zeros_like(student[..., :1]))
+    torch.testing.assert_close(one, -student[..., 0].detach())
+    none = torch.full_like(student, -math.inf)
+    assert torch.equal(guidance.forward_kl_to_targets(student, none), torch.zeros(3, 7))
+
+
+def test_tropd_routing_per_outlier_rule() -> None:
+    b = _batch(3)
+    lt, lo, mask = b["lt"].float(), b["ls"].float(), b["mask"]
+    trusted = (lt >= lo) & mask
+    outliers = ~(lt >= lo) & mask
+    score = (lt - lo).clamp(-5.0, 5.0)
+    adv, pg, kl = guidance.tropd_routing(lt, lo, mask, kl_clip=5.0, outlier="topk_kl")
+    assert torch.equal(adv, torch.where(trusted, score, 0.0))
+    assert torch.equal(pg, trusted.float()) and torch.equal(kl, outliers.float())
+    adv, pg, kl = guidance.tropd_routing(lt, lo, mask, kl_clip=5.0, outlier="mask")
+    assert torch.equal(pg, trusted.float()) and not kl.any()
+    adv, pg, kl = guidance.tropd_routing(
+        lt, lo, mask, kl_clip=5.0, outlier="clip", outlier_clip=0.5
+    )
+    want = torch.where(trusted, score, torch.where(outliers, score.clamp(min=-0.5), 0.0))
+    assert torch.equal(adv, want) and torch.equal(pg, mask.float()) and not kl.any()
+    # A looser threshold trusts more tokens: π_T ≥ 0.5·π_S
+    loose = guidance.trusted_tokens(lt, lo, 0.5)
+    assert torch.equal(loose, lt - lo >= math.log(0.5))
+    with pytest.raises(ValueError, match="outlier rule"):
+        guidance.tropd_routing(lt, lo, mask, kl_clip=5.0, outlier="drop")
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        guidance.trusted_tokens(lt, lo, 1.5)
+
+
+def test_guidance_advantage_bonus() -> None:
+    b = _batch(4)
+    outcome = torch.randn(3, 7)
+    got = guidance.guidance_advantages(outcome, b["ls"].float(), b["mask"], 0.1)
+    want = torch.where(b["mask"], outcome + 0.1 * b["ls"].float().exp(), 0.0)
+    torch.testing.assert_close(got, want)
+
+
+def test_token_loss_routes_each_term() -> None:
+    """The update's per-token loss g·PG + λ·d·FKL − β·H, against a hand computation."""
+    from megatron_gndpo.engine.update import UpdateBatch, policy_loss, token_loss
+
+    b = _batch(5)
+    lp = b["ls"].float()
+    extra = b["student_full"].gather(-1, b["ids"]).float()
+    logq = b["teacher_full"].gather(-1, b["ids"]).float()
+    entropy = -(b["student_full"].exp() * b["student_full"]).sum(-1).float()
+    g = torch.Generator().manual_seed(9)
+    mb = {
+        "old": lp + 0.1 * torch.randn(3, 7, generator=g),
+        "adv": torch.randn(3, 7, generator=g),
+        "mask": b["mask"],
+        "pg_mask": (torch.rand(3, 7, generator=g) > 0.5).float(),
+        "aux_ids": b["ids"],
+        "aux_logq": logq,
+        "aux_mask": (torch.rand(3, 7, generator=g) > 0.5).float(),
+    }
+    cfg = AlgorithmConfig(policy_loss="ppo_clip")
+    batch = UpdateBatch(
+        torch.zeros(3, 7, dtype=torch.long), mb["old"], mb["adv"], b["mask"],
+        aux_coef=0.3, entropy_coef=0.01,
+    )  # fmt: skip
+    output = {"logprobs": lp, "extra_logprobs": extra, "entropy": entropy}
+    loss, info = token_loss(output, mb, batch, cfg)
+    pg, _ = policy_loss(lp, mb["old"], mb["adv"], b["mask"], cfg)
+    fkl = (logq.exp() * (logq - extra)).sum(-1)
+    want = mb["pg_mask"] * pg + 0.3 * mb["aux_mask"] * fkl - 0.01 * entropy
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(info["aux"], fkl)
+    # A plain batch: the policy loss alone, from a bare log-prob tensor.
+    plain = UpdateBatch(torch.zeros(3, 7, dtype=torch.long), mb["old"], mb["adv"], b["mask"])
+    assert plain.plain
+    loss, _ = token_loss(lp, {k: mb[k] for k in ("old", "adv", "mask")}, plain, cfg)
+    torch.testing.assert_close(loss, pg)
+
+
+def test_config_rules_for_guidance_methods() -> None:
+    from megatron_gndpo.config import load_config, validate
+    from megatron_gndpo.config.loader import ConfigError
+    from megatron_gndpo.config.schema import Config
+
+    assert AlgorithmConfig(estimator="tgpo").entropy_bonus == 0.001
+    assert AlgorithmConfig(estimator="gndpo").entropy_bonus == 0.0
+    assert AlgorithmConfig(estimator="tgpo", entropy_coef=0.0).entropy_bonus == 0.0
+    cfg = load_config(
+        None,
+        [
+            "algorithm.estimator=tgpo", "algorithm.tgpo.guidance=advantage",
+            "algorithm.tgpo.teacher_token=topk", "algorithm.tropd.trust_threshold=0",
+            "algorithm.tropd.prefix_share_start=1.0", "rollout.samples_per_prompt=1",
+        ],
+    )  # fmt: skip
+    assert isinstance(cfg, Config)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    text = str(err.value)
+    for needle in ("guidance=loss", "trust_threshold", "prefix_share_start", "samples_per_prompt"):
+        assert needle in text
