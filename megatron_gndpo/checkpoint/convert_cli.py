@@ -3,11 +3,14 @@
     torchrun --nproc-per-node $((TP * PP)) -m megatron_gndpo.cli convert hf-to-mcore \\
         --hf-dir Qwen2.5-1.5B --out ckpt/qwen2.5-1.5b --tp TP --pp PP
     megatron-gndpo convert mcore-to-hf --mcore-dir runs/x/checkpoints --out hf_out --family qwen2
+    megatron-gndpo convert mcore-to-hf --mcore-dir runs/x/checkpoints --out hf_out \
+        --fp8-out hf_out_fp8 --calib-data /data/train.jsonl      # + FP8 (needs modelopt)
 
 hf-to-mcore: every rank builds and fills its own shard; the checkpoint loads at any TP/PP.
 mcore-to-hf: one process; the architecture comes from the checkpoint's model_config.yaml
 (written by hf-to-mcore and by training) unless --model-config names a YAML file holding a
-ModelConfig or a whole run config (its ``model`` section is used).
+ModelConfig or a whole run config (its ``model`` section is used). With ``--fp8-out`` the BF16
+export is then quantized to FP8 by ModelOpt (``checkpoint/export_fp8.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +70,9 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here")
     parser.add_argument("--model-config", default=None, help="YAML file with the ModelConfig")
+    _add_fp8_args(parser)
     args = parser.parse_args(argv)
+    texts = _fp8_calibration_texts(parser, args)  # fail before the export, not after it
 
     from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf
     from megatron_gndpo.compat import cpu
@@ -95,3 +100,59 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
     finally:
         shutdown_distributed()
     print(f"wrote {out}")
+    if args.fp8_out is not None:
+        from megatron_gndpo.checkpoint.export_fp8 import export_fp8, tokenize_calibration
+
+        if not (out / "tokenizer_config.json").is_file():
+            parser.exit(2, f"{parser.prog}: error: FP8 calibration needs the model's tokenizer "
+                        f"and {out} has none: pass --tokenizer-dir\n")  # fmt: skip
+        ids = tokenize_calibration(texts, out, max_tokens=args.calib_max_tokens)
+        print(f"calibrating FP8 scales on {len(ids)} prompts ({sum(map(len, ids)):,} tokens)")
+        print(f"wrote {export_fp8(out, args.fp8_out, ids)} (FP8, ModelOpt unified HF format)")
+
+
+def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
+    from megatron_gndpo.checkpoint.export_fp8 import (
+        DEFAULT_CALIBRATION_SAMPLES,
+        DEFAULT_CALIBRATION_TOKENS,
+    )
+
+    fp8 = parser.add_argument_group(
+        "FP8 export (needs the modelopt extra)",
+        "Also quantize the exported model to FP8 with NVIDIA ModelOpt (static per-tensor scales "
+        "calibrated on a few prompts) into a directory vLLM loads. Runs on a GPU when visible.",
+    )
+    fp8.add_argument("--fp8-out", default=None, help="write the FP8 model to this directory")
+    fp8.add_argument(
+        "--calib-data", default=None,
+        help="calibration prompts: a .txt file (one per line), .jsonl, .parquet or builtin:NAME",
+    )  # fmt: skip
+    fp8.add_argument("--calib-key", default="prompt", help="prompt column of .jsonl/.parquet")
+    fp8.add_argument(
+        "--calib-samples", type=int, default=DEFAULT_CALIBRATION_SAMPLES,
+        help=f"prompts to calibrate on (default {DEFAULT_CALIBRATION_SAMPLES})",
+    )  # fmt: skip
+    fp8.add_argument(
+        "--calib-max-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
+        help=f"tokens kept per prompt (default {DEFAULT_CALIBRATION_TOKENS})",
+    )  # fmt: skip
+
+
+def _fp8_calibration_texts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The calibration prompts of ``--fp8-out`` (none without it); exits with the reason when
+    ModelOpt is missing or the prompts cannot be read."""
+    if args.fp8_out is None:
+        return []
+    from megatron_gndpo.checkpoint.export_fp8 import calibration_texts, require_modelopt
+    from megatron_gndpo.config.validate import MissingExtraError
+
+    try:
+        require_modelopt()
+    except MissingExtraError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    if args.calib_data is None:
+        parser.error("--fp8-out needs --calib-data (prompts to calibrate the FP8 scales on)")
+    try:
+        return calibration_texts(args.calib_data, key=args.calib_key, limit=args.calib_samples)
+    except (ValueError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
