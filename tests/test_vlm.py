@@ -295,3 +295,63 @@ def test_vlm_pp2_logprobs_and_frozen_encoder() -> None:
 def test_vision_configs_are_frozen_dataclasses() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         ENCODERS["clip"].image_size = 56  # type: ignore[misc]
+
+
+# -------------------------------------------------------------------------------------------
+# Rollouts with images: KV-cached generation equals a full recompute of each sampled row.
+
+
+def _generate_with_images(rank: int, world: int) -> dict[str, object]:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.multimodal import MultimodalGenerator
+
+    groups = build_student_groups(ParallelLayout(world), seed=3)
+    vision = ENCODERS["internvit"]
+    torch.manual_seed(0)
+    model = build_vlm(MODEL, vision, ParallelConfig(), groups)
+    n = vision.tokens_per_tile
+    g = torch.Generator().manual_seed(1)
+    # the prefill (the shortest prompt: 4 positions) holds half of the first image; the rest
+    # of it, and all of the second, are fed during lock-step steps, one placeholder per forward
+    prompts = [
+        [5, 6] + [IMAGE] * n + [7],
+        [8, 9, 10, 11, 12, 13, 14] + [IMAGE] * n + [15],
+        [16] * 4,
+    ]
+    images = [torch.randn(1, 3, 28, 28, generator=g), torch.randn(1, 3, 28, 28, generator=g), None]
+    generator = MultimodalGenerator(
+        model, groups, vocab_size=VOCAB, pad_id=0, max_sequence_length=MODEL.max_position_embeddings
+    )
+    params = SamplingParams(max_new_tokens=6, samples_per_prompt=2)
+    rollout = generator.generate(prompts, params, seeds=[1, 2, 3], images=images)
+    expected = torch.zeros(rollout.tokens.shape, dtype=torch.float64)
+    with torch.no_grad():
+        model.eval()
+        for row in range(rollout.tokens.shape[0]):
+            length = int(rollout.lengths[row])
+            ids = rollout.tokens[row : row + 1, :length]
+            logits = model(images[row // 2], ids, None, None, runtime_gather_output=True)
+            logits = logits[0].double()
+            logits[:, VOCAB:] = float("-inf")
+            logits[:, IMAGE] = float("-inf")  # the generator never samples the placeholder
+            logp = logits.log_softmax(-1)
+            for t in range(int(rollout.prompt_lengths[row]), length):
+                expected[row, t] = logp[t - 1, ids[0, t]]
+    return {"rollout": rollout, "expected": expected}
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_generation_with_images_matches_full_recompute() -> None:
+    result = run_distributed(_generate_with_images, 1, timeout_s=200)[0]
+    rollout, expected = result["rollout"], result["expected"]
+    mask = rollout.response_mask
+    assert bool(mask.any()) and not bool((rollout.tokens[mask] == IMAGE).any())
+    torch.testing.assert_close(
+        rollout.sampler_logprobs.double() * mask, expected * mask, rtol=1e-5, atol=1e-5
+    )

@@ -164,6 +164,7 @@ def _define_class(base: type) -> type:
             position_ids: torch.Tensor | None,
             attention_mask: torch.Tensor | None,
             *,
+            image_embeddings: torch.Tensor | None = None,
             inference_context: Any = None,
             output_processor: Any = None,
             output_processor_context: Any = None,
@@ -174,11 +175,16 @@ def _define_class(base: type) -> type:
             ``input_ids [b, s]`` hold ``tokens_per_tile`` placeholder ids per tile of
             ``images [n, 3, H, W]`` (all rows' tiles, row-major); every placeholder position
             takes the next image embedding. Stages after the first ignore ``images`` and ids.
+            ``image_embeddings [P, h]`` (from :meth:`image_embeddings`) may replace ``images``:
+            one per placeholder in the ids, in order (a KV-cached prefill or decode chunk may
+            hold only part of an image).
             """
             decoder_input = None
             if self.pre_process:
                 assert input_ids is not None
-                decoder_input = self._combined_embeddings(images, input_ids, position_ids)
+                decoder_input = self._combined_embeddings(
+                    images, input_ids, position_ids, image_embeddings
+                )
             return self.language_model(
                 input_ids=None,
                 position_ids=position_ids,
@@ -195,11 +201,18 @@ def _define_class(base: type) -> type:
             images: torch.Tensor | None,
             input_ids: torch.Tensor,
             position_ids: torch.Tensor | None,
+            image_NH: torch.Tensor | None = None,
         ) -> torch.Tensor:
             image_mask_BS = input_ids == self.image_token_index
             n_placeholders = int(image_mask_BS.sum())
+            if image_NH is not None:
+                if image_NH.shape[0] != n_placeholders:
+                    raise ValueError(
+                        f"{image_NH.shape[0]} image embeddings for {n_placeholders} placeholders"
+                    )
+                images = None
             n_tiles = 0 if images is None else images.shape[0]
-            if n_placeholders != n_tiles * self.tokens_per_tile:
+            if image_NH is None and n_placeholders != n_tiles * self.tokens_per_tile:
                 raise ValueError(
                     f"the ids hold {n_placeholders} image placeholders (id "
                     f"{self.image_token_index}) but {n_tiles} image tile(s) need "
@@ -210,9 +223,11 @@ def _define_class(base: type) -> type:
             embeddings_SBH = self.language_model.embedding(
                 input_ids=text_ids, position_ids=position_ids
             )
-            if images is None or n_tiles == 0:
-                return embeddings_SBH
-            image_NH = self.image_embeddings(images).to(embeddings_SBH.dtype)
+            if image_NH is None:
+                if images is None or n_tiles == 0:
+                    return embeddings_SBH
+                image_NH = self.image_embeddings(images)
+            image_NH = image_NH.to(embeddings_SBH.dtype)
             # [s, b] order of the mask must visit placeholders row by row: transpose to [b, s]
             embeddings_BSH = embeddings_SBH.transpose(0, 1)
             mask_BSH = image_mask_BS.unsqueeze(-1).expand_as(embeddings_BSH)

@@ -148,7 +148,7 @@ class MegatronGenerator:
 
         def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
             tokens, pos = next(data_iterator)
-            out = net(tokens, pos, None, inference_context=context, output_processor=self.head)
+            out = self._call_model(net, tokens, pos, context)
             return out, lambda output, non_loss_data=True: output
 
         layout = self.groups.layout
@@ -172,6 +172,15 @@ class MegatronGenerator:
             dist.broadcast(logits, src=last, group=self.groups.pp)
         assert logits is not None
         return logits.cpu()
+
+    def _call_model(
+        self, net: Any, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, context: Any
+    ) -> torch.Tensor:
+        """One forward of the chunk (subclasses add inputs, e.g. images)."""
+        out: torch.Tensor = net(
+            tokens_BS, positions_BS, None, inference_context=context, output_processor=self.head
+        )
+        return out
 
     def _width(self) -> int:
         """Width of the gathered logits: the padded vocabulary of the model."""
