@@ -4,7 +4,7 @@
     megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [--gpu-memory-gib G] [--mfu M]
                         [section.key=value ...]                         (memory and step time too)
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
-    megatron-gndpo demo [--quick] [--run-dir DIR] [--cache-dir DIR]   (one process, CPU is fine)
+    megatron-gndpo demo [--quick] [--methods gndpo,opd,...] [--run-dir DIR]   (one process, CPU)
 
 Without ``--config`` the embedded default is used: ``plan``/``config`` start from the release
 defaults with tiny models; ``train`` runs ``megatron_gndpo/configs/tiny_cpu.yaml`` (a tiny
@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         "no GPU and no downloads needed.",
     )
     p_demo.add_argument("--quick", action="store_true", help="a smaller run (under 5 minutes)")
+    p_demo.add_argument(
+        "--methods", default="gndpo,opd,rlvr",
+        help="comma-separated subset of gndpo,opd,rlvr,tgpo,tropd,vopd (default: %(default)s)",
+    )  # fmt: skip
     p_demo.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="report folder")
     p_demo.add_argument(
         "--cache-dir", type=Path, help="tokenizer and trained models (default: RUN_DIR/cache)"
@@ -228,7 +232,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from megatron_gndpo.demo.report import summary_numbers, summary_table, verdict
     from megatron_gndpo.demo.run import run_demo
 
-    summary = run_demo(args.run_dir, args.cache_dir, quick=args.quick)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    summary = run_demo(args.run_dir, args.cache_dir, quick=args.quick, methods=methods)
     numbers = summary_numbers(summary)
     print(f"report written to {summary.run_dir / 'summary.md'}")
     print(summary_table(numbers), end="")

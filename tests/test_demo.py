@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gndpo.demo.report import PLOTS
-from megatron_gndpo.demo.run import METHODS
+from megatron_gndpo.demo.run import ALL_METHODS, run_demo
 
 pytestmark = [pytest.mark.megatron]
 
@@ -21,10 +21,19 @@ def _finite(value: object) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
+METHODS = tuple(ALL_METHODS)  # every method, so each one's report path runs
+
+
+def test_unknown_demo_method_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown demo method.*choose from gndpo, opd"):
+        run_demo(tmp_path, methods=("gndpo", "ppo"))
+
+
 def test_demo_quick_writes_a_finite_report(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
     done = subprocess.run(
         [sys.executable, "-m", "megatron_gndpo.cli", "demo", "--quick",
+         "--methods", ",".join(METHODS),
          "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip

@@ -132,7 +132,7 @@ def _algorithm_problems(cfg: Config) -> list[str]:
                 "algorithm.estimator=mix needs algorithm.outcome_weight > 0 "
                 "(with 0 use the distillation estimator alone)"
             )
-    p += _guidance_problems(a)
+    p += _guidance_problems(a, cfg.model.vocab_size)
     if cfg.rollout.engine == "vllm" and cfg.parallel.pipeline_parallel > 1:
         p.append(
             "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "
@@ -148,9 +148,12 @@ def _algorithm_problems(cfg: Config) -> list[str]:
     return p
 
 
-def _guidance_problems(a: AlgorithmConfig) -> list[str]:
-    """TGPO, TrOPD and the entropy bonus."""
+def _guidance_problems(a: AlgorithmConfig, vocab_size: int) -> list[str]:
+    """TGPO, TrOPD, vOPD's k and the entropy bonus."""
     p, g, t = list[str](), a.tgpo, a.tropd
+    for key, k in (("vopd_top_k", a.vopd_top_k), ("tgpo.top_k", g.top_k), ("tropd.top_k", t.top_k)):
+        if k > vocab_size:
+            p.append(f"algorithm.{key} = {k} exceeds the vocabulary ({vocab_size} ids); lower it")
     if a.entropy_coef is not None and a.entropy_coef < 0:
         p.append(f"algorithm.entropy_coef must be >= 0 (or null), got {a.entropy_coef}")
     _positive(p, "algorithm.tgpo.top_k", g.top_k)

@@ -9,6 +9,8 @@ the :class:`~megatron_gndpo.trainer.Trainer` runs
     opd    algorithm.estimator=opd    (the same clamp, no normalisation)
     rlvr   algorithm.estimator=grpo   (the verifiable reward of the chains task, no teacher)
 
+and, with ``--methods``, also tgpo, tropd and vopd (``ALL_METHODS``)
+
 with the same policy loss (GSPO), optimizer, batch and step count, evaluating greedy held-out
 accuracy every few steps. Each method writes ``RUN_DIR/METHOD/{config.yaml,metrics.jsonl}``;
 :mod:`megatron_gndpo.demo.report` turns them into plots and ``summary.md``. One process (world
@@ -39,12 +41,18 @@ from megatron_gndpo.config.schema import (
 from megatron_gndpo.demo import models
 from megatron_gndpo.logging import progress
 
-# The order in which methods run and appear in the report.
-METHODS: dict[str, AlgorithmConfig] = {
+# Every method the demo can run, in the order they run and appear in the report. The newer
+# methods take their release defaults (docs/methods/); vOPD's k is 32 for the demo's 128 ids.
+ALL_METHODS: dict[str, AlgorithmConfig] = {
     "gndpo": AlgorithmConfig(estimator="gndpo", kl_clip=5.0, policy_loss="gspo"),
     "opd": AlgorithmConfig(estimator="opd", kl_clip=5.0, policy_loss="gspo"),
     "rlvr": AlgorithmConfig(estimator="grpo", kl_clip=5.0, policy_loss="gspo"),
+    "tgpo": AlgorithmConfig(estimator="tgpo", kl_clip=5.0, policy_loss="gspo"),
+    "tropd": AlgorithmConfig(estimator="tropd", kl_clip=5.0, policy_loss="gspo"),
+    "vopd": AlgorithmConfig(estimator="vopd", kl_clip=5.0, policy_loss="gspo", vopd_top_k=32),
 }
+# What `megatron-gndpo demo` runs unless --methods says otherwise (the paper's comparison).
+METHODS = ("gndpo", "opd", "rlvr")
 # A chains prompt ("Q: 12 + 7 - 3 + 40 = ? A:") is under 20 pieces of the demo tokenizer.
 MAX_PROMPT_LENGTH = 32
 SEED = 1234
@@ -119,7 +127,7 @@ def method_config(
             max_prompt_length=MAX_PROMPT_LENGTH,
             max_response_length=models.max_new_tokens(task.difficulty),
         ),
-        algorithm=METHODS[method],
+        algorithm=ALL_METHODS[method],
         optimizer=OptimizerConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
         trainer=TrainerConfig(
             steps=s.steps,
@@ -138,14 +146,24 @@ def method_config(
 
 
 def run_demo(
-    run_dir: str | Path, cache_dir: str | Path | None = None, *, quick: bool = False
+    run_dir: str | Path,
+    cache_dir: str | Path | None = None,
+    *,
+    quick: bool = False,
+    methods: tuple[str, ...] = METHODS,
 ) -> Summary:
-    """Prepare (or reuse) the models, run every method, write the report; return its numbers."""
+    """Prepare (or reuse) the models, run ``methods``, write the report; return its numbers."""
     import torch.distributed as dist
 
     from megatron_gndpo.compat import cpu
     from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
 
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown or not methods:
+        raise ValueError(
+            f"unknown demo method(s) {unknown or '(none given)'}; choose from "
+            f"{', '.join(ALL_METHODS)}"
+        )
     run_dir = Path(run_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else run_dir / "cache"
     started = time.perf_counter()
@@ -162,7 +180,8 @@ def run_demo(
         prepare_seconds = time.perf_counter() - started
         runs = {
             name: _run_method(method_config(name, run_dir, cache_dir, teacher, student, task, s))
-            for name in METHODS
+            for name in ALL_METHODS
+            if name in methods
         }
     finally:
         if owns_world:
