@@ -10,6 +10,7 @@ resumed from a checkpoint continues exactly as the uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import time
@@ -184,13 +185,24 @@ class Trainer:
             with timer.time("old_logprobs"):
                 student = self._student_scores(rollout, student_request(a, None))
         with timer.time("teacher_logprobs"):
-            teacher = self.c.teacher.score_batch(
-                rollout.tokens, rollout.lengths, teacher_request(a, student)
-            )
+            request = teacher_request(a, student)
+            if request is not None and request.full_kl:  # the student's output shard meets it
+                request = dataclasses.replace(request, kl_weight=self._student_output_weight())
+            teacher = self.c.teacher.score_batch(rollout.tokens, rollout.lengths, request)
         if student is None:
             with timer.time("old_logprobs"):
                 student = self._student_scores(rollout, student_request(a, teacher))
+        student.pop("hidden", None)  # [n, S, H]: used by the teacher's pass only
         return teacher, student
+
+    def _student_output_weight(self) -> torch.Tensor | None:
+        """This rank's shard of the student's output layer (last stage), else None."""
+        if not self.c.student_groups.is_last_stage:
+            return None
+        model = self.c.student
+        if model.share_embeddings_and_output_weights:  # tied: the (last stage's) embedding
+            return cast(torch.Tensor, model.shared_embedding_or_output_weight()).detach()
+        return cast(torch.Tensor, model.output_layer.weight).detach()
 
     def _student_scores(self, rollout: Rollout, request: ScoreRequest) -> Scores:
         c = self.c

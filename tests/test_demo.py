@@ -25,7 +25,7 @@ METHODS = tuple(ALL_METHODS)  # every method, so each one's report path runs
 
 
 def test_unknown_demo_method_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown demo method.*choose from gndpo, opd"):
+    with pytest.raises(ValueError, match=r"unknown demo method.*choose from gndpo, opd"):
         run_demo(tmp_path, methods=("gndpo", "ppo"))
 
 

@@ -23,6 +23,12 @@ METHODS = {
         "algorithm.estimator=tropd", "algorithm.tropd.top_k=4", "algorithm.entropy_coef=0.01",
     ],
 }  # fmt: skip
+# vOPD over the full vocabulary needs the teacher on the student's layout.
+FULL_KL = ["algorithm.estimator=vopd", "algorithm.vopd_top_k=0"]
+SAME_LAYOUTS = {
+    "tp2": ["parallel.tensor_parallel=2", "teacher.parallel.tensor_parallel=2"],
+    "pp2": ["parallel.pipeline_parallel=2", "teacher.parallel.pipeline_parallel=2"],
+}
 # Variants checked for training only (at TP=2 / PP=2).
 VARIANTS = {
     "tgpo-greedy": ["algorithm.estimator=tgpo", "algorithm.tgpo.coef_start=0.5"],
@@ -78,7 +84,13 @@ def _check_trained(name: str, result: dict) -> None:  # type: ignore[type-arg]
 
 def test_methods_agree_across_layouts_and_all_variants_train(tmp_path: Path) -> None:
     init = [f"checkpoint.init={tmp_path / 'init'}", f"teacher.load={tmp_path / 'teacher'}"]
-    one = run_distributed(_runs, 1, args=(str(tmp_path / "w1"), METHODS), timeout_s=400)[0]
+    # k = the whole vocabulary renormalised is the full KL: the two vOPD paths must agree
+    every_id = ["algorithm.estimator=vopd", "algorithm.vopd_top_k=100"]  # the 100 ids of tiny_cpu
+    w1_runs = METHODS | {"vopd-full": FULL_KL, "vopd-all": every_id}
+    one = run_distributed(_runs, 1, args=(str(tmp_path / "w1"), w1_runs), timeout_s=400)[0]
+    for ref, got in zip(one["vopd-all"]["steps"], one["vopd-full"]["steps"], strict=True):
+        for key in (*COMPARED, "vopd/kl_mean"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
     layouts = {
         "tp2": ["parallel.tensor_parallel=2", "teacher.parallel.pipeline_parallel=2"],
         "pp2": ["parallel.pipeline_parallel=2", "teacher.parallel.tensor_parallel=2"],
@@ -89,12 +101,16 @@ def test_methods_agree_across_layouts_and_all_variants_train(tmp_path: Path) -> 
         for layout, extra in layouts.items()
     }
     runs |= {f"{name}@tp2": [*o, *layouts["tp2"]] for name, o in VARIANTS.items()}
+    runs |= {
+        f"vopd-full@{layout}": [*FULL_KL, *extra, *init, "trainer.micro_batch_size=4"]
+        for layout, extra in SAME_LAYOUTS.items()
+    }
     two = run_distributed(_runs, 2, args=(str(tmp_path / "w2"), runs), timeout_s=600)[0]
     for name, result in (one | two).items():
         _check_trained(name, result)  # type: ignore[arg-type]
     for name, result in two.items():
         method = name.split("@")[0]
-        if method not in METHODS:
+        if method not in w1_runs:
             continue
         reference = one[method]["steps"]  # type: ignore[index]
         for step, (ref, got) in enumerate(zip(reference, result["steps"], strict=True)):

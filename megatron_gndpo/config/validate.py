@@ -133,6 +133,8 @@ def _algorithm_problems(cfg: Config) -> list[str]:
                 "(with 0 use the distillation estimator alone)"
             )
     p += _guidance_problems(a, cfg.model.vocab_size)
+    if a.vopd_top_k == 0 and "vopd" in (a.estimator, a.distill_estimator):
+        p += _full_kl_problems(cfg)
     if cfg.rollout.engine == "vllm" and cfg.parallel.pipeline_parallel > 1:
         p.append(
             "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "
@@ -144,6 +146,28 @@ def _algorithm_problems(cfg: Config) -> list[str]:
     if uses_grpo and cfg.rollout.samples_per_prompt < 2:
         p.append(
             "grpo compares samples of the same prompt: rollout.samples_per_prompt must be >= 2"
+        )
+    return p
+
+
+def _full_kl_problems(cfg: Config) -> list[str]:
+    """vOPD over the full vocabulary: both output layers split alike over the same ranks."""
+    p, s, t = list[str](), cfg.parallel, cfg.teacher.parallel
+    sizes = ("tensor_parallel", "pipeline_parallel", "context_parallel")
+    if any(getattr(s, k) != getattr(t, k) for k in sizes):
+        p.append(
+            "algorithm.vopd_top_k=0 (KL over the full vocabulary) needs the teacher on the "
+            "student's layout: set teacher.parallel.{tensor,pipeline,context}_parallel to "
+            f"{s.tensor_parallel}/{s.pipeline_parallel}/{s.context_parallel}, or use top-k "
+            "(e.g. algorithm.vopd_top_k=100)"
+        )
+    m, tm = cfg.model, cfg.teacher.model
+    if (m.vocab_size, m.make_vocab_size_divisible_by) != (
+        tm.vocab_size, tm.make_vocab_size_divisible_by
+    ):  # fmt: skip
+        p.append(
+            "algorithm.vopd_top_k=0 needs the same padded vocabulary in both models: "
+            "teacher.model.vocab_size and make_vocab_size_divisible_by must equal model.*"
         )
     return p
 

@@ -7,6 +7,8 @@ the sampled tokens' log-probs, and in what the update receives per token:
     gndpo/opd/…   teacher       -                              entropy (a metric)
     vopd (top-k)  student       log-probs of the student's     its top-k ids and log-probs
                                 top-k ids
+    vopd (full)   student       KL(student ‖ teacher) from     its final hidden states
+                                the student's hidden states    (same layout: same ranks)
     tgpo          teacher       its top-1 (greedy) or top-k    guidance=advantage: log-prob of
                                                                the teacher's token
     tropd         teacher       its top-k (outliers, prefix)   -
@@ -59,6 +61,8 @@ def teacher_request(cfg: AlgorithmConfig, student: Scores | None) -> ScoreReques
     """What the teacher scores besides the sampled tokens (``student``: when it went first)."""
     if _uses_vopd(cfg):
         assert student is not None, "vopd scores the student first"
+        if cfg.vopd_top_k == 0:  # full vocabulary: the student's hidden states meet the teacher's
+            return ScoreRequest(full_kl=True, kl_hidden=student.get("hidden"))
         return ScoreRequest(extra_ids=student["topk_ids"])
     if cfg.estimator == "tgpo":
         return ScoreRequest(top_k=1 if cfg.tgpo.teacher_token == "greedy" else cfg.tgpo.top_k)
@@ -71,6 +75,8 @@ def teacher_request(cfg: AlgorithmConfig, student: Scores | None) -> ScoreReques
 
 def student_request(cfg: AlgorithmConfig, teacher: Scores | None) -> ScoreRequest:
     """What the student's old-log-prob pass scores (``teacher``: when it went first)."""
+    if _uses_vopd(cfg) and cfg.vopd_top_k == 0:
+        return ScoreRequest(hidden=True, entropy=True)
     if _uses_vopd(cfg):
         return ScoreRequest(top_k=cfg.vopd_top_k, entropy=True)
     if cfg.estimator == "tgpo" and cfg.tgpo.guidance == "advantage":
@@ -108,7 +114,9 @@ def build_targets(
     if cfg.estimator == "tropd":
         return _tropd_targets(cfg, teacher, student, mask, group, teacher_written, beta)
     token_kl = None
-    if _uses_vopd(cfg):
+    if _uses_vopd(cfg) and cfg.vopd_top_k == 0:
+        token_kl = teacher["kl"]
+    elif _uses_vopd(cfg):
         token_kl = adv.token_kl_topk(student["topk_logprobs"], teacher["extra_logprobs"])
     advantages = compute_advantages(
         cfg, teacher_logprobs=lt, old_logprobs=lo, response_mask=mask, rewards=rewards,

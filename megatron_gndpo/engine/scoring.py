@@ -39,12 +39,20 @@ class ScoreRequest:
     ``top_k``: the model's ``top_k`` most likely ids at token ``t``'s position (given
     ``tokens[:t]``) and their log-probs. ``extra_ids [B, S, K]``: ids whose log-probs are wanted
     at token ``t``'s position (0 where unused; must be valid ids). ``entropy``: the entropy of
-    the model's distribution at token ``t``'s position.
+    the model's distribution at token ``t``'s position. ``hidden``: the final hidden states
+    that predict token ``t`` (``hidden [B, S, H]``, the model's dtype; last stage only, never
+    broadcast). ``full_kl``: ``kl [B, S]`` = KL(p ‖ this model) over the full vocabulary, p
+    given by ``kl_hidden [B, S, H_p]`` (another model's ``hidden``) and ``kl_weight`` (its
+    output-weight shard), both needed on the last stage only.
     """
 
     top_k: int = 0
     extra_ids: torch.Tensor | None = None
     entropy: bool = False
+    hidden: bool = False
+    full_kl: bool = False
+    kl_hidden: torch.Tensor | None = None
+    kl_weight: torch.Tensor | None = None
 
     def specs(self, rows: int, width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of every output of :func:`score_batch` for ``[rows, width]``."""
@@ -58,6 +66,8 @@ class ScoreRequest:
             out["extra_logprobs"] = ((rows, width, self.extra_ids.shape[-1]), torch.float32)
         if self.entropy:
             out["entropy"] = ((rows, width), torch.float32)
+        if self.full_kl:
+            out["kl"] = ((rows, width), torch.float32)
         return out
 
 
@@ -113,6 +123,7 @@ class _MicroBatch:
     attention_mask: torch.Tensor | None  # [b, 1, L, L], True = masked; None = plain causal
     segments: list[tuple[int, int, int]]  # (row, batch index, start) of each original row
     extra: torch.Tensor | None = None  # [b, L, K]: the extra ids of the next token's position
+    kl_hidden: torch.Tensor | None = None  # [b, L, H_p]: p's hidden states at each position
 
     def context(self, request: ScoreRequest | None, device: torch.device) -> Any:
         """The head's context: the targets alone, or a :class:`ScoreContext`."""
@@ -120,7 +131,11 @@ class _MicroBatch:
         if request is None:
             return targets
         extra = None if self.extra is None else self.extra.to(device)
-        return ScoreContext(targets, extra_ids=extra, entropy=request.entropy, top_k=request.top_k)
+        kl_hidden = None if self.kl_hidden is None else self.kl_hidden.to(device)
+        return ScoreContext(
+            targets, extra_ids=extra, entropy=request.entropy, top_k=request.top_k,
+            hidden=request.hidden, kl_hidden=kl_hidden, kl_weight=request.kl_weight,
+        )  # fmt: skip
 
 
 def _next_position_extras(
@@ -130,10 +145,11 @@ def _next_position_extras(
     placement: list[tuple[int, int]],
     shape: tuple[int, int],
 ) -> torch.Tensor | None:
-    """Extra ids moved to the position that predicts their token: ``out[p] = extra[p + 1]``."""
+    """Per-token extras (ids, hidden states) moved to the position that predicts their token:
+    ``out[p] = extra[p + 1]``."""
     if extra_BSK is None:
         return None
-    out = torch.zeros(*shape, extra_BSK.shape[-1], dtype=torch.long)
+    out = torch.zeros(*shape, extra_BSK.shape[-1], dtype=extra_BSK.dtype)
     for r, (index, start) in zip(rows, placement, strict=True):
         n = lengths[r]
         out[index, start : start + n - 1] = extra_BSK[r, 1:n]
@@ -141,7 +157,11 @@ def _next_position_extras(
 
 
 def _padded_micro_batch(
-    tokens_BS: torch.Tensor, lengths: list[int], rows: list[int], extra: torch.Tensor | None
+    tokens_BS: torch.Tensor,
+    lengths: list[int],
+    rows: list[int],
+    extra: torch.Tensor | None,
+    kl_hidden: torch.Tensor | None = None,
 ) -> _MicroBatch:
     width = max(lengths[r] for r in rows)
     tokens = torch.zeros(len(rows), width, dtype=torch.long)
@@ -152,12 +172,18 @@ def _padded_micro_batch(
     positions = torch.arange(width).unsqueeze(0).expand(len(rows), -1)
     segments = [(r, i, 0) for i, r in enumerate(rows)]
     placement = [(i, 0) for i in range(len(rows))]
-    extras = _next_position_extras(extra, rows, lengths, placement, (len(rows), width))
-    return _MicroBatch(rows, tokens, positions, targets, None, segments, extras)
+    shape = (len(rows), width)
+    extras = _next_position_extras(extra, rows, lengths, placement, shape)
+    hidden = _next_position_extras(kl_hidden, rows, lengths, placement, shape)
+    return _MicroBatch(rows, tokens, positions, targets, None, segments, extras, hidden)
 
 
 def _packed_micro_batch(
-    tokens_BS: torch.Tensor, lengths: list[int], rows: list[int], extra: torch.Tensor | None
+    tokens_BS: torch.Tensor,
+    lengths: list[int],
+    rows: list[int],
+    extra: torch.Tensor | None,
+    kl_hidden: torch.Tensor | None = None,
 ) -> _MicroBatch:
     total = sum(lengths[r] for r in rows)
     tokens = torch.zeros(1, total, dtype=torch.long)
@@ -178,8 +204,9 @@ def _packed_micro_batch(
     mask = ~(causal & same_segment)  # megatron convention: True = masked out
     placement = [(0, start) for _, _, start in segments]
     extras = _next_position_extras(extra, rows, lengths, placement, (1, total))
+    hidden = _next_position_extras(kl_hidden, rows, lengths, placement, (1, total))
     mask_11LL = mask.view(1, 1, total, total)
-    return _MicroBatch(rows, tokens, positions, targets, mask_11LL, segments, extras)
+    return _MicroBatch(rows, tokens, positions, targets, mask_11LL, segments, extras, hidden)
 
 
 def schedule_groups(groups: ParallelGroups, model_config: Any) -> dict[str, Any]:
@@ -252,8 +279,10 @@ def score_batch(
     plan = plan_packed if pack else plan_padded
     make = _packed_micro_batch if pack else _padded_micro_batch
     extra_cpu = None if extra is None else extra.cpu()
+    kl_hidden = None if request is None or request.kl_hidden is None else request.kl_hidden.cpu()
     micro_batches = [
-        make(tokens_BS.cpu(), lengths, rows, extra_cpu) for rows in plan(lengths, token_budget)
+        make(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden)
+        for rows in plan(lengths, token_budget)
     ]
     device = next(model.parameters()).device
 
@@ -288,6 +317,9 @@ def score_batch(
     if not groups.is_last_stage:
         return None
     specs = (request or ScoreRequest()).specs(*tokens_BS.shape)
+    if request is not None and request.hidden and outputs:
+        hidden_bLH = outputs[0]["hidden"]
+        specs["hidden"] = ((*tokens_BS.shape, hidden_bLH.shape[-1]), hidden_bLH.dtype)
     out = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
     for mb, output in zip(micro_batches, outputs, strict=True):
         values = output if isinstance(output, dict) else {"logprobs": output}
@@ -336,12 +368,13 @@ def broadcast_scores(
     groups: ParallelGroups,
     device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """:func:`broadcast_from_last_stage` for every output of :func:`score_batch` (``specs``)."""
+    """:func:`broadcast_from_last_stage` for every output of :func:`score_batch` (``specs``);
+    outputs not in ``specs`` (``hidden``) stay on the last stage."""
     if groups.layout.pp == 1:
         assert scores is not None
         return {key: value.to(device) for key, value in scores.items()}
     last = dist.get_process_group_ranks(groups.pp)[-1]
-    out = {}
+    out = {k: v for k, v in (scores or {}).items() if k not in specs}
     for key, (shape, dtype) in specs.items():
         buffer = (
             scores[key].to(device)

@@ -72,6 +72,20 @@ def scoring_vocab(cfg: Config, tokenizer: Tokenizer) -> int:
     return vocab
 
 
+def check_top_k(cfg: Config, vocab: int) -> None:
+    """Every configured top-k fits in the ids the models score (the tokenizer's)."""
+    a = cfg.algorithm
+    used = {"vopd_top_k": a.vopd_top_k if "vopd" in (a.estimator, a.distill_estimator) else 0}
+    used["tgpo.top_k"] = a.tgpo.top_k if a.estimator == "tgpo" else 0
+    used["tropd.top_k"] = a.tropd.top_k if a.estimator == "tropd" else 0
+    too_big = [f"algorithm.{key}={k}" for key, k in used.items() if k > vocab]
+    if too_big:
+        raise ConfigError(
+            f"{', '.join(too_big)} exceeds the {vocab} token ids the models score (the "
+            "tokenizer's vocabulary); lower it"
+        )
+
+
 def check_same_tokenizer(student: Tokenizer, teacher: Tokenizer, cfg: Config) -> None:
     if student.fingerprint() != teacher.fingerprint():
         raise ConfigError(
@@ -123,6 +137,7 @@ def build_components(cfg: Config) -> Components:
     if cfg.teacher.tokenizer is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.tokenizer), cfg)
     vocab = scoring_vocab(cfg, tokenizer)
+    check_top_k(cfg, vocab)
 
     # Weights are initialised on the CPU generator (use_cpu_initialization): seed each model on
     # its own so a randomly initialised teacher does not depend on the student's layout.

@@ -10,6 +10,10 @@ log-probs:
    its last stage shares the result with the other stages of its pipeline;
 3. the teacher's data-parallel group gathers the shares, and each rank keeps its student rows.
 
+When the teacher has the student's layout, replica ``d`` of the teacher is replica ``d`` of the
+student on the same ranks, and each rank scores its own rows with no exchange at all (this is
+also what lets a full-vocabulary KL between the two meet on the same vocabulary shards).
+
 Legend: n = rows of this student rank, N = rows of the step, S = padded positions.
 """
 
@@ -52,6 +56,8 @@ class TeacherScorer:
         self.head = head
         self.token_budget = token_budget
         self.pack = pack
+        # the same layout: the same ranks hold the same rows and vocabulary shards
+        self.same_layout = groups.layout == student_groups.layout
 
     def score(self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor) -> torch.Tensor:
         """Teacher log-probs ``[n, S]`` (scoring convention) of this rank's rows."""
@@ -66,6 +72,19 @@ class TeacherScorer:
         """:func:`score_batch` outputs of this rank's rows (``[n, S]`` / ``[n, S, K]``)."""
         # The exchange runs on the model's device: on GPUs the step batch travels over NCCL.
         device = next(self.model.parameters()).device
+        if self.same_layout:  # teacher replica d is student replica d: nothing to exchange
+            mine = score_batch(
+                self.model, self.groups, tokens_nS, lengths_n, head=self.head,
+                token_budget=self.token_budget, pack=self.pack, request=request,
+            )  # fmt: skip
+            specs = (request or ScoreRequest()).specs(*tokens_nS.shape)
+            scores = broadcast_scores(mine, specs, self.groups, device)
+            return {key: value.to(tokens_nS.device) for key, value in scores.items()}
+        if request is not None and request.full_kl:
+            raise ValueError(
+                "a full-vocabulary KL needs the teacher on the student's layout (the same "
+                "tensor, pipeline and context parallel sizes); set teacher.parallel to match"
+            )
         n, width_n = tokens_nS.shape
         width_t = torch.tensor([width_n], device=device)
         dist.all_reduce(width_t, op=dist.ReduceOp.MAX)  # one padded width for the whole world

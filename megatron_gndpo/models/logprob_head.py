@@ -31,6 +31,7 @@ from megatron_gndpo.parallel.logprobs import (
     vocab_parallel_logprobs_and_entropy,
     vocab_parallel_token_stats,
 )
+from megatron_gndpo.parallel.vocab_stats import vocab_parallel_kl
 
 
 def output_inputs(
@@ -68,6 +69,12 @@ class ScoreContext:
     extra_ids: torch.Tensor | None = None  # [b, s, K] int64
     entropy: bool = False
     top_k: int = 0
+    hidden: bool = False  # also return the final hidden states, ``hidden [b, s, H]``
+    # KL(p ‖ this model) over the full vocabulary, ``kl [b, s]``: p is another model's
+    # distribution at temperature 1, given by its hidden states [b, s, H_p] and its output
+    # weight shard (the same vocabulary rows per TP rank as this model's)
+    kl_hidden: torch.Tensor | None = None
+    kl_weight: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +145,16 @@ class TokenLogProbs:
             out["extra_logprobs"] = logp_TK[:, 1:]
         if request.entropy:
             out["entropy"] = entropy_T
+        if request.hidden:
+            out["hidden"] = hidden_TH.detach()
+        if request.kl_hidden is not None:
+            assert request.kl_weight is not None, "kl_hidden needs kl_weight"
+            # this model's logits / τ = (hidden / τ) · Wᵀ: p stays at temperature 1
+            out["kl"] = vocab_parallel_kl(
+                _tokens_first(request.kl_hidden), request.kl_weight,
+                hidden_TH.detach() / self.temperature, weight.detach(),
+                **(kwargs | {"temperature": 1.0}),
+            )  # fmt: skip
         if request.top_k:
             stats = vocab_parallel_token_stats(
                 hidden_TH.detach(), weight.detach(), targets_T, top_k=request.top_k, **kwargs
