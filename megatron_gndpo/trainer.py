@@ -27,6 +27,7 @@ from megatron_gndpo.engine.methods import (
     Scores,
     Targets,
     build_targets,
+    prefix_share,
     student_request,
     student_scores_first,
     teacher_request,
@@ -42,7 +43,7 @@ from megatron_gndpo.logging.throughput import (
     peak_flops_for,
 )
 from megatron_gndpo.rewards.verifiable import reward
-from megatron_gndpo.rollout.base import Rollout, SamplingParams
+from megatron_gndpo.rollout.base import Rollout, SamplingParams, with_teacher_prefix
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
 _LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac", "guidance/kl_mean")
@@ -90,7 +91,7 @@ class Trainer:
         started = time.perf_counter()
         with timer.time("rollout"):
             prompts = self._next_prompts()
-            rollout = self._rollout(prompts)
+            rollout = self._sample(prompts)
             if hasattr(c.generator, "sleep"):
                 c.generator.sleep()  # give the GPU memory to scoring and training
         teacher, student = self._score(rollout)  # timed inside: the order depends on the method
@@ -151,14 +152,38 @@ class Trainer:
     def _next_prompts(self) -> list[Any]:
         return [self.c.prompts[i] for i in self.c.sampler.next_step()]
 
-    def _rollout(self, prompts: list[Any], params: SamplingParams | None = None) -> Rollout:
+    def _seeds(self, prompts: list[Any]) -> list[int]:
         # One seed per prompt from (seed, step, position in the global step batch): the samples
         # do not depend on the data-parallel size or on which rank draws them.
         first = self.c.student_groups.coords["dp"] * len(prompts)
         base = (self.cfg.trainer.seed * 1_000_003 + self.step_count) * 10_007 + first
-        seeds = [base + j for j in range(len(prompts))]
+        return [base + j for j in range(len(prompts))]
+
+    def _rollout(self, prompts: list[Any], params: SamplingParams | None = None) -> Rollout:
         return self.c.generator.generate(
-            [p.ids for p in prompts], params or self.params, seeds=seeds
+            [p.ids for p in prompts], params or self.params, seeds=self._seeds(prompts)
+        )
+
+    def _sample(self, prompts: list[Any]) -> Rollout:
+        """The step's rollout: on-policy, or continued from teacher-written prefixes (TrOPD)."""
+        share = prefix_share(self.cfg.algorithm, self.step_count + 1)
+        if share == 0.0:
+            return self._rollout(prompts)
+        # The teacher answers each prompt once (its own random streams), the first `share` of
+        # each answer is kept, and the student samples its continuations from there.
+        seeds = self._seeds(prompts)
+        once = dataclasses.replace(self.params, samples_per_prompt=1)
+        answers = self.c.teacher.generate(
+            [list(p.ids) for p in prompts], once, [s + 1_000_000_007 for s in seeds]
+        )
+        prefixes = [a[: int(share * len(a))] for a in answers]
+        room = self.params.max_new_tokens - min(len(x) for x in prefixes)
+        continued = self.c.generator.generate(
+            [[*p.ids, *x] for p, x in zip(prompts, prefixes, strict=True)],
+            dataclasses.replace(self.params, max_new_tokens=room), seeds=seeds,
+        )  # fmt: skip
+        return with_teacher_prefix(
+            continued, [len(x) for x in prefixes], self.params.max_new_tokens
         )
 
     def _sync_engine(self) -> dict[str, float]:
@@ -237,7 +262,7 @@ class Trainer:
         targets, extra = build_targets(
             a, teacher=teacher, student=student, response_mask=mask, rewards=rewards,
             group_size=self.params.samples_per_prompt, group=group, step=self.step_count + 1,
-            tokens=rollout.tokens,
+            tokens=rollout.tokens, teacher_written=rollout.teacher_written,
         )  # fmt: skip
         metrics |= extra | advantage_metrics(targets.advantages, mask.float(), group=group)
         return targets, metrics
@@ -284,30 +309,39 @@ class Trainer:
         group = self.c.student_groups.dp_cp
         lengths = rollout.response_lengths.double()
         mask = rollout.response_mask
-        gap = (student["logprobs"] - rollout.sampler_logprobs).abs()[mask].double()
+        written = rollout.teacher_written
+        sampled = mask if written is None else mask & ~written  # the student's own tokens
+        gap = (student["logprobs"] - rollout.sampler_logprobs).abs()[sampled].double()
         entropy = student["entropy"][mask].double()
+        teacher_tokens = 0.0 if written is None else float((written & mask).sum())
         reward_sum = rewards.double().sum() if rewards is not None else torch.tensor(0.0)
         stats = torch.tensor(
             [len(lengths), float(lengths.sum()), float(gap.sum()), gap.numel(),
-             float(reward_sum), float(rollout.finished.sum()), float(entropy.sum())],
+             float(reward_sum), float(rollout.finished.sum()), float(entropy.sum()),
+             float(mask.sum()), teacher_tokens],
             dtype=torch.float64,
         )  # fmt: skip
         dist.all_reduce(stats, group=group)
         longest = lengths.max().reshape(1)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-        rows, total, gap_sum, tokens, reward_sum, finished, entropy_sum = stats.tolist()
+        rows, total, gap_sum, tokens, reward_sum, finished, entropy_sum, response, written_sum = (
+            stats.tolist()
+        )
         out = {
             "response_length/mean": total / rows,
             "response_length/max": float(longest),
             "sampler_gap/mean_abs": gap_sum / max(tokens, 1.0),
             # the student's entropy on its own samples, at the rollout weights
-            "entropy/mean": entropy_sum / max(tokens, 1.0),
+            "entropy/mean": entropy_sum / max(response, 1.0),
             "finished/frac": finished / rows,
             "tokens/step": total,  # generated tokens of the whole step (all DP ranks)
             "prompts/skipped_too_long": float(self.c.skipped_prompts),
         }
         if rewards is not None:
             out["reward/mean"] = reward_sum / rows
+        if self.cfg.algorithm.estimator == "tropd":
+            out["tropd/prefix_share"] = prefix_share(self.cfg.algorithm, self.step_count)
+            out["tropd/teacher_written_frac"] = written_sum / max(response, 1.0)
         return out
 
     def _mfu(self, rollout: Rollout, metrics: dict[str, float]) -> dict[str, float]:

@@ -153,3 +153,27 @@ def test_config_rules_for_guidance_methods() -> None:
     text = str(err.value)
     for needle in ("guidance=loss", "trust_threshold", "prefix_share_start", "samples_per_prompt"):
         assert needle in text
+
+
+def test_rollout_continued_from_teacher_prefixes() -> None:
+    from megatron_gndpo.rollout.base import Rollout, with_teacher_prefix
+
+    # prompt 0 = [5, 6], its teacher prefix [7]; prompt 1 = [5], prefix [8, 9]; one sample each
+    tokens = torch.tensor([[5, 6, 7, 1, 2, 3, 0], [5, 8, 9, 4, 4, 4, 4]])
+    continued = Rollout(
+        tokens=tokens, prompt_lengths=torch.tensor([3, 3]), lengths=torch.tensor([6, 7]),
+        sampler_logprobs=torch.where(tokens > 0, -0.5, 0.0), prompt_index=torch.tensor([0, 1]),
+        finished=torch.tensor([True, False]),
+    )  # fmt: skip
+    r = with_teacher_prefix(continued, [1, 2], max_response_length=4)
+    assert r.prompt_lengths.tolist() == [2, 1]
+    assert r.lengths.tolist() == [6, 5]  # row 1 cut to 1 + 4 tokens
+    assert r.finished.tolist() == [True, False]
+    assert r.teacher_written is not None
+    assert r.teacher_written.tolist() == [
+        [False, False, True, False, False, False],
+        [False, True, True, False, False, False],
+    ]
+    assert r.response_mask.sum(-1).tolist() == [4, 4]
+    assert r.tokens[1].tolist() == [5, 8, 9, 4, 4, 0]
+    assert r.sampler_logprobs[1, 5] == 0.0

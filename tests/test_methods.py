@@ -22,6 +22,11 @@ METHODS = {
     "tropd": [
         "algorithm.estimator=tropd", "algorithm.tropd.top_k=4", "algorithm.entropy_coef=0.01",
     ],
+    # off-policy guidance: half the teacher's answer as the prefix at step 1, a quarter at 2
+    "tropd-prefix": [
+        "algorithm.estimator=tropd", "algorithm.tropd.top_k=4",
+        "algorithm.tropd.prefix_share_start=0.5", "algorithm.tropd.prefix_decay_steps=2",
+    ],
 }  # fmt: skip
 # vOPD over the full vocabulary needs the teacher on the student's layout.
 FULL_KL = ["algorithm.estimator=vopd", "algorithm.vopd_top_k=0"]
@@ -71,6 +76,12 @@ def _runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict[
     return out
 
 
+def _check_prefix(name: str, result: dict) -> None:  # type: ignore[type-arg]
+    first, second = result["steps"]
+    assert (first["tropd/prefix_share"], second["tropd/prefix_share"]) == (0.5, 0.25), name
+    assert 0 < second["tropd/teacher_written_frac"] < first["tropd/teacher_written_frac"] < 1
+
+
 def _check_trained(name: str, result: dict) -> None:  # type: ignore[type-arg]
     assert result["unchanged"] == [], f"{name}: not updated: {result['unchanged']}"
     assert result["teacher_moved"] == [], f"{name}: teacher changed"
@@ -108,6 +119,8 @@ def test_methods_agree_across_layouts_and_all_variants_train(tmp_path: Path) -> 
     two = run_distributed(_runs, 2, args=(str(tmp_path / "w2"), runs), timeout_s=600)[0]
     for name, result in (one | two).items():
         _check_trained(name, result)  # type: ignore[arg-type]
+        if name.startswith("tropd-prefix"):
+            _check_prefix(name, result)  # type: ignore[arg-type]
     for name, result in two.items():
         method = name.split("@")[0]
         if method not in w1_runs:
@@ -115,6 +128,6 @@ def test_methods_agree_across_layouts_and_all_variants_train(tmp_path: Path) -> 
         reference = one[method]["steps"]  # type: ignore[index]
         for step, (ref, got) in enumerate(zip(reference, result["steps"], strict=True)):
             assert got["tokens/step"] == ref["tokens/step"], (name, step)
-            keys = (*COMPARED, OWN_METRIC[method.split("-")[0]])
+            keys = (*COMPARED, OWN_METRIC[method.split("-")[0]], "tokens/step")
             for key in keys:
                 assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, step, key)

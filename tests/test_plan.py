@@ -339,7 +339,7 @@ def test_memory_parts_follow_the_layout() -> None:
     assert (r64.weights, r64.grads) == (r32.weights, r32.grads)
     assert r64.optimizer == pytest.approx(r32.optimizer / 2)
     assert r32.grads == 2 * r32.weights  # fp32 main grads beside bf16 weights
-    assert r32.optimizer == pytest.approx(6 * r32.weights / 16)  # 12 bytes/param over DP=16
+    assert r32.optimizer == pytest.approx(6 * r32.weights / 8)  # 12 bytes/param over DP=8
     whole = load_config(
         EXAMPLES_DIR / "qwen3-8b_from_32b.yaml", ["optimizer.use_distributed_optimizer=false"]
     )

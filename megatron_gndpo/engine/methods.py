@@ -48,6 +48,17 @@ class Targets:
     entropy_coef: float = 0.0  # β
 
 
+def prefix_share(cfg: AlgorithmConfig, step: int) -> float:
+    """TrOPD's off-policy guidance at 1-based ``step``: the share of the teacher's response kept
+    as the prefix the student continues from (0: ordinary on-policy rollouts)."""
+    if cfg.estimator != "tropd" or cfg.tropd.prefix_share_start <= 0:
+        return 0.0
+    t = cfg.tropd
+    return guidance.linear_schedule(
+        step, t.prefix_share_start, t.prefix_share_end, t.prefix_decay_steps
+    )
+
+
 def student_scores_first(cfg: AlgorithmConfig) -> bool:
     """vOPD's teacher scores the student's top-k ids, so the student goes first."""
     return _uses_vopd(cfg)

@@ -103,6 +103,19 @@ def _scheduler(optimizer: Any, cfg: Config) -> Any:
     )  # fmt: skip
 
 
+def _teacher_generator(
+    cfg: Config, teacher: Any, groups: ParallelGroups, tokenizer: Tokenizer, vocab: int
+) -> MegatronGenerator | None:
+    """The teacher's own generator, for TrOPD's off-policy guidance only."""
+    a = cfg.algorithm
+    if a.estimator != "tropd" or a.tropd.prefix_share_start <= 0:
+        return None
+    return MegatronGenerator(
+        teacher, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
+        max_sequence_length=cfg.teacher.model.max_position_embeddings,
+    )  # fmt: skip
+
+
 def _generator(
     cfg: Config, student: Any, groups: ParallelGroups, tokenizer: Tokenizer, vocab: int
 ) -> Generator:
@@ -188,6 +201,7 @@ def build_components(cfg: Config) -> Components:
             head=teacher_head,
             token_budget=t.scoring_token_budget,
             pack=t.pack_sequences,
+            generator=_teacher_generator(cfg, teacher_model, teacher_groups, tokenizer, vocab),
         ),
         generator=_generator(cfg, student, student_groups, tokenizer, vocab),
         prompts=prompts,

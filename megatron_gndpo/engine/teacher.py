@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
+from megatron_gndpo.rollout.base import Generator, SamplingParams
 
 
 def _all_gather_rows(x_nS: torch.Tensor, group: Any) -> torch.Tensor:
@@ -49,6 +50,7 @@ class TeacherScorer:
         head: TokenLogProbs,
         token_budget: int,
         pack: bool,
+        generator: Generator | None = None,
     ) -> None:
         self.model = model
         self.groups = groups
@@ -58,6 +60,44 @@ class TeacherScorer:
         self.pack = pack
         # the same layout: the same ranks hold the same rows and vocabulary shards
         self.same_layout = groups.layout == student_groups.layout
+        self.generator = generator  # a MegatronGenerator on the teacher (TrOPD's guidance)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[list[int]]:
+        """The teacher's response (token ids, stop token included) to each of this rank's
+        prompts, one sample each; replica ``d`` of the teacher generates share ``d`` of the step.
+
+        Prompts are short lists of ids, so they travel as Python objects (two all-gathers).
+        """
+        if self.generator is None:
+            raise RuntimeError("this teacher was built without a generator (see engine/setup.py)")
+        student_dp, teacher_dp = self.student_groups.dp, self.groups.dp
+        if self.same_layout:
+            return self._responses(prompts, params, seeds)
+        parts: list[Any] = [None] * dist.get_world_size(student_dp)
+        dist.all_gather_object(parts, (prompts, seeds), group=student_dp)
+        all_prompts = [p for part in parts for p in part[0]]
+        all_seeds = [x for part in parts for x in part[1]]
+        share = len(all_prompts) // self.groups.layout.dp
+        d = self.groups.coords["dp"]
+        mine = slice(d * share, (d + 1) * share)
+        responses = self._responses(all_prompts[mine], params, all_seeds[mine])
+        gathered: list[Any] = [None] * dist.get_world_size(teacher_dp)
+        dist.all_gather_object(gathered, responses, group=teacher_dp)
+        everything = [r for part in gathered for r in part]
+        n, s = len(prompts), self.student_groups.coords["dp"]
+        return everything[s * n : (s + 1) * n]
+
+    def _responses(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[list[int]]:
+        assert self.generator is not None
+        rollout = self.generator.generate(prompts, params, seeds=seeds)
+        return [
+            rollout.tokens[i, int(rollout.prompt_lengths[i]) : int(n)].tolist()
+            for i, n in enumerate(rollout.lengths)
+        ]
 
     def score(self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor) -> torch.Tensor:
         """Teacher log-probs ``[n, S]`` (scoring convention) of this rank's rows."""

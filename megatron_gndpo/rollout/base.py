@@ -53,6 +53,8 @@ class Rollout:
     sampler_logprobs: torch.Tensor  # [N, S] float32
     prompt_index: torch.Tensor  # [N] int64
     finished: torch.Tensor  # [N] bool
+    # [N, S] bool: response tokens the teacher wrote (TrOPD's off-policy prefix); None: none
+    teacher_written: torch.Tensor | None = None
 
     @property
     def response_mask(self) -> torch.Tensor:
@@ -129,3 +131,33 @@ def sample_next(
     ids = torch.where(torch.isinf(logprobs.gather(-1, ids[:, None]).squeeze(-1)),
                       logprobs.argmax(-1), ids)  # fmt: skip
     return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def with_teacher_prefix(
+    rollout: Rollout, prefix_lengths: Sequence[int], max_response_length: int
+) -> Rollout:
+    """A rollout continued from teacher-written prefixes, as one with the prefix in the response.
+
+    ``rollout`` was generated from ``prompt + prefix`` (``prefix_lengths[i]`` tokens for prompt
+    ``i``); the result has the original prompt lengths, marks the prefix as ``teacher_written``
+    and cuts each response to ``max_response_length`` tokens (a cut row is not finished).
+    """
+    prefix = torch.tensor(list(prefix_lengths), dtype=torch.long)[rollout.prompt_index]
+    prompt_lengths = rollout.prompt_lengths - prefix
+    lengths = torch.minimum(rollout.lengths, prompt_lengths + max_response_length)
+    finished = rollout.finished & (lengths == rollout.lengths)
+    width = int(lengths.max())
+    positions = torch.arange(width)
+    inside = positions[None, :] < lengths[:, None]
+    written = (positions[None, :] >= prompt_lengths[:, None]) & (
+        positions[None, :] < rollout.prompt_lengths[:, None]
+    )
+    return Rollout(
+        tokens=torch.where(inside, rollout.tokens[:, :width], 0),
+        prompt_lengths=prompt_lengths,
+        lengths=lengths,
+        sampler_logprobs=torch.where(inside, rollout.sampler_logprobs[:, :width], 0.0),
+        prompt_index=rollout.prompt_index,
+        finished=finished,
+        teacher_written=written,
+    )
