@@ -11,11 +11,22 @@ mcore-to-hf: one process; the architecture comes from the checkpoint's model_con
 (written by hf-to-mcore and by training) unless --model-config names a YAML file holding a
 ModelConfig or a whole run config (its ``model`` section is used). With ``--fp8-out`` the BF16
 export is then quantized to FP8 by ModelOpt (``checkpoint/export_fp8.py``).
+
+Vision-language models (``checkpoint/vlm_convert.py``) take the same commands: hf-to-mcore
+converts an InternVL directory (``model_type: internvl``, transformers' native format) to a VLM
+checkpoint with ``vision_config.yaml`` beside it; mcore-to-hf writes an InternVL directory when
+that file is there (or ``--vision-config`` names one), ``--family`` then naming the language
+model's family.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_gndpo.config.schema import ModelConfig
 
 
 def hf_to_mcore_main(argv: list[str] | None = None) -> None:
@@ -33,6 +44,7 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from megatron_gndpo.checkpoint.convert import convert_hf_to_mcore
+    from megatron_gndpo.checkpoint.vlm_convert import convert_vlm_hf_to_mcore, is_hf_vlm
     from megatron_gndpo.compat import cpu
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
@@ -43,10 +55,17 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
     try:
         groups = build_student_groups(ParallelLayout(env.world_size, tp=args.tp, pp=args.pp))
         parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp)
-        model = convert_hf_to_mcore(args.hf_dir, args.out, groups=groups, parallel=parallel)
+        what = ""
+        if is_hf_vlm(args.hf_dir):
+            model, vision = convert_vlm_hf_to_mcore(
+                args.hf_dir, args.out, groups=groups, parallel=parallel
+            )
+            what = f"{vision.encoder} encoder of {vision.num_layers} layers + LM of "
+        else:
+            model = convert_hf_to_mcore(args.hf_dir, args.out, groups=groups, parallel=parallel)
         if dist.get_rank() == 0:
             print(
-                f"wrote {args.out} (step 0, {model.num_layers} layers, hidden "
+                f"wrote {args.out} (step 0, {what}{model.num_layers} layers, hidden "
                 f"{model.hidden_size}, saved at TP={args.tp} PP={args.pp})"
             )
     finally:
@@ -65,13 +84,24 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
         "--family",
         choices=["llama", "qwen2", "qwen3"],
         default=None,
-        help="HF model family (default: the source model's, if conversion saved it)",
+        help="HF model family, of the language model for a VLM (default: the source model's, "
+        "if conversion saved it)",
     )
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here")
     parser.add_argument("--model-config", default=None, help="YAML file with the ModelConfig")
+    parser.add_argument(
+        "--vision-config", default=None,
+        help="YAML file with the VisionConfig: export a VLM as InternVL (default: when the "
+        "checkpoint has vision_config.yaml beside it)",
+    )  # fmt: skip
     _add_fp8_args(parser)
     args = parser.parse_args(argv)
+    from megatron_gndpo.checkpoint.vlm_convert import is_vlm_checkpoint
+
+    vlm = args.vision_config is not None or is_vlm_checkpoint(args.mcore_dir)
+    if vlm and args.fp8_out is not None:
+        parser.error("--fp8-out is not supported for vision-language models")
     texts = _fp8_calibration_texts(parser, args)  # fail before the export, not after it
 
     from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf
@@ -89,14 +119,17 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
     init_distributed()
     cpu.enable_if_no_cuda()
     try:
-        out = convert_mcore_to_hf(
-            args.mcore_dir,
-            args.out,
-            model=model,
-            family=args.family,
-            dtype=args.dtype,
-            tokenizer_dir=args.tokenizer_dir,
-        )
+        if vlm:
+            out = _vlm_mcore_to_hf(args, model)
+        else:
+            out = convert_mcore_to_hf(
+                args.mcore_dir,
+                args.out,
+                model=model,
+                family=args.family,
+                dtype=args.dtype,
+                tokenizer_dir=args.tokenizer_dir,
+            )
     finally:
         shutdown_distributed()
     print(f"wrote {out}")
@@ -109,6 +142,25 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
         ids = tokenize_calibration(texts, out, max_tokens=args.calib_max_tokens)
         print(f"calibrating FP8 scales on {len(ids)} prompts ({sum(map(len, ids)):,} tokens)")
         print(f"wrote {export_fp8(out, args.fp8_out, ids)} (FP8, ModelOpt unified HF format)")
+
+
+def _vlm_mcore_to_hf(args: argparse.Namespace, model: ModelConfig | None) -> Path:
+    from megatron_gndpo.checkpoint.vlm_convert import convert_vlm_mcore_to_hf
+    from megatron_gndpo.config.loader import build, read_yaml
+    from megatron_gndpo.config.vision import VisionConfig
+
+    vision = None
+    if args.vision_config is not None:
+        vision = build(VisionConfig, read_yaml(args.vision_config), prefix="vision.")
+    return convert_vlm_mcore_to_hf(
+        args.mcore_dir,
+        args.out,
+        model=model,
+        vision=vision,
+        family=args.family,
+        dtype=args.dtype,
+        tokenizer_dir=args.tokenizer_dir,
+    )
 
 
 def _add_fp8_args(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,9 @@ from typing import Literal
 # standard deviation of the pixel values in [0, 1].
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# ImageNet's, which InternVL's image processor uses.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # Pixel shuffle (InternVL) folds 2x2 neighbouring patches into one token of 4x the width.
 PIXEL_SHUFFLE_FACTOR = 2
@@ -64,6 +67,9 @@ class VisionConfig:
     first, InternVL's mlp1) or affine (one Linear)."""
     projector_ffn_hidden_size: int | None = None
     """Hidden width of the projector MLP; null means the language model's hidden size."""
+    projector_norm_epsilon: float | None = None
+    """Epsilon of the norm_mlp projector's LayerNorm; null means norm_epsilon. InternVL's mlp1
+    uses torch's default, 1e-5 (Hugging Face conversion sets it)."""
     image_token_id: int = 3
     """Id of the image placeholder token in the language model's vocabulary; each image tile
     occupies tokens_per_tile consecutive copies of it."""

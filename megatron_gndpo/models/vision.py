@@ -64,6 +64,7 @@ class NormMLPProjector(torch.nn.Module):
         from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 
         super().__init__()
+        self.tp_group = tp_group
         self.norm = torch.nn.LayerNorm(input_size, eps=eps, dtype=config.params_dtype)
         self.mlp = MultimodalProjector(
             config, _projector_submodules(), "mlp", input_size, tp_group=tp_group
@@ -71,6 +72,25 @@ class NormMLPProjector(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.mlp(self.norm(hidden_states))
+        return out
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The MLP's TP shards as shards, the norm replicated (dist-checkpointing).
+
+        Without this, megatron treats a plain torch module as replicated across TP ranks, and
+        every rank would save and load TP rank 0's slice of the MLP.
+        """
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        out: dict[str, Any] = {}
+        for name, child in self.named_children():
+            out.update(
+                sharded_state_dict_default(
+                    child, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=self.tp_group
+                )
+            )
         return out
 
 
@@ -193,7 +213,9 @@ def build_projector(vision: VisionConfig, config: Any, tp_group: Any) -> torch.n
     from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 
     if vision.projector == "norm_mlp":
-        return NormMLPProjector(config, vision.encoder_output_size, tp_group, vision.norm_epsilon)
+        eps = vision.projector_norm_epsilon
+        eps = vision.norm_epsilon if eps is None else eps
+        return NormMLPProjector(config, vision.encoder_output_size, tp_group, eps)
     return MultimodalProjector(
         config, _projector_submodules(), vision.projector, vision.encoder_output_size, tp_group
     )

@@ -1,0 +1,275 @@
+"""Convert Hugging Face InternVL checkpoints to the project's VLM dist-checkpoints and back.
+
+The vision-language counterpart of :mod:`~megatron_gndpo.checkpoint.convert` (same file
+handling, same checkpoint format); names and layouts live in
+:mod:`~megatron_gndpo.checkpoint.vlm_mapping`.
+
+- :func:`convert_vlm_hf_to_mcore` runs on every rank of a job laid out as the target TP/PP: each
+  rank builds its shard of :func:`~megatron_gndpo.models.vlm.build_vlm`, reads the HF tensors it
+  needs, slices them, and the job saves one model-only checkpoint at step 0. Beside it:
+  ``model_config.yaml`` (the language model), ``vision_config.yaml`` (the
+  :class:`VisionConfig`), ``hf_config.json`` (the source ``config.json``) and the tokenizer and
+  image-processor files.
+- :func:`convert_vlm_mcore_to_hf` builds a TP=1/PP=1 VLM, loads a checkpoint saved at any TP/PP
+  and writes ``model.safetensors`` (saved-form names, as ``save_pretrained`` writes them),
+  ``config.json`` and those files; the result loads with
+  ``transformers.InternVLForConditionalGeneration.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.checkpoint import vlm_mapping
+from megatron_gndpo.checkpoint.convert import (
+    _TORCH_DTYPES,
+    HF_CONFIG_FILE,
+    MODEL_CONFIG_FILE,
+    HFCheckpoint,
+    _barrier,
+    _check_layout,
+    _export_groups,
+    _rank,
+    _source_hf_config,
+    _write_safetensors,
+    copy_tokenizer_files,
+    read_hf_config,
+    read_model_config,
+)
+from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
+from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, is_extra_state, shard_for_rank
+from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
+from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.parallel.groups import ParallelGroups
+
+VISION_CONFIG_FILE = "vision_config.yaml"
+# The image processor's files, carried beside the tokenizer's.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else None
+
+
+def read_vlm_configs(hf_dir: str | Path) -> tuple[dict[str, Any], ModelConfig, VisionConfig]:
+    """(config.json, language ModelConfig, VisionConfig) of an InternVL model directory."""
+    hf_config = read_hf_config(hf_dir)
+    preprocessor = _read_json(Path(hf_dir) / "preprocessor_config.json")
+    model, vision = vlm_mapping.vlm_configs_from_hf(hf_config, preprocessor)
+    return hf_config, model, vision
+
+
+def _check_vlm_layout(model: ModelConfig, vision: VisionConfig, parallel: ParallelConfig) -> None:
+    _check_layout(model, parallel)
+    tp = parallel.tensor_parallel
+    if vision.num_attention_heads % tp:
+        raise ValueError(
+            f"TP={tp} must divide the vision encoder's {vision.num_attention_heads} heads (the "
+            "encoder shares the language model's tensor parallelism)"
+        )
+
+
+def _global_names(net: Any) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, full-model name, parameter) for this rank's VLM parameters.
+
+    A pipeline stage numbers the language model's layers from 0; ``layer_number`` is global.
+    The vision encoder is never split over stages.
+    """
+    prefix = "language_model.decoder.layers."
+    layers: Any = net.language_model.decoder.layers
+    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+    for name, param in net.named_parameters():
+        full = name
+        if name.startswith(prefix):
+            local, rest = name.removeprefix(prefix).split(".", 1)
+            full = f"{prefix}{offsets[local]}.{rest}"
+        yield name, full, param
+
+
+def fill_vlm_from_hf(
+    net: torch.nn.Module,
+    hf: HFCheckpoint,
+    model: ModelConfig,
+    vision: VisionConfig,
+    *,
+    tp: int,
+    tp_rank: int,
+) -> None:
+    """Copy every parameter of this rank's VLM shard ``net`` from the InternVL checkpoint."""
+    stored = {vlm_mapping.canonical_hf_name(n): n for n in hf.names}
+    padded = model.padded_vocab_size(tp)
+    with torch.no_grad():
+        for local, full_name, param in _global_names(net):
+            mapping = vlm_mapping.vlm_mapping_for(full_name, model, vision)
+            tensors = [hf.get(stored[n]) for n in mapping.hf]
+            full = mapping.to_megatron(tensors, model, vision, padded_vocab=padded)
+            # only the language model's MLP is gated ([gate; up] halves sliced per rank)
+            gated = model.swiglu and mapping.lm is not None
+            shard = shard_for_rank(local, full, param, tp=tp, tp_rank=tp_rank, swiglu=gated)
+            param.copy_(shard)
+            del tensors, full, shard
+
+
+def _copy_side_files(src: str | Path, dst: str | Path) -> None:
+    copy_tokenizer_files(src, dst)
+    for name in PROCESSOR_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+def convert_vlm_hf_to_mcore(
+    hf_dir: str | Path,
+    out_root: str | Path,
+    *,
+    groups: ParallelGroups,
+    parallel: ParallelConfig,
+) -> tuple[ModelConfig, VisionConfig]:
+    """Convert an InternVL model directory to a model-only VLM dist-checkpoint at step 0.
+
+    Call on every rank of a job laid out as ``parallel``. Returns the language
+    :class:`ModelConfig` and the :class:`VisionConfig`, also written beside the checkpoint.
+    """
+    from megatron_gndpo.config.loader import to_yaml
+    from megatron_gndpo.models.vlm import build_vlm
+
+    hf_config, model, vision = read_vlm_configs(hf_dir)
+    _check_vlm_layout(model, vision, parallel)
+    with HFCheckpoint(hf_dir) as hf:
+        vlm_mapping.check_hf_names(hf.names, model, vision, where=str(hf_dir))
+        net = build_vlm(model, vision, parallel, groups)
+        fill_vlm_from_hf(
+            net, hf, model, vision, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"]
+        )
+    out_root = Path(out_root)
+    if _rank() == 0:
+        out_root.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    save_checkpoint(out_root, 0, net)
+    if _rank() == 0:
+        (out_root / MODEL_CONFIG_FILE).write_text(to_yaml(model))
+        (out_root / VISION_CONFIG_FILE).write_text(to_yaml(vision))
+        (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
+        _copy_side_files(hf_dir, out_root)
+    _barrier()
+    return model, vision
+
+
+def read_vision_config(mcore_root: str | Path) -> VisionConfig:
+    """The ``vision_config.yaml`` written beside a converted VLM checkpoint."""
+    from megatron_gndpo.config.loader import build, read_yaml
+
+    path = Path(mcore_root) / VISION_CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {VISION_CONFIG_FILE} in {mcore_root}: pass the VisionConfig the VLM was "
+            "trained with"
+        )
+    return build(VisionConfig, read_yaml(path), prefix="vision.")
+
+
+def _lm_family(source: dict[str, Any] | None, family: str | None, where: Path) -> str:
+    if family is not None:
+        return family
+    text = (source or {}).get("text_config") or {}
+    found = text.get("model_type")
+    if found is None:
+        raise ValueError(
+            f"pass family (the language model's: one of {', '.join(FAMILIES)}): no source "
+            f"config.json beside {where} tells it"
+        )
+    return str(found)
+
+
+def convert_vlm_mcore_to_hf(
+    mcore_root: str | Path,
+    out_dir: str | Path,
+    *,
+    model: ModelConfig | None = None,
+    vision: VisionConfig | None = None,
+    family: str | None = None,
+    dtype: Dtype = "bf16",
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = _MAX_SHARD_BYTES,
+) -> Path:
+    """Write an InternVL model directory from a VLM checkpoint saved at any TP/PP.
+
+    Meant for one process (a larger world loads the full model on every rank; rank 0 writes).
+    ``model`` and ``vision`` default to the configs written beside the checkpoint, ``family``
+    (the language model's: llama, qwen2, qwen3) to the source ``config.json``'s
+    ``text_config.model_type``. Token ids come from the source config; tokenizer and processor
+    files from ``tokenizer_dir`` or from beside the checkpoint. Returns ``out_dir``.
+    """
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
+    step = resolve(mcore_root)  # a CheckpointError before anything is built
+    base = Path(mcore_root) if step != Path(mcore_root) else step.parent
+    model = model if model is not None else read_model_config(base)
+    vision = vision if vision is not None else read_vision_config(base)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    source = _source_hf_config(base, tok_dir)
+    family = _lm_family(source, family, base)
+    # config.json names the dtype the weights are written in
+    out_model = dataclasses.replace(model, params_dtype=dtype)
+    config = vlm_mapping.hf_config_from_vlm(out_model, vision, family)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = ((source or {}).get("text_config") or {}).get(key)
+        if value is not None:
+            config["text_config"][key] = value
+
+    started = not dist.is_initialized()
+    if started:
+        init_distributed()
+    created_state = False
+    try:
+        groups, created_state = _export_groups()
+        net = build_vlm(model, vision, ParallelConfig(), groups)
+        load_checkpoint(step, net)
+        state = {k: v for k, v in net.state_dict().items() if not is_extra_state(k)}
+        del net
+        if _rank() == 0:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            out_dtype = _TORCH_DTYPES[dtype]
+            tensors = (
+                (name, t.detach().to("cpu", out_dtype).contiguous())
+                for name, t in vlm_mapping.iter_megatron_to_hf(state, model, vision, consume=True)
+            )
+            _write_safetensors(tensors, out, max_shard_bytes)
+            (out / "config.json").write_text(json.dumps(config, indent=2))
+            _copy_side_files(tok_dir if tok_dir is not None else base, out)
+        _barrier()
+    finally:
+        if created_state:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        if started:
+            shutdown_distributed()
+    return Path(out_dir)
+
+
+def is_hf_vlm(hf_dir: str | Path) -> bool:
+    """Whether ``hf_dir``'s ``config.json`` is an InternVL one (False when it has none)."""
+    config = _read_json(Path(hf_dir) / "config.json")
+    return (config or {}).get("model_type") in (vlm_mapping.MODEL_TYPE, "internvl_chat")
+
+
+def is_vlm_checkpoint(mcore_dir: str | Path) -> bool:
+    """Whether a checkpoint root (or its step directory) has ``vision_config.yaml`` beside it."""
+    path = Path(mcore_dir)
+    return any((p / VISION_CONFIG_FILE).is_file() for p in (path, path.parent))
