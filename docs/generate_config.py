@@ -62,6 +62,10 @@ def _sections(cls: type, value: Any, prefix: str) -> Iterator[tuple[str, type, A
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from _sections(tp, getattr(value, f.name), f"{prefix}{f.name}.")
+        optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if len(optional) == 1:  # an optional section (model.vision): its keys when given
+            section = typing.cast(type, optional[0])
+            yield from _sections(section, getattr(value, f.name) or section(), f"{prefix}{f.name}.")
 
 
 def _section_text(prefix: str, cls: type, value: Any) -> list[str]:

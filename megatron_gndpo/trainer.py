@@ -160,9 +160,14 @@ class Trainer:
         return [base + j for j in range(len(prompts))]
 
     def _rollout(self, prompts: list[Any], params: SamplingParams | None = None) -> Rollout:
-        return self.c.generator.generate(
-            [p.ids for p in prompts], params or self.params, seeds=self._seeds(prompts)
-        )
+        ids, seeds = [p.ids for p in prompts], self._seeds(prompts)
+        if self.cfg.model.vision is None:
+            return self.c.generator.generate(ids, params or self.params, seeds=seeds)
+        images = [p.images for p in prompts]
+        generate = cast(Any, self.c.generator).generate  # MultimodalGenerator takes the images
+        rollout = cast(Rollout, generate(ids, params or self.params, seeds=seeds, images=images))
+        rollout.images = [images[int(i)] for i in rollout.prompt_index]
+        return rollout
 
     def _sample(self, prompts: list[Any]) -> Rollout:
         """The step's rollout: on-policy, or continued from teacher-written prefixes (TrOPD)."""
@@ -213,7 +218,9 @@ class Trainer:
             request = teacher_request(a, student)
             if request is not None and request.full_kl:  # the student's output shard meets it
                 request = dataclasses.replace(request, kl_weight=self._student_output_weight())
-            teacher = self.c.teacher.score_batch(rollout.tokens, rollout.lengths, request)
+            teacher = self.c.teacher.score_batch(
+                rollout.tokens, rollout.lengths, request, images=rollout.images
+            )
         if student is None:
             with timer.time("old_logprobs"):
                 student = self._student_scores(rollout, student_request(a, teacher))
@@ -234,7 +241,7 @@ class Trainer:
         scores = score_batch(
             c.student, c.student_groups, rollout.tokens, rollout.lengths, head=c.head,
             token_budget=self.cfg.trainer.scoring_token_budget,
-            pack=self.cfg.trainer.pack_sequences, request=request,
+            pack=self.cfg.trainer.pack_sequences, request=request, images=rollout.images,
         )  # fmt: skip
         device = next(c.student.parameters()).device  # the broadcast goes over NCCL on GPUs
         specs = request.specs(*rollout.tokens.shape)
@@ -282,6 +289,7 @@ class Trainer:
                 rollout.tokens, old_lp, targets.advantages, mask, pg_mask=targets.pg_mask,
                 aux_ids=targets.aux_ids, aux_logq=targets.aux_logq, aux_mask=targets.aux_mask,
                 aux_coef=targets.aux_coef, entropy_coef=targets.entropy_coef,
+                images=rollout.images,
             ),
             head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
             optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,

@@ -153,8 +153,8 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     trainer.step()
     score = trainer.c.teacher.score_batch
 
-    def poisoned(tokens: torch.Tensor, lengths: torch.Tensor, request=None):  # type: ignore[no-untyped-def]
-        scores = dict(score(tokens, lengths, request))
+    def poisoned(tokens: torch.Tensor, lengths: torch.Tensor, request=None, images=None):  # type: ignore[no-untyped-def]
+        scores = dict(score(tokens, lengths, request, images=images))
         scores["logprobs"] = scores["logprobs"].clone()
         scores["logprobs"][0, int(lengths[0]) - 1] = float("nan")
         return scores

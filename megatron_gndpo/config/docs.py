@@ -60,8 +60,12 @@ def _iter_nested(cls: type, value: Any, prefix: str) -> Iterator[FieldDoc]:
         sub = getattr(value, f.name)
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from _iter_nested(tp, sub, f"{prefix}{f.name}.")
-        else:
-            yield FieldDoc(f"{prefix}{f.name}", _type_name(tp), sub, docs.get(f.name, ""))
+            continue
+        yield FieldDoc(f"{prefix}{f.name}", _type_name(tp), sub, docs.get(f.name, ""))
+        optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if len(optional) == 1:  # an optional section (model.vision): its keys when it is given
+            section = typing.cast(type, optional[0])
+            yield from _iter_nested(section, sub or section(), f"{prefix}{f.name}.")
 
 
 def format_fields(width: int = 100) -> str:

@@ -147,6 +147,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} is a section: expected a mapping, got {value!r}")
         return build(tp, value, prefix=f"{key}.")  # type: ignore[arg-type]
     if origin in (types.UnionType, typing.Union):
+        sections = [a for a in get_args(tp) if dataclasses.is_dataclass(a)]
+        if isinstance(value, Mapping) and len(sections) == 1:  # an optional section: its errors
+            return build(sections[0], value, prefix=f"{key}.")  # type: ignore[arg-type]
         for arg in get_args(tp):
             result = _try_convert(value, arg, key)
             if result is not _NO_MATCH:
@@ -202,7 +205,10 @@ def build[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
             f"unknown key {prefix}{key}{hint} (keys of {section}: {', '.join(fields)})"
         )
     kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # a section that checks itself (VisionConfig)
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from err
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

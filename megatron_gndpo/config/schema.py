@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from megatron_gndpo.config.vision import VisionConfig
+
 Dtype = Literal["fp32", "bf16", "fp16"]
 
 
@@ -78,6 +80,10 @@ class ModelConfig:
     """FP8 scaling recipe passed to megatron-core."""
     fp8_amax_history_len: int = 1024
     """Amax history length for delayed scaling."""
+    vision: VisionConfig | None = None
+    """Vision encoder and projector of a vision-language model (megatron-core's LLaVA model
+    around this GPT); null for a text-only model. Student and teacher must share its image
+    layout (placeholder id, tokens per tile, image size, tiling, normalisation)."""
 
     @property
     def hf_family(self) -> str:
@@ -326,6 +332,9 @@ class DataConfig:
     score the same support. null means model.vocab_size."""
     shuffle: bool = True
     """Shuffle prompts each epoch."""
+    image_key: str = "images"
+    """With a vision model: the column holding each prompt's image(s) (a path, bytes, or a list
+    of them); the prompt text marks where each image goes with <image>."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -283,6 +283,41 @@ def _other_problems(cfg: Config) -> list[str]:
     return p
 
 
+def _vision_problems(cfg: Config) -> list[str]:
+    """Vision-language models: both or neither, one image layout, what the VLM path supports."""
+    student, teacher = cfg.model.vision, cfg.teacher.model.vision
+    if student is None and teacher is None:
+        return []
+    if student is None or teacher is None:
+        return [
+            "model.vision and teacher.model.vision must both be set (a vision-language student "
+            "and teacher) or both be null: the teacher scores the student's rows, images included"
+        ]
+    p = []
+    from megatron_gndpo.data.images import check_same_image_layout
+
+    try:
+        check_same_image_layout(student, teacher)
+    except ValueError as err:
+        p.append(str(err))
+    a = cfg.algorithm
+    unsupported = {
+        "rollout.engine=vllm": cfg.rollout.engine == "vllm",
+        "trainer.pack_sequences=true": cfg.trainer.pack_sequences,
+        "algorithm.vopd_top_k=0 (full-vocabulary vOPD)": a.vopd_top_k == 0
+        and "vopd" in (a.estimator, a.distill_estimator),
+        "algorithm.tropd.prefix_share_start > 0 (teacher-written prefixes)": a.estimator == "tropd"
+        and a.tropd.prefix_share_start > 0,
+    }
+    p += [
+        f"{what} is not supported with a vision-language model yet; use the builtin engine, "
+        "padded micro-batches, top-k vOPD and on-policy TrOPD"
+        for what, used in unsupported.items()
+        if used
+    ]
+    return p
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Raise one ConfigError listing every problem; return ``cfg`` unchanged when it is sound.
 
@@ -305,6 +340,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     problems += _algorithm_problems(cfg)
     problems += _rollout_problems(cfg, world_size if world_size and world_size > 0 else None)
     problems += _other_problems(cfg)
+    problems += _vision_problems(cfg)
     if problems:
         lines = "\n".join(f"  - {msg}" for msg in problems)
         raise ConfigError(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")

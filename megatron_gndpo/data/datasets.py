@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_gndpo.data.tasks import arithmetic, chains
 from megatron_gndpo.data.tokenizer import Tokenizer
 
@@ -30,10 +32,12 @@ class PromptExample:
 
 @dataclasses.dataclass(frozen=True)
 class EncodedPrompt:
-    """A prompt with its chat-templated token ids."""
+    """A prompt with its chat-templated token ids (and, for a vision model, its image tiles
+    ``[N, 3, H, W]``, whose placeholders the ids already hold)."""
 
     example: PromptExample
     ids: list[int]
+    images: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------

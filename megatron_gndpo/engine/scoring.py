@@ -124,6 +124,7 @@ class _MicroBatch:
     segments: list[tuple[int, int, int]]  # (row, batch index, start) of each original row
     extra: torch.Tensor | None = None  # [b, L, K]: the extra ids of the next token's position
     kl_hidden: torch.Tensor | None = None  # [b, L, H_p]: p's hidden states at each position
+    images: torch.Tensor | None = None  # [N, 3, H, W]: the rows' image tiles, row by row
 
     def context(self, request: ScoreRequest | None, device: torch.device) -> Any:
         """The head's context: the targets alone, or a :class:`ScoreContext`."""
@@ -255,10 +256,13 @@ def score_batch(
     token_budget: int,
     pack: bool = False,
     request: ScoreRequest | None = None,
+    images: Sequence[torch.Tensor | None] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """:func:`score_tokens` plus what ``request`` asks for: ``{name: [B, S] or [B, S, K]}``.
 
     Keys and dtypes as :meth:`ScoreRequest.specs`; every output is 0 at t = 0 and at padding.
+    ``images``: for a vision-language model, each row's image tiles (None for a row without);
+    the ids already hold their placeholders, so positions are those of the ids.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -280,20 +284,28 @@ def score_batch(
     make = _packed_micro_batch if pack else _padded_micro_batch
     extra_cpu = None if extra is None else extra.cpu()
     kl_hidden = None if request is None or request.kl_hidden is None else request.kl_hidden.cpu()
+    if images is not None and pack:
+        raise ValueError("rows with images are scored padded, not packed (pack_sequences=false)")
     micro_batches = [
         make(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden)
         for rows in plan(lengths, token_budget)
     ]
+    if images is not None:
+        for mb in micro_batches:
+            mb.images = row_images(images, mb.rows)
     device = next(model.parameters()).device
 
     def forward_step(data_iterator: Any, net: Any) -> tuple[Any, Any]:
         mb = next(data_iterator)
-        output = net(
+        inputs = [
             mb.tokens.to(device),
             mb.positions.to(device),
             None if mb.attention_mask is None else mb.attention_mask.to(device),
-            output_processor=head,
-            output_processor_context=mb.context(request, device),
+        ]
+        if images is not None:  # a vision-language model takes the images first
+            inputs.insert(0, None if mb.images is None else mb.images.to(device))
+        output = net(
+            *inputs, output_processor=head, output_processor_context=mb.context(request, device)
         )
         return output, lambda output, non_loss_data=True: _detached(output)
 
@@ -329,6 +341,12 @@ def score_batch(
                 # what position t predicts belongs to token t + 1
                 out[key][row, 1:n] = value[index, start : start + n - 1].cpu()
     return {key: value.to(tokens_BS.device) for key, value in out.items()}
+
+
+def row_images(images: Sequence[torch.Tensor | None], rows: Sequence[int]) -> torch.Tensor | None:
+    """The tiles of ``rows``, concatenated in row order (None when none has an image)."""
+    tiles = [t for t in (images[r] for r in rows) if t is not None and t.shape[0] > 0]
+    return torch.cat(tiles) if tiles else None
 
 
 def _detached(output: torch.Tensor | dict[str, torch.Tensor]) -> Any:

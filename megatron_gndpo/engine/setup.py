@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_gndpo.checkpoint.dist import load_checkpoint
 from megatron_gndpo.config import Config, ConfigError, layout_of, to_dict
 from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
-from megatron_gndpo.data.datasets import EncodedPrompt
+from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_gndpo.engine.teacher import TeacherScorer
@@ -103,6 +103,63 @@ def _scheduler(optimizer: Any, cfg: Config) -> Any:
     )  # fmt: skip
 
 
+def _build_student(cfg: Config, groups: ParallelGroups) -> Any:
+    """The student's GPTModel, or its vision-language model (LLaVA around the GPT)."""
+    if cfg.model.vision is None:
+        return build_gpt(cfg.model, cfg.parallel, groups)
+    from megatron_gndpo.models.vlm import build_vlm
+
+    return build_vlm(cfg.model, cfg.model.vision, cfg.parallel, groups)
+
+
+def _build_teacher(cfg: Config, groups: ParallelGroups) -> Any:
+    t = cfg.teacher
+    if t.model.vision is None:
+        return build_teacher(t.model, t.parallel, groups)
+    from megatron_gndpo.models.vlm import build_vlm_teacher
+
+    return build_vlm_teacher(t.model, t.model.vision, t.parallel, groups)
+
+
+def _prompts(cfg: Config, spec: str, tokenizer: Tokenizer) -> tuple[list[EncodedPrompt], int]:
+    """Encoded prompts of ``spec`` and how many were too long; with images for a vision model."""
+    d, limit = cfg.data, cfg.rollout.max_prompt_length
+    vision = cfg.model.vision
+    if vision is None:
+        examples = load_prompts(spec, prompt_key=d.prompt_key, answer_key=d.answer_key)
+        return encode_prompts(examples, tokenizer, max_prompt_length=limit)
+    from megatron_gndpo.data.images import (
+        ImageLayout,
+        encode_multimodal,
+        load_multimodal_prompts,
+    )
+
+    layout = ImageLayout.of(vision)
+    rows = [
+        encode_multimodal(example, tokenizer, layout)
+        for example in load_multimodal_prompts(
+            spec, prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key
+        )
+    ]
+    encoded = [
+        EncodedPrompt(_text_example(r.example), r.ids, r.pixels)
+        for r in rows
+        if len(r.ids) <= limit
+    ]
+    if not encoded:
+        shortest = min(len(r.ids) for r in rows)
+        raise ConfigError(
+            f"every prompt of {spec} is longer than rollout.max_prompt_length={limit} tokens "
+            f"with its image placeholders (the shortest has {shortest}); raise it"
+        )
+    return encoded, len(rows) - len(encoded)
+
+
+def _text_example(example: Any) -> PromptExample:
+    """The prompt text and answer of a multimodal example (its images travel with the ids)."""
+    return PromptExample(example.prompt, example.answer, example.index)
+
+
 def _teacher_generator(
     cfg: Config, teacher: Any, groups: ParallelGroups, tokenizer: Tokenizer, vocab: int
 ) -> MegatronGenerator | None:
@@ -119,6 +176,15 @@ def _teacher_generator(
 def _generator(
     cfg: Config, student: Any, groups: ParallelGroups, tokenizer: Tokenizer, vocab: int
 ) -> Generator:
+    if cfg.rollout.engine == "builtin" and cfg.model.vision is not None:
+        from megatron_gndpo.rollout.multimodal import MultimodalGenerator
+
+        # its generate() also takes the prompts' images (the trainer passes them)
+        multimodal: Any = MultimodalGenerator(
+            student, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
+            max_sequence_length=cfg.model.max_position_embeddings,
+        )  # fmt: skip
+        return cast(Generator, multimodal)
     if cfg.rollout.engine == "builtin":
         return MegatronGenerator(
             student, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
@@ -155,33 +221,23 @@ def build_components(cfg: Config) -> Components:
     # Weights are initialised on the CPU generator (use_cpu_initialization): seed each model on
     # its own so a randomly initialised teacher does not depend on the student's layout.
     torch.manual_seed(cfg.trainer.seed)
-    student = build_gpt(cfg.model, cfg.parallel, student_groups)
+    student = _build_student(cfg, student_groups)
     if cfg.checkpoint.init is not None:
         load_checkpoint(cfg.checkpoint.init, student)
     ddp = wrap_ddp(student, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optimizer)
     torch.manual_seed(cfg.trainer.seed + 1)
-    teacher_model = build_teacher(cfg.teacher.model, cfg.teacher.parallel, teacher_groups)
+    teacher_model = _build_teacher(cfg, teacher_groups)
     if cfg.teacher.load is not None:
         load_checkpoint(cfg.teacher.load, teacher_model)
 
     head = TokenLogProbs(vocab_size=vocab)
     teacher_head = TokenLogProbs(vocab_size=vocab, temperature=cfg.teacher.temperature)
     t = cfg.trainer
-    examples = load_prompts(
-        cfg.data.train, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key
-    )
-    prompts, skipped = encode_prompts(
-        examples, tokenizer, max_prompt_length=cfg.rollout.max_prompt_length
-    )
+    prompts, skipped = _prompts(cfg, cfg.data.train, tokenizer)
     eval_prompts: list[EncodedPrompt] = []
     if cfg.data.eval is not None:
-        eval_examples = load_prompts(
-            cfg.data.eval, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key
-        )
-        eval_prompts, _ = encode_prompts(
-            eval_examples, tokenizer, max_prompt_length=cfg.rollout.max_prompt_length
-        )
+        eval_prompts, _ = _prompts(cfg, cfg.data.eval, tokenizer)
     logs_here = dist.get_rank() == 0
     return Components(
         cfg=cfg,

@@ -108,14 +108,16 @@ class TeacherScorer:
         tokens_nS: torch.Tensor,
         lengths_n: torch.Tensor,
         request: ScoreRequest | None = None,
+        images: list[torch.Tensor | None] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """:func:`score_batch` outputs of this rank's rows (``[n, S]`` / ``[n, S, K]``)."""
+        """:func:`score_batch` outputs of this rank's rows (``[n, S]`` / ``[n, S, K]``);
+        ``images``: each row's image tiles, for a vision-language teacher."""
         # The exchange runs on the model's device: on GPUs the step batch travels over NCCL.
         device = next(self.model.parameters()).device
         if self.same_layout:  # teacher replica d is student replica d: nothing to exchange
             mine = score_batch(
                 self.model, self.groups, tokens_nS, lengths_n, head=self.head,
-                token_budget=self.token_budget, pack=self.pack, request=request,
+                token_budget=self.token_budget, pack=self.pack, request=request, images=images,
             )  # fmt: skip
             specs = (request or ScoreRequest()).specs(*tokens_nS.shape)
             scores = broadcast_scores(mine, specs, self.groups, device)
@@ -149,9 +151,15 @@ class TeacherScorer:
         if request is not None:
             extra_rows = None if all_extra is None else all_extra[rows]
             mine_request = dataclasses.replace(request, extra_ids=extra_rows)
+        mine_images = None
+        if images is not None:  # image tiles travel as objects, like the prompts
+            parts: list[Any] = [None] * dist.get_world_size(self.student_groups.dp)
+            dist.all_gather_object(parts, images, group=self.student_groups.dp)
+            mine_images = [tiles for part in parts for tiles in part][rows]
         mine = score_batch(
             self.model, self.groups, all_tokens[rows], all_lengths[rows], head=self.head,
             token_budget=self.token_budget, pack=self.pack, request=mine_request,
+            images=mine_images,
         )  # fmt: skip
         specs = (mine_request or ScoreRequest()).specs(share, width)
         mine = broadcast_scores(mine, specs, self.groups, device)

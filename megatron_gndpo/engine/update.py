@@ -28,6 +28,7 @@ from megatron_gndpo.algorithms.losses import (
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
 from megatron_gndpo.engine.optimizer import step_optimizer
+from megatron_gndpo.engine.scoring import row_images
 from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
 
 
@@ -51,6 +52,7 @@ class UpdateBatch:
     aux_mask: torch.Tensor | None = None  # [n, S]
     aux_coef: float = 0.0
     entropy_coef: float = 0.0
+    images: list[torch.Tensor | None] | None = None  # per row: its image tiles (a VLM)
 
     @property
     def plain(self) -> bool:
@@ -109,6 +111,10 @@ def _micro_batches(batch: UpdateBatch, rows: list[int], size: int) -> list[dict[
             "mask": _shift(mask[:, :width]),
         }
         mb |= {k: _shift(v[idx, :width]) for k, v in optional.items() if v is not None}
+        if batch.images is not None:
+            tiles = row_images(batch.images, idx.tolist())
+            if tiles is not None:
+                mb["images"] = tiles
         out.append(mb)
     return out
 
@@ -174,10 +180,10 @@ def run_update(
                 context = ScoreContext(
                     mb["targets"], extra_ids=mb.get("aux_ids"), entropy=_wants_entropy(batch)
                 )
-            output = net(
-                mb["tokens"], positions, None,
-                output_processor=head, output_processor_context=context,
-            )  # fmt: skip
+            inputs = [mb["tokens"], positions, None]
+            if batch.images is not None:  # a vision-language model takes the images first
+                inputs.insert(0, mb.get("images"))
+            output = net(*inputs, output_processor=head, output_processor_context=context)
 
             def loss_func(output: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
                 mask = mb["mask"]

@@ -55,6 +55,8 @@ class Rollout:
     finished: torch.Tensor  # [N] bool
     # [N, S] bool: response tokens the teacher wrote (TrOPD's off-policy prefix); None: none
     teacher_written: torch.Tensor | None = None
+    # per row, its prompt's image tiles [n, 3, H, W] (a vision model's rollout); None: text only
+    images: list[torch.Tensor | None] | None = None
 
     @property
     def response_mask(self) -> torch.Tensor:
