@@ -409,6 +409,10 @@ class Trainer:
         if dist.get_rank() == 0:
             self.c.save_dir.mkdir(parents=True, exist_ok=True)
             (self.c.save_dir / MODEL_CONFIG_FILE).write_text(to_yaml(self.cfg.model))
+            if self.cfg.model.vision is not None:  # a VLM: what convert's VLM path reads
+                from megatron_gndpo.checkpoint.vlm_convert import VISION_CONFIG_FILE
+
+                (self.c.save_dir / VISION_CONFIG_FILE).write_text(to_yaml(self.cfg.model.vision))
 
     def _resume(self) -> None:
         """Continue from checkpoint.load, or from the newest checkpoint in the save directory."""

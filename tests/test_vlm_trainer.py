@@ -71,7 +71,8 @@ def _vlm_runs(rank: int, world: int, root: str) -> list[dict[str, object]]:
         _reset()
     # Resume: the last run's checkpoint reloads into a new trainer at its step.
     trainer = _trainer(f"{root}/{len(out) - 1}", *VLM, *LAYOUTS["pp2 / teacher tp2"])
-    out.append({"name": "resumed", "step": trainer.step_count})
+    described = sorted(p.name for p in trainer.c.save_dir.glob("*.yaml"))
+    out.append({"name": "resumed", "step": trainer.step_count, "described": described})
     _reset()
     return out
 
@@ -81,6 +82,7 @@ def test_vlm_gndpo_trains_at_dp2_tp2_pp2(tmp_path: Path) -> None:
     for per_rank in results:
         *runs, resumed = per_rank
         assert resumed["step"] == 2
+        assert resumed["described"] == ["model_config.yaml", "vision_config.yaml"]
         for r in runs:
             name = r["name"]
             assert r["frozen_moved"] == [], f"{name}: frozen weights changed {r['frozen_moved']}"
