@@ -29,23 +29,6 @@ LAYOUTS = {
 }
 
 
-def _scoring_gap(trainer) -> float:  # type: ignore[no-untyped-def]
-    """The trainer's scoring of a rollout with images against the VLM's own reference
-    (``score_multimodal``, tested against hand-picked full logits)."""
-    from megatron_gndpo.engine.scoring import score_batch
-    from megatron_gndpo.models.vlm_scoring import score_multimodal
-
-    c = trainer.c
-    rollout = trainer._rollout(trainer._next_prompts())
-    args = (c.student, c.student_groups, rollout.tokens, rollout.lengths)
-    got = score_batch(*args, head=c.head, token_budget=64, images=rollout.images)
-    want = score_multimodal(*args, rollout.images, head=c.head, token_budget=64)
-    if got is None or want is None:  # not the last pipeline stage
-        return 0.0
-    mask = rollout.response_mask
-    return float((got["logprobs"] - want)[mask].abs().max())
-
-
 def _vlm_runs(rank: int, world: int, root: str) -> list[dict[str, object]]:
     out = []
     for name, overrides in LAYOUTS.items():
@@ -54,7 +37,6 @@ def _vlm_runs(rank: int, world: int, root: str) -> list[dict[str, object]]:
         teacher = _snapshot(trainer.c.teacher.model)
         frozen = {n for n, p in trainer.c.student.named_parameters() if not p.requires_grad}
         history = trainer.train()  # two steps, an evaluation each, a final checkpoint
-        scoring_gap = _scoring_gap(trainer)
         params = dict(trainer.c.student.named_parameters())
         moved = {n for n, p in params.items() if not torch.equal(p, student[n])}
         teacher_moved = [
@@ -65,7 +47,7 @@ def _vlm_runs(rank: int, world: int, root: str) -> list[dict[str, object]]:
             "name": name, "history": history, "frozen": sorted(frozen),
             "frozen_moved": sorted(moved & frozen),
             "trainable_still": sorted(set(student) - frozen - moved),
-            "teacher_moved": teacher_moved, "scoring_gap": scoring_gap,
+            "teacher_moved": teacher_moved,
         })  # fmt: skip
         trainer.c.logger.close()
         _reset()
@@ -88,7 +70,6 @@ def test_vlm_gndpo_trains_at_dp2_tp2_pp2(tmp_path: Path) -> None:
             assert r["frozen_moved"] == [], f"{name}: frozen weights changed {r['frozen_moved']}"
             assert r["trainable_still"] == [], f"{name}: not updated {r['trainable_still']}"
             assert r["teacher_moved"] == [], f"{name}: teacher changed"
-            assert r["scoring_gap"] < 1e-5, name
             for m in r["history"]:
                 assert m["skipped"] == 0.0 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
                 assert math.isfinite(m["loss"]) and m["tokens/step"] > 0, name

@@ -163,9 +163,10 @@ def _padded_micro_batch(
     rows: list[int],
     extra: torch.Tensor | None,
     kl_hidden: torch.Tensor | None = None,
+    pad: int = 0,
 ) -> _MicroBatch:
     width = max(lengths[r] for r in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    tokens = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         tokens[i, : lengths[r]] = tokens_BS[r, : lengths[r]]
     targets = torch.zeros_like(tokens)
@@ -286,11 +287,19 @@ def score_batch(
     kl_hidden = None if request is None or request.kl_hidden is None else request.kl_hidden.cpu()
     if images is not None and pack:
         raise ValueError("rows with images are scored padded, not packed (pack_sequences=false)")
-    micro_batches = [
-        make(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden)
-        for rows in plan(lengths, token_budget)
-    ]
-    if images is not None:
+    if images is None:
+        micro_batches = [
+            make(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden)
+            for rows in plan(lengths, token_budget)
+        ]
+    else:  # a VLM: padding must not be its image placeholder; the rows' tiles come along
+        from megatron.core.utils import get_attr_wrapped_model
+
+        pad = 1 if get_attr_wrapped_model(model, "image_token_index") == 0 else 0
+        micro_batches = [
+            _padded_micro_batch(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, pad)
+            for rows in plan(lengths, token_budget)
+        ]
         for mb in micro_batches:
             mb.images = row_images(images, mb.rows)
     device = next(model.parameters()).device

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from megatron_gndpo.engine.scoring import plan_padded, schedule_groups
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -77,62 +76,23 @@ def score_multimodal(
     ``1 <= t < lengths[b]`` where ``tokens[b, t]`` is not an image placeholder; 0 at image
     positions, at t = 0 and at padding. ``images[b]`` is row b's tiles ``[N_b, 3, H, W]`` (None
     without images). Every rank of the model's layout calls it with the same rows; ranks off the
-    last stage get None.
+    last stage get None. The trainer's scoring (``engine/scoring.score_batch`` with ``images``)
+    with the image positions zeroed.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_attr_wrapped_model
 
-    image_token_id = get_attr_wrapped_model(model, "image_token_index")
-    lengths = [int(n) for n in lengths_B.tolist()]
-    if tokens_BS.dim() != 2 or len(lengths) != tokens_BS.shape[0] or len(images) != len(lengths):
+    from megatron_gndpo.engine.scoring import score_batch
+
+    if len(images) != tokens_BS.shape[0]:
         raise ValueError(
-            f"expected tokens [B, S], lengths [B] and B image entries, got "
-            f"{tuple(tokens_BS.shape)}, {len(lengths)} and {len(images)}"
+            f"expected one image entry per row: {tokens_BS.shape[0]} rows, {len(images)} entries"
         )
-    if any(n < 1 or n > tokens_BS.shape[1] for n in lengths):
-        raise ValueError(f"every length must be in [1, {tokens_BS.shape[1]}], got {lengths}")
-    micro_batches = [
-        vision_micro_batch(tokens_BS.cpu(), lengths, images, rows, image_token_id=image_token_id)
-        for rows in plan_padded(lengths, token_budget)
-    ]
-    device = next(model.parameters()).device
-
-    def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
-        mb = next(data_iterator)
-        logprobs_bL = net(
-            None if mb.images is None else mb.images.to(device),
-            mb.tokens.to(device),
-            mb.positions.to(device),
-            None,
-            output_processor=head,
-            output_processor_context=mb.targets.to(device),
-        )
-        return logprobs_bL, lambda output, non_loss_data=True: output.detach().float()
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            outputs = get_forward_backward_func(pp_size=groups.layout.pp)(
-                forward_step_func=forward_step,
-                data_iterator=iter(micro_batches),
-                model=[model],
-                num_microbatches=len(micro_batches),
-                seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-                micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
-                forward_only=True,
-                collect_non_loss_data=True,
-                **schedule_groups(groups, model.config),
-            )
-    finally:
-        model.train(was_training)
-    if not groups.is_last_stage:
+    scores = score_batch(
+        model, groups, tokens_BS, lengths_B, head=head, token_budget=token_budget, images=images
+    )
+    if scores is None:
         return None
-    out_BS = torch.zeros(tokens_BS.shape, dtype=torch.float32)
-    for mb, logprobs_bL in zip(micro_batches, outputs, strict=True):
-        for i, row in enumerate(mb.rows):
-            n = lengths[row]
-            # the log-prob predicted at position t is that of token t + 1
-            out_BS[row, 1:n] = logprobs_bL[i, : n - 1].cpu()
-    out_BS[tokens_BS.cpu() == image_token_id] = 0.0  # an image position has no token log-prob
-    return out_BS.to(tokens_BS.device)
+    out_BS = scores["logprobs"]
+    image_token_id = get_attr_wrapped_model(model, "image_token_index")
+    out_BS[tokens_BS == image_token_id] = 0.0  # an image position has no token log-prob
+    return out_BS
