@@ -337,7 +337,12 @@ def test_sbatch_errors(slurm: dict[str, str], env: dict[str, str | None], messag
 
 def _shell_scripts() -> list[Path]:
     found = []
-    for path in sorted([*(ROOT / "scripts").rglob("*"), *(ROOT / ".ci").glob("*")]):
+    scripts = [
+        *(ROOT / "scripts").rglob("*"),
+        *(ROOT / ".ci").glob("*"),
+        *(ROOT / "benchmarks").glob("*.sh"),
+    ]
+    for path in sorted(scripts):
         if not path.is_file():
             continue
         first = path.read_text(errors="replace").split("\n", 1)[0]
