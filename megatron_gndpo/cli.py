@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods", default="gndpo,opd,rlvr",
         help="comma-separated subset of gndpo,opd,rlvr,tgpo,tropd,vopd (default: %(default)s)",
     )  # fmt: skip
+    p_demo.add_argument(
+        "--seed", type=int, default=1234,
+        help="seed of the training runs (the cached teacher and student stay the same)",
+    )  # fmt: skip
     p_demo.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="report folder")
     p_demo.add_argument(
         "--cache-dir", type=Path, help="tokenizer and trained models (default: RUN_DIR/cache)"
@@ -233,7 +237,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from megatron_gndpo.demo.run import run_demo
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    summary = run_demo(args.run_dir, args.cache_dir, quick=args.quick, methods=methods)
+    summary = run_demo(
+        args.run_dir, args.cache_dir, quick=args.quick, methods=methods, seed=args.seed
+    )
     numbers = summary_numbers(summary)
     print(f"report written to {summary.run_dir / 'summary.md'}")
     print(summary_table(numbers), end="")
