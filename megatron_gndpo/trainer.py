@@ -215,7 +215,8 @@ class Trainer:
             with timer.time("old_logprobs"):
                 student = self._student_scores(rollout, student_request(a, None))
         with timer.time("teacher_logprobs"):
-            request = teacher_request(a, student)
+            step_seed = self.cfg.trainer.seed * 1_000_003 + self.step_count  # the same everywhere
+            request = teacher_request(a, student, seed=step_seed)
             if request is not None and request.full_kl:  # the student's output shard meets it
                 request = dataclasses.replace(request, kl_weight=self._student_output_weight())
             teacher = self.c.teacher.score_batch(

@@ -177,3 +177,34 @@ def test_rollout_continued_from_teacher_prefixes() -> None:
     assert r.response_mask.sum(-1).tolist() == [4, 4]
     assert r.tokens[1].tolist() == [5, 8, 9, 4, 4, 0]
     assert r.sampler_logprobs[1, 5] == 0.0
+
+
+def test_head_samples_teacher_tokens_like_the_vocab_parallel_sampler() -> None:
+    """TGPO's sampled teacher token: the head's draw is vocab_parallel_sample's, per seed."""
+    import types
+
+    from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
+    from megatron_gndpo.parallel.vocab_stats import vocab_parallel_sample
+
+    g = torch.Generator().manual_seed(0)
+    s, b, h, v = 6, 2, 8, 32
+    hidden, weight = torch.randn(s, b, h, generator=g), torch.randn(v, h, generator=g)
+    layer = types.SimpleNamespace(
+        weight=weight, tp_group=types.SimpleNamespace(size=lambda: 1), sequence_parallel=False
+    )
+    head = TokenLogProbs(vocab_size=30, temperature=0.7)
+
+    def draw(seed: int) -> torch.Tensor:
+        context = ScoreContext(torch.zeros(b, s, dtype=torch.long), sample_seed=seed)
+        out = head(hidden_states=hidden, output_layer=layer, output_weight=None,
+                   context=context, config=None)  # fmt: skip
+        assert isinstance(out, dict)
+        return out["sampled_ids"]
+
+    want = vocab_parallel_sample(
+        hidden.reshape(s * b, h), weight, generator=torch.Generator().manual_seed(5),
+        vocab_size=30, temperature=0.7,
+    ).view(s, b).transpose(0, 1)  # fmt: skip
+    assert torch.equal(draw(5), want)
+    assert int(draw(5).max()) < 30  # padding ids are never drawn
+    assert not torch.equal(draw(5), draw(6))

@@ -38,6 +38,10 @@ SAME_LAYOUTS = {
 VARIANTS = {
     "tgpo-greedy": ["algorithm.estimator=tgpo", "algorithm.tgpo.coef_start=0.5"],
     "tgpo-advantage": ["algorithm.estimator=tgpo", "algorithm.tgpo.guidance=advantage"],
+    "tgpo-sampled": [
+        "algorithm.estimator=tgpo", "algorithm.tgpo.teacher_token=sampled",
+        "algorithm.tgpo.coef_start=0.5",
+    ],
     "tropd-clip": ["algorithm.estimator=tropd", "algorithm.tropd.outlier=clip"],
     "mix-vopd": [
         "algorithm.estimator=mix", "algorithm.distill_estimator=vopd",

@@ -180,9 +180,10 @@ class TGPOConfig:
     guidance: Literal["loss", "advantage"] = "loss"
     """loss: add coef * mean_t[-log p_student(teacher token)] to the loss (the release default);
     advantage: add coef * p_old(teacher token) to each token's advantage instead."""
-    teacher_token: Literal["greedy", "topk"] = "greedy"
-    """greedy: the teacher's argmax token at each position; topk: forward KL to the teacher's
-    top_k tokens instead of one token (guidance=loss only)."""
+    teacher_token: Literal["greedy", "sampled", "topk"] = "greedy"
+    """greedy: the teacher's argmax token at each position; sampled: a token drawn from the
+    teacher's distribution at each position; topk: forward KL to the teacher's top_k tokens
+    instead of one token (guidance=loss only)."""
     top_k: int = 20
     """Teacher tokens for teacher_token=topk (the release tries 5, 20 and 100)."""
     coef_start: float = 0.002

@@ -9,8 +9,8 @@ the sampled tokens' log-probs, and in what the update receives per token:
                                 top-k ids
     vopd (full)   student       KL(student ‖ teacher) from     its final hidden states
                                 the student's hidden states    (same layout: same ranks)
-    tgpo          teacher       its top-1 (greedy) or top-k    guidance=advantage: log-prob of
-                                                               the teacher's token
+    tgpo          teacher       its top-1 (greedy), a sampled  guidance=advantage: log-prob of
+                                token, or its top-k            the teacher's token
     tropd         teacher       its top-k (outliers, prefix)   -
 
 :class:`Targets` is the update's per-token input (``engine/update.py`` forms the loss
@@ -68,13 +68,18 @@ def _uses_vopd(cfg: AlgorithmConfig) -> bool:
     return cfg.estimator == "vopd" or (cfg.estimator == "mix" and cfg.distill_estimator == "vopd")
 
 
-def teacher_request(cfg: AlgorithmConfig, student: Scores | None) -> ScoreRequest | None:
-    """What the teacher scores besides the sampled tokens (``student``: when it went first)."""
+def teacher_request(
+    cfg: AlgorithmConfig, student: Scores | None, seed: int = 0
+) -> ScoreRequest | None:
+    """What the teacher scores besides the sampled tokens (``student``: when it went first;
+    ``seed``: of TGPO's sampled teacher tokens, one per step and data-parallel rank)."""
     if _uses_vopd(cfg):
         assert student is not None, "vopd scores the student first"
         if cfg.vopd_top_k == 0:  # full vocabulary: the student's hidden states meet the teacher's
             return ScoreRequest(full_kl=True, kl_hidden=student.get("hidden"))
         return ScoreRequest(extra_ids=student["topk_ids"])
+    if cfg.estimator == "tgpo" and cfg.tgpo.teacher_token == "sampled":
+        return ScoreRequest(sample_seed=seed)
     if cfg.estimator == "tgpo":
         return ScoreRequest(top_k=1 if cfg.tgpo.teacher_token == "greedy" else cfg.tgpo.top_k)
     if cfg.estimator == "tropd" and (
@@ -92,8 +97,15 @@ def student_request(cfg: AlgorithmConfig, teacher: Scores | None) -> ScoreReques
         return ScoreRequest(top_k=cfg.vopd_top_k, entropy=True)
     if cfg.estimator == "tgpo" and cfg.tgpo.guidance == "advantage":
         assert teacher is not None, "tgpo scores the teacher first"
-        return ScoreRequest(extra_ids=teacher["topk_ids"][..., :1], entropy=True)
+        return ScoreRequest(extra_ids=guidance_ids(teacher), entropy=True)
     return ScoreRequest(entropy=True)
+
+
+def guidance_ids(teacher: Scores) -> torch.Tensor:
+    """TGPO's teacher token(s) per position, ``[n, S, K]``: sampled, greedy (K = 1) or top-k."""
+    if "sampled_ids" in teacher:
+        return teacher["sampled_ids"].unsqueeze(-1)
+    return teacher["topk_ids"]
 
 
 def build_targets(
@@ -152,7 +164,7 @@ def _tgpo_targets(
         )
     outcome = adv.grpo_advantages(rewards, mask.float(), group_size=group_size)
     coef = guidance.linear_decay(step, t.coef_start, t.coef_decay)
-    ids = teacher["topk_ids"]
+    ids = guidance_ids(teacher)
     metrics = {"guidance/coef": coef}
     if tokens is not None:  # how often the student sampled the teacher's first choice
         agree = (ids[..., 0] == tokens).float()
@@ -162,7 +174,7 @@ def _tgpo_targets(
             outcome, student["extra_logprobs"][..., 0], mask, coef
         )
         return Targets(advantages, entropy_coef=beta), metrics
-    # greedy: one token with q = 1 (log q = 0): the term is the cross-entropy −ls(ŷ)
+    # greedy or sampled: one token with q = 1 (log q = 0): the term is the cross-entropy −ls(ŷ)
     logq = (
         teacher["topk_logprobs"]
         if t.teacher_token == "topk"

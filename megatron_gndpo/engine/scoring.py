@@ -43,7 +43,9 @@ class ScoreRequest:
     that predict token ``t`` (``hidden [B, S, H]``, the model's dtype; last stage only, never
     broadcast). ``full_kl``: ``kl [B, S]`` = KL(p ‖ this model) over the full vocabulary, p
     given by ``kl_hidden [B, S, H_p]`` (another model's ``hidden``) and ``kl_weight`` (its
-    output-weight shard), both needed on the last stage only.
+    output-weight shard), both needed on the last stage only. ``sample_seed``:
+    ``sampled_ids [B, S]``, a token drawn from the model at token ``t``'s position (each
+    micro-batch seeds its draw from ``sample_seed`` and its first row).
     """
 
     top_k: int = 0
@@ -53,6 +55,7 @@ class ScoreRequest:
     full_kl: bool = False
     kl_hidden: torch.Tensor | None = None
     kl_weight: torch.Tensor | None = None
+    sample_seed: int | None = None
 
     def specs(self, rows: int, width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of every output of :func:`score_batch` for ``[rows, width]``."""
@@ -68,6 +71,8 @@ class ScoreRequest:
             out["entropy"] = ((rows, width), torch.float32)
         if self.full_kl:
             out["kl"] = ((rows, width), torch.float32)
+        if self.sample_seed is not None:
+            out["sampled_ids"] = ((rows, width), torch.int64)
         return out
 
 
@@ -133,9 +138,13 @@ class _MicroBatch:
             return targets
         extra = None if self.extra is None else self.extra.to(device)
         kl_hidden = None if self.kl_hidden is None else self.kl_hidden.to(device)
+        sample_seed = None
+        if request.sample_seed is not None:  # one stream per micro-batch, by its first row
+            sample_seed = (request.sample_seed * 1_000_003 + self.rows[0]) % (2**63)
         return ScoreContext(
             targets, extra_ids=extra, entropy=request.entropy, top_k=request.top_k,
             hidden=request.hidden, kl_hidden=kl_hidden, kl_weight=request.kl_weight,
+            sample_seed=sample_seed,
         )  # fmt: skip
 
 

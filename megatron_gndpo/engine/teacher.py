@@ -114,6 +114,10 @@ class TeacherScorer:
         ``images``: each row's image tiles, for a vision-language teacher."""
         # The exchange runs on the model's device: on GPUs the step batch travels over NCCL.
         device = next(self.model.parameters()).device
+        if request is not None and request.sample_seed is not None:
+            # one stream per teacher replica: the ranks of a replica draw alike, replicas differ
+            seed = request.sample_seed * 10_007 + self.groups.coords["dp"]
+            request = dataclasses.replace(request, sample_seed=seed)
         if self.same_layout:  # teacher replica d is student replica d: nothing to exchange
             mine = score_batch(
                 self.model, self.groups, tokens_nS, lengths_n, head=self.head,

@@ -31,7 +31,7 @@ from megatron_gndpo.parallel.logprobs import (
     vocab_parallel_logprobs_and_entropy,
     vocab_parallel_token_stats,
 )
-from megatron_gndpo.parallel.vocab_stats import vocab_parallel_kl
+from megatron_gndpo.parallel.vocab_stats import vocab_parallel_kl, vocab_parallel_sample
 
 
 def output_inputs(
@@ -75,6 +75,9 @@ class ScoreContext:
     # weight shard (the same vocabulary rows per TP rank as this model's)
     kl_hidden: torch.Tensor | None = None
     kl_weight: torch.Tensor | None = None
+    # draw one token per position from this model (``sampled_ids [b, s]``), Gumbel-max with a
+    # generator seeded by this (the same on every TP rank: the draw does not depend on TP)
+    sample_seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +150,11 @@ class TokenLogProbs:
             out["entropy"] = entropy_T
         if request.hidden:
             out["hidden"] = hidden_TH.detach()
+        if request.sample_seed is not None:
+            generator = torch.Generator(device=hidden_TH.device).manual_seed(request.sample_seed)
+            out["sampled_ids"] = vocab_parallel_sample(
+                hidden_TH.detach(), weight.detach(), generator=generator, **kwargs
+            )
         if request.kl_hidden is not None:
             assert request.kl_weight is not None, "kl_hidden needs kl_weight"
             # this model's logits / τ = (hidden / τ) · Wᵀ: p stays at temperature 1
