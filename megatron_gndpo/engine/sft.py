@@ -145,11 +145,29 @@ def _scheduler(optimizer: Any, o: OptimizerConfig, steps: int) -> Any:
     return build_scheduler(optimizer, o, total_steps=steps, warmup_steps=o.warmup_steps)
 
 
-def sft_step(m: SFTModel, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+# How a model shard turns a micro-batch into ``[b, L]`` target log-probs: (net, batch, head).
+ModelCall = Callable[[Any, dict[str, torch.Tensor], TokenLogProbs], torch.Tensor]
+
+
+def gpt_logprobs(net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs) -> torch.Tensor:
+    """A GPTModel's log-probs of ``mb["targets"]`` through the fused head, ``[b, L]``."""
+    positions = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device)
+    logprobs_bL: torch.Tensor = net(
+        mb["tokens"], positions.expand_as(mb["tokens"]), None,
+        output_processor=head, output_processor_context=mb["targets"],
+    )  # fmt: skip
+    return logprobs_bL
+
+
+def sft_step(
+    m: SFTModel, micro_batches: list[dict[str, torch.Tensor]], *, call: ModelCall = gpt_logprobs
+) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches.
 
-    Returns ``loss`` (mean ``-log p`` over the step's response tokens on all data-parallel
-    ranks, on every pipeline stage), ``grad_norm`` (pre-clip, global), ``lr``, ``skipped``.
+    ``call`` runs the model on one micro-batch (a GPTModel by default; the VLM's is in
+    ``engine/sft_vlm.py``). Returns ``loss`` (mean ``-log p`` over the step's response tokens on
+    all data-parallel ranks, on every pipeline stage), ``grad_norm`` (pre-clip, global), ``lr``,
+    ``skipped``.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -157,11 +175,7 @@ def sft_step(m: SFTModel, micro_batches: list[dict[str, torch.Tensor]]) -> dict[
 
     def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
         mb = {key: value.to(device) for key, value in next(data_iterator).items()}
-        positions = torch.arange(mb["tokens"].shape[1], device=device).expand_as(mb["tokens"])
-        logprobs_bL = net(
-            mb["tokens"], positions, None,
-            output_processor=m.head, output_processor_context=mb["targets"],
-        )  # fmt: skip
+        logprobs_bL = call(net, mb, m.head)
         return logprobs_bL, lambda logprobs: sft_loss(logprobs, mb["mask"])
 
     m.ddp.train()
@@ -216,6 +230,23 @@ def sft_train(
     metrics)`` is called after each step (progress bars). Returns the model and the per-step
     metrics (see :func:`sft_step`).
     """
+    check_batching(groups, steps, batch_size, micro_batch_size)
+    m = build_sft_model(
+        model_cfg, parallel_cfg, groups, optimizer,
+        vocab_size=vocab_size, steps=steps, seed=seed, init=init,
+    )  # fmt: skip
+    history = run_sft(
+        m, sequences, lambda rows: micro_batch(rows, pad_id),
+        steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
+        on_step=on_step,
+    )  # fmt: skip
+    return m, history
+
+
+def check_batching(
+    groups: ParallelGroups, steps: int, batch_size: int, micro_batch_size: int
+) -> None:
+    """Fail unless the step count and batch sizes fit the data-parallel size."""
     dp = groups.layout.dp
     if steps < 1 or batch_size < 1 or micro_batch_size < 1 or batch_size % dp:
         raise ValueError(
@@ -223,23 +254,38 @@ def sft_train(
             f"data-parallel size {dp}; got steps={steps}, batch_size={batch_size}, "
             f"micro_batch_size={micro_batch_size}"
         )
-    m = build_sft_model(
-        model_cfg, parallel_cfg, groups, optimizer,
-        vocab_size=vocab_size, steps=steps, seed=seed, init=init,
-    )  # fmt: skip
+
+
+def run_sft[S: SFTSequence](
+    m: SFTModel,
+    sequences: Sequence[S],
+    make_batch: Callable[[list[S]], dict[str, torch.Tensor]],
+    *,
+    steps: int,
+    batch_size: int,
+    micro_batch_size: int,
+    seed: int,
+    call: ModelCall = gpt_logprobs,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """``steps`` optimizer steps of ``m`` on the seeded stream of ``sequences`` (module doc).
+
+    ``make_batch`` pads a micro-batch's sequences into tensors (``tokens``, ``targets``,
+    ``mask``, and whatever ``call`` also reads). Returns the per-step metrics.
+    """
     sampler = PromptSampler(
-        len(sequences), prompts_per_step=batch_size, dp_rank=groups.coords["dp"],
-        dp_size=dp, seed=seed,
+        len(sequences), prompts_per_step=batch_size, dp_rank=m.groups.coords["dp"],
+        dp_size=m.groups.layout.dp, seed=seed,
     )  # fmt: skip
     history = []
     for step in range(1, steps + 1):
         mine = [sequences[i] for i in sampler.next_step()]
         micro = [
-            micro_batch(mine[k : k + micro_batch_size], pad_id)
+            make_batch(mine[k : k + micro_batch_size])
             for k in range(0, len(mine), micro_batch_size)
         ]
-        metrics = sft_step(m, micro)
+        metrics = sft_step(m, micro, call=call)
         history.append(metrics)
         if on_step is not None:
             on_step(step, metrics)
-    return m, history
+    return history
