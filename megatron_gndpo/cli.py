@@ -4,7 +4,7 @@
     megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [--gpu-memory-gib G] [--mfu M]
                         [section.key=value ...]                         (memory and step time too)
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
-    megatron-gndpo demo [--quick] [--methods gndpo,opd,...] [--run-dir DIR]   (one process, CPU)
+    megatron-gndpo demo [--quick] [--multimodal] [--methods gndpo,opd,...] [--run-dir DIR]
 
 Without ``--config`` the embedded default is used: ``plan``/``config`` start from the release
 defaults with tiny models; ``train`` runs ``megatron_gndpo/configs/tiny_cpu.yaml`` (a tiny
@@ -139,8 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_demo.add_argument("--quick", action="store_true", help="a smaller run (under 5 minutes)")
     p_demo.add_argument(
-        "--methods", default="gndpo,opd,rlvr",
-        help="comma-separated subset of gndpo,opd,rlvr,tgpo,tropd,vopd (default: %(default)s)",
+        "--methods", default=None,
+        help="comma-separated subset of gndpo,opd,rlvr,tgpo,tropd,vopd (default: gndpo,opd,rlvr; "
+        "gndpo,opd with --multimodal)",
+    )  # fmt: skip
+    p_demo.add_argument(
+        "--multimodal", action="store_true",
+        help="the visual task (digits in images) with vision-language teacher and student",
     )  # fmt: skip
     p_demo.add_argument(
         "--seed", type=int, default=1234,
@@ -236,10 +241,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from megatron_gndpo.demo.report import summary_numbers, summary_table, verdict
     from megatron_gndpo.demo.run import run_demo
 
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    methods = None
+    if args.methods is not None:
+        methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     summary = run_demo(
-        args.run_dir, args.cache_dir, quick=args.quick, methods=methods, seed=args.seed
-    )
+        args.run_dir, args.cache_dir, quick=args.quick, methods=methods, seed=args.seed,
+        multimodal=args.multimodal,
+    )  # fmt: skip
     numbers = summary_numbers(summary)
     print(f"report written to {summary.run_dir / 'summary.md'}")
     print(summary_table(numbers), end="")

@@ -72,3 +72,27 @@ def test_demo_quick_writes_a_finite_report(tmp_path: Path) -> None:
                 assert math.isfinite(float(r[key])), (name, r["step"], key)
         accuracies = [float(r["eval/accuracy"]) for r in mine if r["eval/accuracy"]]
         assert len(accuracies) >= 2 and all(0.0 <= a <= 1.0 for a in accuracies)
+
+
+def test_demo_multimodal_quick_writes_a_finite_report(tmp_path: Path) -> None:
+    """``demo --multimodal --quick``: VLM teacher and student on the visual task, GNDPO vs OPD."""
+    run_dir = tmp_path / "mm"
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "demo", "--multimodal", "--quick",
+         "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (run_dir / "summary.md").read_text()
+    assert "on the visual (images) task" in summary and "GNDPO did" in summary
+    assert "nan" not in summary.split("GNDPO did", 1)[1]
+    numbers = json.loads((run_dir / "summary.json").read_text())
+    assert set(numbers["methods"]) == {"gndpo", "opd"}
+    # the quick teacher reads the digits; the student starts clearly below it
+    assert numbers["teacher_accuracy"] >= 0.5
+    assert numbers["student_start_accuracy"] <= numbers["teacher_accuracy"] / 2
+    for name, m in numbers["methods"].items():
+        assert 0.0 <= m["final_accuracy"] <= 1.0
+        assert _finite(m["grad_norm"]["max"]) and m["grad_norm"]["max"] > 0, name
+        config = (run_dir / name / "config.yaml").read_text()
+        assert "vision:" in config and "freeze_encoder: true" in config

@@ -173,14 +173,18 @@ def verdict(numbers: dict[str, Any]) -> str:
     steadier = "did" if g_spread < o_spread else "did not"
     better = "did" if g["final_accuracy"] > o["final_accuracy"] else "did not"
     start = numbers["student_start_accuracy"]
-    rlvr = methods.get("rlvr", {}).get("final_accuracy", math.nan)
+    others = "".join(
+        f", -> {m['final_accuracy']:.3f} with {name.upper()}"
+        for name, m in methods.items()
+        if name not in ("gndpo", "opd")
+    )
     g_max, o_max = g["grad_norm"]["max"], o["grad_norm"]["max"]
     return (
         f"At this scale GNDPO {steadier} beat OPD on stability: its pre-clip grad-norm "
         f"max/median is {g_spread:.2f} against OPD's {o_spread:.2f} (max {g_max:.3f} vs "
         f"{o_max:.3f}). GNDPO {better} beat OPD on accuracy: held-out greedy accuracy "
         f"{start:.3f} -> {g['final_accuracy']:.3f} with GNDPO, -> {o['final_accuracy']:.3f} with "
-        f"OPD, -> {rlvr:.3f} with RLVR (teacher {numbers['teacher_accuracy']:.3f}).\n"
+        f"OPD{others} (teacher {numbers['teacher_accuracy']:.3f}).\n"
     )
 
 
@@ -192,7 +196,7 @@ def summary_markdown(summary: Summary, numbers: dict[str, Any]) -> str:
     return (
         f"# megatron-gndpo demo{' (--quick)' if s.quick else ''}\n\n"
         f"Student ({summary.student.name}) distilled from the teacher ({summary.teacher.name}) on "
-        f"the chains task, {s.steps} steps of {s.prompts_per_step} prompts x "
+        f"the {summary.task} task, {s.steps} steps of {s.prompts_per_step} prompts x "
         f"{s.samples_per_prompt} samples, lr {s.lr:g}, the same seed ({s.seed}) and start for "
         "every method; "
         f"greedy held-out accuracy every {s.eval_interval} steps. Resolved configs and metrics: "

@@ -53,6 +53,7 @@ ALL_METHODS: dict[str, AlgorithmConfig] = {
 }
 # What `megatron-gndpo demo` runs unless --methods says otherwise (the paper's comparison).
 METHODS = ("gndpo", "opd", "rlvr")
+MULTIMODAL_METHODS = ("gndpo", "opd")  # demo --multimodal
 # A chains prompt ("Q: 12 + 7 - 3 + 40 = ? A:") is under 20 pieces of the demo tokenizer.
 MAX_PROMPT_LENGTH = 32
 SEED = 1234
@@ -102,11 +103,12 @@ class Summary:
 
     run_dir: Path
     settings: Settings
-    teacher: models.PreparedModel
-    student: models.PreparedModel
+    teacher: Any  # models.PreparedModel, or multimodal.PreparedVLM
+    student: Any
     methods: dict[str, MethodRun]
     prepare_seconds: float
     wall_seconds: float
+    task: str = "chains"
 
 
 def method_config(
@@ -146,15 +148,56 @@ def method_config(
     )
 
 
+def multimodal_config(
+    method: str, run_dir: Path, teacher: Any, student: Any, task: Any, s: Settings
+) -> Config:
+    """One method's config on the visual task: VLM student and teacher (the shared frozen
+    encoder), the task's prompt files with images and its tokenizer."""
+    vlm = dataclasses.replace(student.model, vision=student.vision)
+    vlm_teacher = dataclasses.replace(teacher.model, vision=teacher.vision)
+    return Config(
+        model=vlm,
+        teacher=TeacherConfig(model=vlm_teacher, load=str(teacher.checkpoint)),
+        rollout=RolloutConfig(
+            prompts_per_step=s.prompts_per_step,
+            samples_per_prompt=s.samples_per_prompt,
+            max_prompt_length=task.max_prompt_length,
+            max_response_length=task.max_response_length,
+        ),
+        algorithm=ALL_METHODS[method],
+        optimizer=OptimizerConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
+        trainer=TrainerConfig(
+            steps=s.steps,
+            seed=s.seed,
+            micro_batch_size=s.prompts_per_step * s.samples_per_prompt,
+            eval_interval=s.eval_interval,
+        ),
+        data=DataConfig(
+            train=str(task.train_prompts),
+            eval=str(task.eval_prompts),
+            tokenizer=str(task.tokenizer_path),
+        ),
+        checkpoint=CheckpointConfig(init=str(student.checkpoint), save_interval=0),
+        logging=LoggingConfig(run_dir=str(run_dir / method), log_interval=s.eval_interval),
+    )
+
+
 def run_demo(
     run_dir: str | Path,
     cache_dir: str | Path | None = None,
     *,
     quick: bool = False,
-    methods: tuple[str, ...] = METHODS,
+    methods: tuple[str, ...] | None = None,
     seed: int = SEED,
+    multimodal: bool = False,
 ) -> Summary:
-    """Prepare (or reuse) the models, run ``methods``, write the report; return its numbers."""
+    """Prepare (or reuse) the models, run ``methods``, write the report; return its numbers.
+
+    ``multimodal``: the visual task with vision-language models (default methods GNDPO and
+    OPD) instead of the chains task (default GNDPO, OPD and RLVR).
+    """
+    if methods is None:
+        methods = MULTIMODAL_METHODS if multimodal else METHODS
     import torch.distributed as dist
 
     from megatron_gndpo.compat import cpu
@@ -178,19 +221,25 @@ def run_demo(
             )
         cpu.enable_if_no_cuda()
         s = settings(quick, seed)
-        teacher, student, task = _prepare(cache_dir, s)
+        if multimodal:
+            teacher, student, task = _prepare_multimodal(cache_dir, s)
+        else:
+            teacher, student, task = _prepare(cache_dir, s)
         prepare_seconds = time.perf_counter() - started
-        runs = {
-            name: _run_method(method_config(name, run_dir, cache_dir, teacher, student, task, s))
-            for name in ALL_METHODS
-            if name in methods
-        }
+        runs = {}
+        for name in (m for m in ALL_METHODS if m in methods):
+            if multimodal:
+                cfg = multimodal_config(name, run_dir, teacher, student, task, s)
+            else:
+                cfg = method_config(name, run_dir, cache_dir, teacher, student, task, s)
+            runs[name] = _run_method(cfg)
     finally:
         if owns_world:
             shutdown_distributed()
     summary = Summary(
         run_dir=run_dir, settings=s, teacher=teacher, student=student, methods=runs,
         prepare_seconds=prepare_seconds, wall_seconds=time.perf_counter() - started,
+        task="visual (images)" if multimodal else "chains",
     )  # fmt: skip
     from megatron_gndpo.demo.report import write_report
 
@@ -221,6 +270,30 @@ def _prepare(
     finally:
         parallel_state.destroy_model_parallel()
     return prepared[0], prepared[1], task
+
+
+def _prepare_multimodal(cache_dir: Path, s: Settings) -> tuple[Any, Any, Any]:
+    from megatron_gndpo.demo.multimodal import prepare_multimodal
+
+    _say(f"preparing the visual task, the encoder and the VLMs in {cache_dir}")
+    bars: dict[str, Any] = {}
+
+    def on_step(name: str, step: int, metrics: dict[str, float]) -> None:
+        if name not in bars:
+            for bar in bars.values():
+                bar.close()
+            bars[name] = progress(None, f"sft {name}", True)
+        bars[name].update(1)
+
+    try:
+        teacher, student, task = prepare_multimodal(cache_dir, s.quick, on_step=on_step)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    for model in (teacher, student):
+        how = "reused from the cache" if model.cached else f"trained {model.sft_seconds:.0f} s"
+        _say(f"{model.name}: held-out greedy accuracy {model.accuracy:.3f} ({how})")
+    return teacher, student, task
 
 
 def _run_method(cfg: Config) -> MethodRun:
