@@ -208,3 +208,17 @@ def test_head_samples_teacher_tokens_like_the_vocab_parallel_sampler() -> None:
     assert torch.equal(draw(5), want)
     assert int(draw(5).max()) < 30  # padding ids are never drawn
     assert not torch.equal(draw(5), draw(6))
+
+
+def test_teacher_prefixes_need_whole_prompts_per_teacher_replica() -> None:
+    from megatron_gndpo.config import load_config, validate
+    from megatron_gndpo.config.loader import ConfigError
+
+    cfg = load_config(
+        None,
+        ["algorithm.estimator=tropd", "algorithm.tropd.prefix_share_start=0.5",
+         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2"],
+    )  # fmt: skip
+    validate(cfg, 4)  # teacher DP 4 answers 4 prompts: one each
+    with pytest.raises(ConfigError, match="teacher-written prefixes"):
+        validate(cfg, 8)  # 8 rows divide by teacher DP 8, the 4 prompts do not

@@ -235,6 +235,17 @@ def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
             f"the rollout batch ({batch}) is not divisible by the teacher's data-parallel size "
             f"{teacher_dp} (each teacher replica scores an equal share); make it a multiple"
         )
+    a = cfg.algorithm
+    if (
+        a.estimator == "tropd"
+        and a.tropd.prefix_share_start > 0
+        and r.prompts_per_step % teacher_dp
+    ):
+        p.append(
+            f"TrOPD's teacher-written prefixes: rollout.prompts_per_step ({r.prompts_per_step}) is "
+            f"not divisible by the teacher's data-parallel size {teacher_dp} (each teacher "
+            "replica answers an equal share of the prompts); make it a multiple"
+        )
     if r.prompts_per_step % dp:
         # rows of one prompt stay on one rank (GRPO groups), so the prompts are what is split
         p.append(
