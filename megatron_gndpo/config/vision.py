@@ -1,9 +1,10 @@
 """The vision side of a vision-language model: encoder, projector, image preprocessing.
 
 A frozen dataclass like the others in ``schema.py``; each field is documented once, right below
-it. It is not yet part of :class:`~megatron_gndpo.config.schema.Config`: a VLM student would get
-``model.vision: VisionConfig | None`` (null = text-only) and its teacher ``teacher.vision``.
-``__post_init__`` only checks; it never rewrites a value.
+it. It is the optional ``model.vision`` section of :class:`~megatron_gndpo.config.schema.
+ModelConfig` (null = text-only): ``model.vision`` for the student, ``teacher.model.vision`` for
+the teacher. ``__post_init__`` only checks (the loader reports its errors under the section's
+key); it never rewrites a value.
 
 The number of image tokens one image tile becomes in the language model's sequence
 (:attr:`VisionConfig.tokens_per_tile`) follows from the encoder, the image and patch sizes, the
