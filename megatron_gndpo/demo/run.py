@@ -33,6 +33,7 @@ from megatron_gndpo.config.schema import (
     Config,
     DataConfig,
     LoggingConfig,
+    ModelConfig,
     OptimizerConfig,
     RolloutConfig,
     TeacherConfig,
@@ -120,32 +121,15 @@ def method_config(
     task: models.DemoTask,
     s: Settings,
 ) -> Config:
-    """The full trainer config of one method; everything but ``algorithm`` is shared."""
-    return Config(
-        model=student.model,
-        teacher=TeacherConfig(model=teacher.model, load=str(teacher.checkpoint)),
-        rollout=RolloutConfig(
-            prompts_per_step=s.prompts_per_step,
-            samples_per_prompt=s.samples_per_prompt,
-            max_prompt_length=MAX_PROMPT_LENGTH,
-            max_response_length=models.max_new_tokens(task.difficulty),
-        ),
-        algorithm=ALL_METHODS[method],
-        optimizer=OptimizerConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
-        trainer=TrainerConfig(
-            steps=s.steps,
-            seed=s.seed,
-            micro_batch_size=s.prompts_per_step * s.samples_per_prompt,
-            eval_interval=s.eval_interval,
-        ),
+    """The full trainer config of one method on the chains task."""
+    return _config(
+        method, run_dir, s, student.model, student.checkpoint, teacher.model, teacher.checkpoint,
+        lengths=(MAX_PROMPT_LENGTH, models.max_new_tokens(task.difficulty)),
         data=DataConfig(
-            train="builtin:chains",
-            eval="builtin:chains_eval",
+            train="builtin:chains", eval="builtin:chains_eval",
             tokenizer=str(cache_dir / "tokenizer" / "tokenizer.model"),
         ),
-        checkpoint=CheckpointConfig(init=str(student.checkpoint), save_interval=0),
-        logging=LoggingConfig(run_dir=str(run_dir / method), log_interval=s.eval_interval),
-    )
+    )  # fmt: skip
 
 
 def multimodal_config(
@@ -153,16 +137,31 @@ def multimodal_config(
 ) -> Config:
     """One method's config on the visual task: VLM student and teacher (the shared frozen
     encoder), the task's prompt files with images and its tokenizer."""
-    vlm = dataclasses.replace(student.model, vision=student.vision)
-    vlm_teacher = dataclasses.replace(teacher.model, vision=teacher.vision)
+    return _config(
+        method, run_dir, s,
+        dataclasses.replace(student.model, vision=student.vision), student.checkpoint,
+        dataclasses.replace(teacher.model, vision=teacher.vision), teacher.checkpoint,
+        lengths=(task.max_prompt_length, task.max_response_length),
+        data=DataConfig(
+            train=str(task.train_prompts), eval=str(task.eval_prompts),
+            tokenizer=str(task.tokenizer_path),
+        ),
+    )  # fmt: skip
+
+
+def _config(
+    method: str, run_dir: Path, s: Settings, student: ModelConfig, student_checkpoint: Path,
+    teacher: ModelConfig, teacher_checkpoint: Path, *, lengths: tuple[int, int], data: DataConfig,
+) -> Config:  # fmt: skip
+    """Everything but the models, the task's lengths and data is shared by every method."""
     return Config(
-        model=vlm,
-        teacher=TeacherConfig(model=vlm_teacher, load=str(teacher.checkpoint)),
+        model=student,
+        teacher=TeacherConfig(model=teacher, load=str(teacher_checkpoint)),
         rollout=RolloutConfig(
             prompts_per_step=s.prompts_per_step,
             samples_per_prompt=s.samples_per_prompt,
-            max_prompt_length=task.max_prompt_length,
-            max_response_length=task.max_response_length,
+            max_prompt_length=lengths[0],
+            max_response_length=lengths[1],
         ),
         algorithm=ALL_METHODS[method],
         optimizer=OptimizerConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
@@ -172,12 +171,8 @@ def multimodal_config(
             micro_batch_size=s.prompts_per_step * s.samples_per_prompt,
             eval_interval=s.eval_interval,
         ),
-        data=DataConfig(
-            train=str(task.train_prompts),
-            eval=str(task.eval_prompts),
-            tokenizer=str(task.tokenizer_path),
-        ),
-        checkpoint=CheckpointConfig(init=str(student.checkpoint), save_interval=0),
+        data=data,
+        checkpoint=CheckpointConfig(init=str(student_checkpoint), save_interval=0),
         logging=LoggingConfig(run_dir=str(run_dir / method), log_interval=s.eval_interval),
     )
 
