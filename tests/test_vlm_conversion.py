@@ -12,6 +12,10 @@ embeddings), built tiny from a config with every weight perturbed (no downloads,
   export back through a TP=1 model with ``convert mcore-to-hf`` (the CLI). transformers loads
   the export: every tensor is bitwise the original and the safetensors hold the names
   ``save_pretrained`` wrote.
+- One 4-rank launch, the pipeline layouts: convert at PP=2 (DP=2) and at TP=2 x PP=2 (the
+  encoder on the first stage, the language layers split over both), score fresh loads of each
+  and of the TP=2 x PP=2 checkpoint resharded to PP=2 on the last stage, and export the
+  TP=2 x PP=2 checkpoint back; the same checks as above.
 """
 
 from __future__ import annotations
@@ -245,33 +249,30 @@ def _convert_score_export(rank: int, world_size: int, root: str, rows: Any) -> d
     return out
 
 
-@pytest.mark.distributed
-@pytest.mark.megatron
-def test_internvl_to_mcore_tp2_matches_transformers_and_back(tmp_path: Path, hf_model: Any) -> None:
-    from safetensors import safe_open
-    from transformers import InternVLForConditionalGeneration
-
-    hf_dir = tmp_path / "hf"
+def _save_hf(root: Path, hf_model: Any) -> Path:
+    """``hf_model`` saved as an InternVL directory with an image processor config."""
+    hf_dir = root / "hf"
     hf_model.save_pretrained(hf_dir)
     (hf_dir / "preprocessor_config.json").write_text(
         json.dumps({"image_mean": [0.5, 0.5, 0.5], "image_std": [0.25, 0.25, 0.25]})
     )
-    rows = _rows()
-    expected = _hf_token_logprobs(hf_model, *rows)
+    return hf_dir
 
-    results = run_distributed(_convert_score_export, 2, args=(str(tmp_path), rows), timeout_s=300)
-    for name in ("tp2", "tp1"):
-        got = results[0][name]
-        diff = (got - expected).abs().max().item()
+
+def _check_logprobs(got: dict[str, torch.Tensor], expected: torch.Tensor) -> None:
+    """Every layout's log-probs (by name) within the tolerance of transformers'."""
+    for name, logprobs in got.items():
+        diff = (logprobs - expected).abs().max().item()
         assert diff < _TOLERANCE, f"{name}: megatron log-probs differ from transformers by {diff}"
     assert (expected[1, 2 + TOKENS_PER_TILE] != 0) and (expected[3, 1:6] != 0).all()
 
-    from megatron_gndpo.checkpoint.vlm_convert import read_vision_config
 
-    vision = read_vision_config(tmp_path / "mcore")
-    assert vision.image_mean == (0.5, 0.5, 0.5) and vision.projector_norm_epsilon == 1e-5
+def _check_export(root: Path, hf_model: Any, rows: Any, expected: torch.Tensor) -> None:
+    """``root/export`` (written by ``convert mcore-to-hf``) is ``root/hf`` bitwise, hub names."""
+    from safetensors import safe_open
+    from transformers import InternVLForConditionalGeneration
 
-    export = tmp_path / "export"
+    export = root / "export"
     assert (export / "preprocessor_config.json").is_file()
     config = json.loads((export / "config.json").read_text())
     assert config["text_config"]["eos_token_id"] == 2 and config["torch_dtype"] == "float32"
@@ -280,7 +281,7 @@ def test_internvl_to_mcore_tp2_matches_transformers_and_back(tmp_path: Path, hf_
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             return set(f.keys())
 
-    assert names(export) == names(hf_dir)  # the save_pretrained (hub) name form
+    assert names(export) == names(root / "hf")  # the save_pretrained (hub) name form
     loaded = InternVLForConditionalGeneration.from_pretrained(
         export, attn_implementation="eager"
     ).eval()
@@ -291,3 +292,91 @@ def test_internvl_to_mcore_tp2_matches_transformers_and_back(tmp_path: Path, hf_
         assert torch.equal(exported[name], tensor), f"{name} changed"
     diff = (_hf_token_logprobs(loaded, *rows) - expected).abs().max().item()
     assert diff == 0.0, f"the exported model's log-probs differ by {diff}"
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_internvl_to_mcore_tp2_matches_transformers_and_back(tmp_path: Path, hf_model: Any) -> None:
+    _save_hf(tmp_path, hf_model)
+    rows = _rows()
+    expected = _hf_token_logprobs(hf_model, *rows)
+
+    results = run_distributed(_convert_score_export, 2, args=(str(tmp_path), rows), timeout_s=300)
+    _check_logprobs({name: results[0][name] for name in ("tp2", "tp1")}, expected)
+
+    from megatron_gndpo.checkpoint.vlm_convert import read_vision_config
+
+    vision = read_vision_config(tmp_path / "mcore")
+    assert vision.image_mean == (0.5, 0.5, 0.5) and vision.projector_norm_epsilon == 1e-5
+    _check_export(tmp_path, hf_model, rows, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline layouts: PP=2 and TP=2 x PP=2 import, scoring on the last stage, export
+
+
+def _convert_pipeline_score_export(
+    rank: int, world_size: int, root: str, rows: Any
+) -> dict[str, Any]:
+    """Convert at PP=2 (DP=2) and at TP=2 x PP=2 on 4 ranks; score fresh loads of each (and the
+    TP=2 x PP=2 checkpoint resharded to PP=2); export the TP=2 x PP=2 one."""
+    from megatron_gndpo.checkpoint import convert_cli
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.checkpoint.vlm_convert import convert_vlm_hf_to_mcore
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
+
+    tp2pp2 = ParallelConfig(tensor_parallel=2, pipeline_parallel=2)
+    pp2 = ParallelConfig(pipeline_parallel=2)
+    layouts = {
+        "tp2pp2": (tp2pp2, build_student_groups(ParallelLayout(world_size, tp=2, pp=2), seed=1)),
+        "pp2": (pp2, build_groups(ParallelLayout(world_size, pp=2), name="pp2")),
+    }
+    for name, (parallel, groups) in layouts.items():
+        convert_vlm_hf_to_mcore(
+            Path(root) / "hf", Path(root) / f"mcore_{name}", groups=groups, parallel=parallel
+        )
+    model, vision = vlm_mapping.vlm_configs_from_hf(
+        json.loads((Path(root) / "hf" / "config.json").read_text())
+    )
+    out: dict[str, Any] = {"stage": layouts["pp2"][1].coords["pp"]}
+    # (checkpoint, layout it is loaded at): fresh models, the saved checkpoints are tested
+    for ckpt, name in (("pp2", "pp2"), ("tp2pp2", "tp2pp2"), ("tp2pp2", "pp2")):
+        parallel, groups = layouts[name]
+        net = build_vlm(model, vision, parallel, groups)
+        load_checkpoint(Path(root) / f"mcore_{ckpt}", net)
+        out[f"{ckpt}->{name}"] = _score(net, groups, rows)
+        assert hasattr(net, "vision_model") and (net.vision_model is not None) == (
+            groups.is_first_stage
+        ), "the vision encoder lives on the first pipeline stage only"
+    convert_cli.mcore_to_hf_main(
+        ["--mcore-dir", str(Path(root) / "mcore_tp2pp2"), "--out", str(Path(root) / "export"),
+         "--dtype", "fp32"]
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_internvl_to_mcore_pipeline_matches_transformers_and_back(
+    tmp_path: Path, hf_model: Any
+) -> None:
+    _save_hf(tmp_path, hf_model)
+    rows = _rows()
+    expected = _hf_token_logprobs(hf_model, *rows)
+
+    results = run_distributed(
+        _convert_pipeline_score_export, 4, args=(str(tmp_path), rows), timeout_s=400
+    )
+    names = ("pp2->pp2", "tp2pp2->tp2pp2", "tp2pp2->pp2")
+    for res in results:  # only the last stage scores
+        assert all((res[n] is None) == (res["stage"] == 0) for n in names), res["stage"]
+    last = [res for res in results if res["stage"] == 1]
+    assert len(last) == 2
+    for res in last:
+        _check_logprobs({n: res[n] for n in names}, expected)
+    _check_export(tmp_path, hf_model, rows, expected)
