@@ -7,6 +7,7 @@ import io
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ def test_tiling_and_normalisation() -> None:
     from PIL import Image
 
     wide = Image.new("RGB", (200, 100), (255, 0, 0))
-    assert img.tile_grid(200, 100, 6) == (2, 1)
+    assert img.tile_grid(200, 100, 6, 28) == (2, 1)
     tiles = img.tile_image(wide, 28, max_tiles=6)
     assert len(tiles) == 3 and all(t.size == (28, 28) for t in tiles)  # 2 tiles + thumbnail
     assert len(img.tile_image(wide, 28, max_tiles=1)) == 1
@@ -158,3 +159,163 @@ def test_builtin_visual_sets() -> None:
     held_out = img.load_multimodal_prompts("builtin:visual_eval")
     assert len(train) == 256 and len(held_out) == 64
     assert train[0].images[0].tobytes() != held_out[0].images[0].tobytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiling against transformers' InternVL image processor (GotOcr2ImageProcessor, crop_to_patches)
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # InternVL's (ImageNet) mean/std
+
+
+def _sides(size: int) -> list[int]:
+    """Tiny, just under/at/over one tile, exact multiples and odd sizes of a ``size`` tile."""
+    return sorted({1, 2, 3, size // 2, size - 1, size, size + 1, 2 * size, 3 * size - 5,
+                   5 * size // 2, 4 * size + 3, 7 * size})  # fmt: skip
+
+
+def _slow_processor() -> type:
+    """The PIL/numpy GotOcr2 processor: ``GotOcr2ImageProcessorPil`` in transformers 5,
+    ``GotOcr2ImageProcessor`` in 4."""
+    pytest.importorskip("transformers")
+    try:
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+            GotOcr2ImageProcessorPil,
+        )
+    except ImportError:
+        from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
+
+        return GotOcr2ImageProcessor
+    return GotOcr2ImageProcessorPil
+
+
+def _fast_processor() -> type:
+    """The torchvision one (vLLM's): ``GotOcr2ImageProcessor`` in 5, ``...Fast`` in 4."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchvision")
+    if importlib.util.find_spec("transformers.models.got_ocr2.image_processing_pil_got_ocr2"):
+        from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
+
+        return GotOcr2ImageProcessor  # transformers 5: the torchvision backend
+    from transformers.models.got_ocr2.image_processing_got_ocr2_fast import (
+        GotOcr2ImageProcessorFast,
+    )
+
+    return GotOcr2ImageProcessorFast
+
+
+def _hf_pixels(processor: type, image: Any, size: int, max_tiles: int) -> torch.Tensor:
+    hf = processor(
+        size={"height": size, "width": size}, crop_to_patches=True, min_patches=1,
+        max_patches=max_tiles, image_mean=list(MEAN), image_std=list(STD),
+    )  # fmt: skip
+    return hf(images=[image], return_tensors="pt")["pixel_values"]
+
+
+def _ours(image: Any, size: int, max_tiles: int) -> torch.Tensor:
+    layout = img.ImageLayout(0, 1, size, max_tiles, MEAN, STD)
+    return img.normalise(img.tile_image(image, size, max_tiles), layout)
+
+
+def _noise(width: int, height: int, seed: int) -> Any:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def test_tile_grid_matches_transformers() -> None:
+    slow = _slow_processor()
+    module = importlib.import_module(slow.__module__)
+    for size in (28, 448):
+        for width in _sides(size):
+            for height in _sides(size):
+                for max_tiles in range(1, 13):
+                    theirs = module.get_optimal_tiled_canvas(
+                        (height, width), (size, size), 1, max_tiles
+                    )
+                    where = (width, height, max_tiles, size)
+                    assert img.tile_grid(width, height, max_tiles, size) == theirs, where
+                    kwargs = {"crop_to_patches": True, "min_patches": 1, "max_patches": max_tiles}
+                    n = slow(size={"height": size, "width": size}).get_number_of_image_patches(
+                        height, width, kwargs
+                    )
+                    cols, rows = theirs
+                    assert n == (1 if max_tiles == 1 or cols * rows == 1 else cols * rows + 1)
+    # ties in the ratio difference go to more tiles only while the image covers over half of
+    # their canvas (InternVL's area condition): a square image of 39² < 2·28² stays one tile
+    assert img.tile_grid(39, 39, 12, 28) == (1, 1)
+    assert img.tile_grid(40, 40, 12, 28) == (2, 2)
+    assert img.tile_grid(100, 100, 12, 28) == (3, 3)
+    assert img.tile_grid(125, 100, 6, 28) == (3, 2)  # 1.25: as far from 1 as from 1.5
+    assert img.tile_grid(10, 8, 6, 28) == (1, 1)
+    assert img.tile_grid(28, 100, 12, 28) == (1, 4)  # tall: one column, rows top to bottom
+
+
+def test_tiles_and_pixels_equal_the_slow_processor() -> None:
+    """Same grid, tile order, thumbnail, PIL bicubic and float32 rescale-then-normalise as
+    transformers' PIL GotOcr2 processor: ``pixel_values`` equal ours exactly (max abs diff 0)."""
+    from PIL import Image
+
+    slow = _slow_processor()
+    size, seed = 28, 0
+    for width in _sides(size):
+        for height in _sides(size):
+            seed += 1
+            image = _noise(width, height, seed)
+            for max_tiles in (1, 2, 4, 6, 12):
+                theirs = _hf_pixels(slow, image, size, max_tiles)
+                ours = _ours(image, size, max_tiles)
+                assert theirs.dtype == ours.dtype == torch.float32
+                assert torch.equal(ours, theirs), (width, height, max_tiles)
+    # a larger tile size, a tie case and a wide and a tall image
+    for width, height in ((448, 448), (1000, 800), (1600, 450), (300, 1200)):
+        image = _noise(width, height, width + height)
+        for max_tiles in (1, 6, 12):
+            theirs = _hf_pixels(slow, image, 448, max_tiles)
+            assert torch.equal(_ours(image, 448, max_tiles), theirs), (width, height, max_tiles)
+    # non-RGB inputs: transparency goes onto white, as theirs does
+    rgba = np.asarray(_noise(70, 50, 1)).copy()
+    alpha = np.random.default_rng(2).integers(0, 256, (50, 70, 1), dtype=np.uint8)
+    rgba_image = Image.fromarray(np.concatenate([rgba, alpha], -1), "RGBA")
+    for image in (rgba_image, Image.fromarray(rgba[..., 0], "L")):
+        for max_tiles in (1, 4):
+            theirs = _hf_pixels(slow, image, size, max_tiles)
+            assert torch.equal(_ours(image, size, max_tiles), theirs), image.mode
+
+
+def test_fast_processor_is_close() -> None:
+    """The torchvision GotOcr2 processor (vLLM's) picks the same grids, but resizes with torch's
+    antialiased bicubic instead of PIL's and folds the 1/255 into mean/std. Measured max abs
+    difference from ours (torchvision 0.29.1, torch 2.14.1, transformers 5.24): at most 2 uint8
+    levels (0.035 after /std) on smooth images and the built-in visual task, but up to 23 here
+    (25, 0.438, with other seeds) on random noise resized up along one side and down along the
+    other (e.g. 14x29 -> 28x28); most noise cases differ by at most 1 level (0.0175)."""
+    from PIL import Image, ImageFilter
+
+    fast = _fast_processor()
+    level = 1 / 255 / min(STD)  # one uint8 level after normalisation
+    smooth = []
+    rng = np.random.default_rng(0)
+    for width, height in ((640, 480), (300, 900), (1000, 200), (448, 448), (50, 70), (896, 448)):
+        coarse = rng.integers(0, 256, (height // 16 + 2, width // 16 + 2, 3), dtype=np.uint8)
+        image = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+        smooth.append(image.filter(ImageFilter.GaussianBlur(2)))
+    smooth += [p.image for p in visual.generate(6, seed=0)]
+    for image in smooth:
+        for size in (28, 448):
+            for max_tiles in (1, 2, 4, 6, 12):
+                ours = _ours(image, size, max_tiles)
+                theirs = _hf_pixels(fast, image, size, max_tiles)
+                assert ours.shape == theirs.shape
+                assert (ours - theirs).abs().max().item() <= 2 * level + 1e-5
+    worst, size, seed = 0.0, 28, 0
+    for width in _sides(size):
+        for height in _sides(size):
+            seed += 1
+            image = _noise(width, height, seed)
+            for max_tiles in (1, 4, 12):
+                ours = _ours(image, size, max_tiles)
+                theirs = _hf_pixels(fast, image, size, max_tiles)
+                assert ours.shape == theirs.shape, (width, height, max_tiles)
+                worst = max(worst, (ours - theirs).abs().max().item())
+    assert worst <= 32 * level  # measured: 23 levels (0.403) with these seeds
