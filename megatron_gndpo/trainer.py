@@ -23,6 +23,7 @@ from megatron_gndpo.algorithms.metrics import advantage_metrics, score_metrics
 from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
 from megatron_gndpo.checkpoint.dist import latest_step, load_checkpoint, save_checkpoint
 from megatron_gndpo.config import Config, to_yaml
+from megatron_gndpo.data.datasets import tiles_of
 from megatron_gndpo.engine.methods import (
     Scores,
     Targets,
@@ -164,9 +165,8 @@ class Trainer:
         if self.cfg.model.vision is None:
             return self.c.generator.generate(ids, params or self.params, seeds=seeds)
         images = [p.images for p in prompts]
-        generate = cast(Any, self.c.generator).generate  # MultimodalGenerator takes the images
-        rollout = cast(Rollout, generate(ids, params or self.params, seeds=seeds, images=images))
-        rollout.images = [images[int(i)] for i in rollout.prompt_index]
+        rollout = self.c.generator.generate(ids, params or self.params, seeds=seeds, images=images)
+        rollout.images = [tiles_of(images[int(i)]) for i in rollout.prompt_index]
         return rollout
 
     def _sample(self, prompts: list[Any]) -> Rollout:
@@ -201,9 +201,10 @@ class Trainer:
 
         if hasattr(engine, "wake_up"):
             engine.wake_up()
+        parts = engine.weight_parts() if hasattr(engine, "weight_parts") else None
         return sync_weights(
             cast(WeightReceiver, engine), self.c.student, self.c.student_groups, self.cfg.model,
-            family=self.cfg.model.hf_family,
+            family=self.cfg.model.hf_family, vision=self.cfg.model.vision, parts=parts,
         )  # fmt: skip
 
     def _score(self, rollout: Rollout) -> tuple[Scores, Scores]:

@@ -94,3 +94,127 @@ def install() -> types.ModuleType:
     fakes = modules()
     sys.modules.update(fakes)
     return fakes["vllm"]
+
+
+class InternVLEngineDouble(FakeLLM):
+    """``vllm.LLM`` serving a VLM as vLLM's InternVL does, on transformers' own InternVL.
+
+    Built from the engine directory's ``config.json`` (random weights until a sync). A prompt's
+    ``multi_modal_data["image"]`` holds per image either an embedding ``[tokens, hidden]`` or a
+    PIL image, which it tiles and normalises with transformers' InternVL image processor (from
+    ``preprocessor_config.json``) and encodes with its own vision tower and projector. Like vLLM
+    it expands each image placeholder into ``<img> + placeholders + </img>`` (``wrappers``: the
+    two ids, which vLLM reads from the tokenizer), reports the expanded prompt, samples each
+    request from a generator seeded by its seed and reports the sampled tokens' log-probs under
+    the temperature-scaled distribution.
+    """
+
+    wrappers: tuple[int, int] = (3, 4)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        import collections
+        import json
+        from pathlib import Path
+
+        from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+        from megatron_gndpo.checkpoint.vlm_mapping import canonical_hf_name
+
+        root = Path(kwargs["model"])
+        config = InternVLConfig(**json.loads((root / "config.json").read_text()))
+        torch.manual_seed(12345)  # not the trainer's weights: only a sync makes them equal
+        self.model = InternVLForConditionalGeneration._from_config(
+            config, attn_implementation="eager"
+        ).eval()
+        self.params = {canonical_hf_name(n): p for n, p in self.model.named_parameters()}
+        self.loads: collections.Counter[str] = collections.Counter()
+        self.processor: Any = None
+        pre = root / "preprocessor_config.json"
+        if pre.is_file():
+            from transformers import GotOcr2ImageProcessor
+
+            settings = json.loads(pre.read_text())
+            settings.pop("image_processor_type", None)
+            settings.pop("processor_class", None)
+            self.processor = GotOcr2ImageProcessor(**settings)
+        self.image_token_id = int(config.image_token_id)
+        model = types.SimpleNamespace(load_weights=self._load)
+        self.worker = types.SimpleNamespace(
+            model_runner=types.SimpleNamespace(get_model=lambda: model)
+        )
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in self.params:
+                    raise KeyError(f"the engine has no weight {name!r}")
+                target = self.params[name]
+                if tensor.shape != target.shape:
+                    raise ValueError(f"{name}: got {tuple(tensor.shape)}, need {target.shape}")
+                target.copy_(tensor)
+                self.loads[name] += 1
+
+    def missing(self) -> list[str]:
+        return sorted(set(self.params) - set(self.loads))
+
+    def _features(self, image: Any) -> torch.Tensor:
+        if isinstance(image, torch.Tensor):
+            return image.float()
+        pixels = self.processor(images=[image], return_tensors="pt")["pixel_values"]
+        out = self.model.model.get_image_features(
+            pixels, vision_feature_layer=-1, vision_feature_select_strategy="default"
+        )
+        return out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
+
+    def _expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], torch.Tensor | None]:
+        if ids.count(self.image_token_id) != len(images):
+            raise ValueError(
+                f"{ids.count(self.image_token_id)} image placeholders for {len(images)} images"
+            )
+        features = [self._features(image) for image in images]
+        start, end = self.wrappers
+        out: list[int] = []
+        k = 0
+        for t in ids:
+            if t == self.image_token_id:
+                out += [start] + [t] * features[k].shape[0] + [end]
+                k += 1
+            else:
+                out.append(t)
+        return out, torch.cat(features) if features else None
+
+    def generate(self, prompts: list[Any], sampling_params: list[Any], *,
+                 use_tqdm: bool = True) -> list[FakeRequestOutput]:  # fmt: skip
+        outputs = []
+        embed = self.model.get_input_embeddings()
+        with torch.no_grad():
+            for prompt, sp in zip(prompts, sampling_params, strict=True):
+                images = (prompt.get("multi_modal_data") or {}).get("image", [])
+                ids, features = self._expand(list(prompt["prompt_token_ids"]), list(images))
+                x = embed(torch.tensor(ids))
+                if features is not None:
+                    x[torch.tensor(ids) == self.image_token_id] = features.to(x.dtype)
+                rng = torch.Generator().manual_seed(sp.seed)
+                new: list[int] = []
+                logprobs: list[dict[int, FakeLogprob]] = []
+                reason = "length"
+                for _ in range(sp.max_tokens):
+                    logits = self.model(inputs_embeds=x[None]).logits[0, -1].float()
+                    logp = (logits / sp.temperature).log_softmax(-1)
+                    token = int(torch.multinomial(logp.exp(), 1, generator=rng))
+                    new.append(token)
+                    logprobs.append({token: FakeLogprob(float(logp[token]))})
+                    if token in sp.stop_token_ids:
+                        reason = "stop"
+                        break
+                    x = torch.cat([x, embed(torch.tensor([token]))])
+                outputs.append(FakeRequestOutput(ids, [FakeCompletion(new, logprobs, reason)]))
+        return outputs
+
+
+def internvl_modules() -> dict[str, types.ModuleType]:
+    """:func:`modules` whose ``vllm.LLM`` is :class:`InternVLEngineDouble`."""
+    fakes = modules()
+    fakes["vllm"].LLM = InternVLEngineDouble  # type: ignore[attr-defined]
+    return fakes

@@ -319,3 +319,34 @@ def test_fast_processor_is_close() -> None:
                 assert ours.shape == theirs.shape, (width, height, max_tiles)
                 worst = max(worst, (ours - theirs).abs().max().item())
     assert worst <= 32 * level  # measured: 23 levels (0.403) with these seeds
+
+
+def test_images_wrapped_in_start_and_end_ids() -> None:
+    vision = VisionConfig(image_token_id=3, image_start_id=4, image_end_id=5)
+    layout = img.ImageLayout.of(vision)
+    assert layout.image_ids(2) == [4] + [3] * (2 * vision.tokens_per_tile) + [5]
+    ids = img.expand_markers([7, 8, 9, 8], [8], (1, 2), layout)
+    n = vision.tokens_per_tile
+    assert ids == [7, 4, *[3] * n, 5, 9, 4, *[3] * (2 * n), 5]
+    img.check_row(ids, (1, 2), layout)
+    theirs = img.ImageLayout.of(VisionConfig(image_token_id=3))
+    with pytest.raises(ValueError, match="image_start_id"):
+        img.check_same_image_layout(vision, VisionConfig(image_token_id=3))
+    assert theirs.image_ids(1) == [3] * n
+    with pytest.raises(ValueError, match="both image_start_id and image_end_id"):
+        VisionConfig(image_start_id=4)
+    with pytest.raises(ValueError, match="three different ids"):
+        VisionConfig(image_token_id=3, image_start_id=3, image_end_id=5)
+
+
+def test_load_image_puts_transparency_on_white() -> None:
+    from PIL import Image
+
+    rgba = Image.new("RGBA", (4, 4), (10, 20, 30, 0))  # fully transparent, dark colour beneath
+    rgba.putpixel((0, 0), (10, 20, 30, 255))
+    buffer = io.BytesIO()
+    rgba.save(buffer, format="PNG")
+    for source in (rgba, buffer.getvalue()):
+        image = img.load_image(source)
+        assert image.mode == "RGB"
+        assert image.getpixel((1, 1)) == (255, 255, 255) and image.getpixel((0, 0)) == (10, 20, 30)

@@ -164,6 +164,11 @@ class RolloutConfig:
     """Extra token ids that end a response (the tokenizer's EOS always does)."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: fraction of GPU memory the engine may take while awake."""
+    vllm_image_input: Literal["embeddings", "pixels"] = "embeddings"
+    """vLLM with a vision-language student: embeddings hands the engine the student's own image
+    embeddings (exactly what the trainer scores; only the language model is synced); pixels
+    hands it the original images, which vLLM tiles itself with transformers' InternVL processor,
+    and also syncs the projector (and the encoder once, when frozen)."""
 
     @property
     def rollout_batch_size(self) -> int:

@@ -13,6 +13,7 @@ import importlib.util
 from megatron_gndpo.algorithms import AGGREGATIONS, ESTIMATORS, POLICY_LOSSES
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import AlgorithmConfig, Config, ModelConfig, ParallelConfig
+from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelLayout
 
 _DISTILL_ESTIMATORS = ("gndpo", "opd", "vopd")
@@ -294,6 +295,30 @@ def _other_problems(cfg: Config) -> list[str]:
     return p
 
 
+def _vllm_vision_problems(cfg: Config, vision: VisionConfig) -> list[str]:
+    """What vLLM needs of a vision-language student: transformers' InternVL, served as such."""
+    from megatron_gndpo.checkpoint.vlm_mapping import internvl_problems
+
+    p = [
+        f"rollout.engine=vllm serves a VLM as transformers' InternVL, but model.vision has {x}; "
+        "use rollout.engine=builtin for other VLMs"
+        for x in internvl_problems(cfg.model, vision)
+    ]
+    if vision.image_start_id is None:
+        p.append(
+            "rollout.engine=vllm wraps every image in <img> ... </img>: set "
+            "model.vision.image_start_id and image_end_id (and the teacher's) to those token ids "
+            "so the trainer scores the sequence the engine sampled from"
+        )
+    tokenizer = cfg.data.tokenizer
+    if tokenizer is None or tokenizer.startswith("builtin:") or tokenizer.endswith(".model"):
+        p.append(
+            f"rollout.engine=vllm with a VLM needs data.tokenizer to be a Hugging Face tokenizer "
+            f"directory (vLLM's InternVL processor tokenizes the image tokens), got {tokenizer!r}"
+        )
+    return p
+
+
 def _vision_problems(cfg: Config) -> list[str]:
     """Vision-language models: both or neither, one image layout, what the VLM path supports."""
     student, teacher = cfg.model.vision, cfg.teacher.model.vision
@@ -312,8 +337,9 @@ def _vision_problems(cfg: Config) -> list[str]:
     except ValueError as err:
         p.append(str(err))
     a = cfg.algorithm
+    if cfg.rollout.engine == "vllm":
+        p += _vllm_vision_problems(cfg, student)
     unsupported = {
-        "rollout.engine=vllm": cfg.rollout.engine == "vllm",
         "trainer.pack_sequences=true": cfg.trainer.pack_sequences,
         "algorithm.vopd_top_k=0 (full-vocabulary vOPD)": a.vopd_top_k == 0
         and "vopd" in (a.estimator, a.distill_estimator),
@@ -321,8 +347,8 @@ def _vision_problems(cfg: Config) -> list[str]:
         and a.tropd.prefix_share_start > 0,
     }
     p += [
-        f"{what} is not supported with a vision-language model yet; use the builtin engine, "
-        "padded micro-batches, top-k vOPD and on-policy TrOPD"
+        f"{what} is not supported with a vision-language model yet; use padded micro-batches, "
+        "top-k vOPD and on-policy TrOPD"
         for what, used in unsupported.items()
         if used
     ]

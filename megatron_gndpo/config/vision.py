@@ -74,6 +74,13 @@ class VisionConfig:
     image_token_id: int = 3
     """Id of the image placeholder token in the language model's vocabulary; each image tile
     occupies tokens_per_tile consecutive copies of it."""
+    image_start_id: int | None = None
+    """Id of a token written before each image's placeholders (InternVL's ``<img>``); null writes
+    none. vLLM's InternVL wraps every image in ``<img>`` ... ``</img>``, so rollout.engine=vllm
+    with a VLM needs both ids set to match it."""
+    image_end_id: int | None = None
+    """Id of a token written after each image's placeholders (InternVL's ``</img>``); null writes
+    none."""
     max_tiles: int = 1
     """Tiles per image (InternVL dynamic tiling: the image is cut into up to max_tiles tiles of
     image_size plus a thumbnail when it needs more than one); 1 resizes the whole image."""
@@ -118,6 +125,17 @@ class VisionConfig:
             out.append(f"max_tiles must be >= 1, got {self.max_tiles}")
         if self.image_token_id < 0:
             out.append(f"image_token_id must be a vocabulary id (>= 0), got {self.image_token_id}")
+        if (self.image_start_id is None) != (self.image_end_id is None):
+            out.append(
+                "set both image_start_id and image_end_id (the tokens around each image) or neither"
+            )
+        if (
+            self.image_start_id is not None
+            and len({self.image_start_id, self.image_end_id, self.image_token_id}) < 3
+        ):
+            out.append(
+                "image_start_id, image_end_id and image_token_id must be three different ids"
+            )
         if any(s <= 0 for s in self.image_std):
             out.append(f"image_std must be positive, got {self.image_std}")
         return out

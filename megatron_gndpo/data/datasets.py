@@ -31,13 +31,44 @@ class PromptExample:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptImages:
+    """A prompt's images, in the forms rollout engines take them.
+
+    ``tiles`` ``[N, 3, H, W]``: every image's normalised tiles in order (what the megatron models
+    take; the prompt's ids already hold their placeholders); ``tiles_per_image``: how the tiles
+    split into images; ``sources``: the original images (path, bytes or PIL image), for an
+    engine that preprocesses images itself (vLLM with pixel input).
+    """
+
+    tiles: torch.Tensor
+    tiles_per_image: tuple[int, ...]
+    sources: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if sum(self.tiles_per_image) != self.tiles.shape[0]:
+            raise ValueError(
+                f"tiles_per_image {self.tiles_per_image} does not add up to the "
+                f"{self.tiles.shape[0]} tiles"
+            )
+        if self.sources and len(self.sources) != len(self.tiles_per_image):
+            raise ValueError(
+                f"{len(self.sources)} source images for {len(self.tiles_per_image)} images"
+            )
+
+
+def tiles_of(images: PromptImages | torch.Tensor | None) -> torch.Tensor | None:
+    """The tiles ``[n, 3, H, W]`` of a prompt's images (given as such, or as their tiles)."""
+    return images.tiles if isinstance(images, PromptImages) else images
+
+
+@dataclasses.dataclass(frozen=True)
 class EncodedPrompt:
-    """A prompt with its chat-templated token ids (and, for a vision model, its image tiles
-    ``[N, 3, H, W]``, whose placeholders the ids already hold)."""
+    """A prompt with its chat-templated token ids (and, for a vision model, its images, whose
+    placeholders the ids already hold)."""
 
     example: PromptExample
     ids: list[int]
-    images: torch.Tensor | None = None
+    images: PromptImages | None = None
 
 
 # ---------------------------------------------------------------------------------------------

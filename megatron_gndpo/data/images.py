@@ -58,6 +58,9 @@ class ImageLayout:
     max_tiles: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    # tokens written around each image's placeholders (InternVL's <img> and </img>); None: none
+    image_start_id: int | None = None
+    image_end_id: int | None = None
 
     @classmethod
     def of(cls, vision: VisionConfig) -> ImageLayout:
@@ -68,7 +71,16 @@ class ImageLayout:
             max_tiles=vision.max_tiles,
             mean=vision.image_mean,
             std=vision.image_std,
+            image_start_id=vision.image_start_id,
+            image_end_id=vision.image_end_id,
         )
+
+    def image_ids(self, tiles: int) -> list[int]:
+        """The ids one image of ``tiles`` tiles becomes: its placeholders, wrapped when set."""
+        ids = [self.image_token_id] * (tiles * self.tokens_per_tile)
+        if self.image_start_id is None or self.image_end_id is None:
+            return ids
+        return [self.image_start_id, *ids, self.image_end_id]
 
 
 def check_same_image_layout(student: VisionConfig, teacher: VisionConfig) -> None:
@@ -82,6 +94,8 @@ def check_same_image_layout(student: VisionConfig, teacher: VisionConfig) -> Non
         "max_tiles": "tile images the same way",
         "mean": "normalise pixels the same way (image_mean)",
         "std": "normalise pixels the same way (image_std)",
+        "image_start_id": "wrap images in the same tokens (image_start_id / image_end_id)",
+        "image_end_id": "wrap images in the same tokens (image_start_id / image_end_id)",
     }
     problems = [
         f"{field}: student {getattr(ours, field)} vs teacher {getattr(theirs, field)} ({hint})"
@@ -99,21 +113,38 @@ def check_same_image_layout(student: VisionConfig, teacher: VisionConfig) -> Non
 # Pixels
 
 
+def to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` in RGB as transformers' image processors make it: transparency composited onto
+    white (a plain ``convert("RGB")`` would drop it and keep the hidden colours)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def load_image(source: Any, base: Path | None = None) -> Image.Image:
-    """An RGB image from a path (relative to ``base``), encoded bytes, or a PIL image."""
+    """An RGB image (:func:`to_rgb`) from a path (relative to ``base``), encoded bytes, or a PIL
+    image."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
-        return source.convert("RGB")
+        return to_rgb(source)
     if isinstance(source, bytes | bytearray):
-        return Image.open(io.BytesIO(source)).convert("RGB")
+        with Image.open(io.BytesIO(source)) as image:
+            return to_rgb(image).copy()
     path = Path(source)
     if base is not None and not path.is_absolute():
         path = base / path
     if not path.is_file():
         raise FileNotFoundError(f"image {path} does not exist (paths are relative to the JSONL)")
     with Image.open(path) as image:
-        return image.convert("RGB")
+        image.load()
+        return to_rgb(image).copy()
 
 
 def tile_grid(width: int, height: int, max_tiles: int, size: int) -> tuple[int, int]:
@@ -158,13 +189,7 @@ def tile_image(image: Image.Image, size: int, max_tiles: int) -> list[Image.Imag
     """
     from PIL import Image
 
-    if image.mode != "RGB":
-        if "A" in image.getbands() or image.info.get("transparency") is not None:
-            rgba = image.convert("RGBA")
-            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            image = Image.alpha_composite(white, rgba).convert("RGB")
-        else:
-            image = image.convert("RGB")
+    image = to_rgb(image)
     resample = Image.Resampling.BICUBIC
     if max_tiles == 1:
         return [image.resize((size, size), resample)]
@@ -222,7 +247,8 @@ def expand_markers(
     tiles_per_image: Sequence[int],
     layout: ImageLayout,
 ) -> list[int]:
-    """``ids`` with the i-th occurrence of ``marker_ids`` replaced by image i's placeholders."""
+    """``ids`` with the i-th occurrence of ``marker_ids`` replaced by image i's placeholders
+    (:meth:`ImageLayout.image_ids`)."""
     if not marker_ids:
         raise ValueError("the image marker encodes to no tokens; use a marker the tokenizer keeps")
     if layout.image_token_id in ids:
@@ -239,7 +265,7 @@ def expand_markers(
                     f"the prompt has more {IMAGE_MARKER} markers than its {len(tiles_per_image)} "
                     "image(s); give one image per marker"
                 )
-            out += [layout.image_token_id] * (tiles_per_image[k] * layout.tokens_per_tile)
+            out += layout.image_ids(tiles_per_image[k])
             t, k = t + m, k + 1
         else:
             out.append(int(ids[t]))

@@ -8,8 +8,9 @@ student's, and a vocabulary that one of the models cannot score.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from megatron_gndpo.checkpoint.dist import load_checkpoint
 from megatron_gndpo.config import Config, ConfigError, layout_of, to_dict
 from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
-from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample
+from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample, PromptImages
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_gndpo.engine.teacher import TeacherScorer
@@ -142,7 +143,7 @@ def _prompts(cfg: Config, spec: str, tokenizer: Tokenizer) -> tuple[list[Encoded
         )
     ]
     encoded = [
-        EncodedPrompt(_text_example(r.example), r.ids, r.pixels)
+        EncodedPrompt(_text_example(r.example), r.ids, _prompt_images(r))
         for r in rows
         if len(r.ids) <= limit
     ]
@@ -153,6 +154,13 @@ def _prompts(cfg: Config, spec: str, tokenizer: Tokenizer) -> tuple[list[Encoded
             f"with its image placeholders (the shortest has {shortest}); raise it"
         )
     return encoded, len(rows) - len(encoded)
+
+
+def _prompt_images(row: Any) -> PromptImages | None:
+    """A multimodal row's tiles, their split into images and the original images."""
+    if row.pixels is None:
+        return None
+    return PromptImages(row.pixels, row.tiles_per_image, tuple(row.example.images))
 
 
 def _text_example(example: Any) -> PromptExample:
@@ -179,12 +187,10 @@ def _generator(
     if cfg.rollout.engine == "builtin" and cfg.model.vision is not None:
         from megatron_gndpo.rollout.multimodal import MultimodalGenerator
 
-        # its generate() also takes the prompts' images (the trainer passes them)
-        multimodal: Any = MultimodalGenerator(
+        return MultimodalGenerator(
             student, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
             max_sequence_length=cfg.model.max_position_embeddings,
         )  # fmt: skip
-        return cast(Generator, multimodal)
     if cfg.rollout.engine == "builtin":
         return MegatronGenerator(
             student, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
@@ -196,14 +202,34 @@ def _generator(
     engine_dir = Path(cfg.logging.run_dir) / "engine"
     if dist.get_rank() == 0:
         write_engine_config(
-            engine_dir, cfg.model, family=cfg.model.hf_family, dtype=cfg.model.params_dtype
-        )
+            engine_dir, cfg.model, family=cfg.model.hf_family, dtype=cfg.model.params_dtype,
+            tokenizer_dir=cfg.data.tokenizer if cfg.model.vision is not None else None,
+        )  # fmt: skip
     dist.barrier()
     return VLLMGenerator(
         cfg.rollout, engine_dir, pad_id=tokenizer.pad_id,
         tensor_parallel_size=cfg.parallel.tensor_parallel, dtype=cfg.model.params_dtype,
         seed=cfg.trainer.seed, max_model_len=cfg.model.max_position_embeddings,
+        vision=_vision_input(cfg, student),
     )  # fmt: skip
+
+
+def _vision_input(cfg: Config, student: Any) -> Any:
+    """How a VLM student's images reach vLLM (None for a text model)."""
+    vision = cfg.model.vision
+    if vision is None:
+        return None
+    from megatron_gndpo.data.images import ImageLayout
+    from megatron_gndpo.models.vlm import rollout_image_embeddings
+    from megatron_gndpo.rollout.vllm_engine import VisionInput
+
+    return VisionInput(
+        ImageLayout.of(vision),
+        mode=cfg.rollout.vllm_image_input,
+        embed=functools.partial(rollout_image_embeddings, student),
+        freeze_encoder=vision.freeze_encoder,
+        freeze_projector=vision.freeze_projector,
+    )
 
 
 def build_components(cfg: Config) -> Components:

@@ -22,7 +22,7 @@ no gradient buffer and ``get_megatron_optimizer`` leaves them out; they also run
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -302,3 +302,16 @@ def build_vlm_teacher(
 def frozen_parameters(model: Any) -> dict[str, torch.Tensor]:
     """Copies of the parameters that do not train (the frozen encoder/projector), by name."""
     return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def rollout_image_embeddings(model: Any, tiles: torch.Tensor) -> torch.Tensor:
+    """``[n, 3, H, W]`` tiles -> ``[n * tokens_per_tile, h_lm]``, as a rollout sees them: eval
+    mode (no dropout), no autograd, on the model's device (the first pipeline stage's)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return cast(torch.Tensor, model.image_embeddings(tiles.to(device)))
+    finally:
+        model.train(was_training)

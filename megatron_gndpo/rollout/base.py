@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from megatron_gndpo.config.schema import RolloutConfig
+from megatron_gndpo.data.datasets import PromptImages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +74,29 @@ class Generator(Protocol):
     """What the trainer needs from a rollout engine."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        seeds: Sequence[int],
+        images: Sequence[PromptImages | None] | None = None,
     ) -> Rollout:
         """Sample ``params.samples_per_prompt`` responses for each prompt (token ids).
 
         ``seeds[i]`` seeds prompt i's samples alone, so a prompt's samples do not depend on
-        which rank samples it or on what else is in the batch.
+        which rank samples it or on what else is in the batch. ``images[i]`` are prompt i's
+        images (a vision-language model; their placeholders are in the ids); None: text only.
         """
         ...
+
+
+def text_only(images: Sequence[PromptImages | None] | None, engine: str) -> None:
+    """Fail clearly when a text-only engine is handed images."""
+    if images is not None and any(i is not None for i in images):
+        raise ValueError(
+            f"{engine} generates text only but the prompts carry images; a vision-language "
+            "student needs model.vision set (the multimodal generator)"
+        )
 
 
 class RowStreams:

@@ -22,10 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.engine.scoring import schedule_groups
 from megatron_gndpo.models.logprob_head import output_inputs
 from megatron_gndpo.parallel.groups import ParallelGroups
-from megatron_gndpo.rollout.base import Rollout, RowStreams, SamplingParams, sample_next
+from megatron_gndpo.rollout.base import (
+    Rollout,
+    RowStreams,
+    SamplingParams,
+    sample_next,
+    text_only,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +85,16 @@ class MegatronGenerator:
         self._schedule_groups = schedule_groups(groups, model.config)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        seeds: Sequence[int],
+        images: Sequence[PromptImages | None] | None = None,
     ) -> Rollout:
         from megatron.core.inference.contexts import StaticInferenceContext
+
+        text_only(images, "the built-in text generator")
 
         rows = [list(p) for p in prompts for _ in range(params.samples_per_prompt)]
         if not rows or any(len(r) == 0 for r in rows):

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from megatron_gndpo.data.datasets import PromptImages, tiles_of
+from megatron_gndpo.models.vlm import rollout_image_embeddings
 from megatron_gndpo.parallel.groups import ParallelGroups
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
 from megatron_gndpo.rollout.builtin import LastTokenLogits, MegatronGenerator
@@ -61,20 +63,23 @@ class MultimodalGenerator(MegatronGenerator):
         self._row_embeddings: list[torch.Tensor] | None = None  # [P_r, h] per rollout row
         self._prompt_ids: list[list[int]] = []  # the prompt of each rollout row
 
-    def generate(  # type: ignore[override]
+    def generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         *,
         seeds: Sequence[int],
-        images: Sequence[torch.Tensor | None],
+        images: Sequence[PromptImages | torch.Tensor | None] | None = None,
     ) -> Rollout:
-        """Sample as :meth:`MegatronGenerator.generate`; ``images[i]`` are prompt i's tiles."""
+        """Sample as :meth:`MegatronGenerator.generate`; ``images[i]`` are prompt i's images
+        (:class:`PromptImages`, or just their tiles ``[n, 3, H, W]``); None: no images."""
+        if images is None:
+            images = [None] * len(prompts)
         if len(images) != len(prompts):
             raise ValueError(f"need one image entry per prompt, got {len(images)}")
         if self.groups.is_first_stage:
             per_prompt = [
-                self._embeddings(p, tiles) for p, tiles in zip(prompts, images, strict=True)
+                self._embeddings(p, tiles_of(x)) for p, x in zip(prompts, images, strict=True)
             ]
             k = params.samples_per_prompt
             self._row_embeddings = [e for e in per_prompt for _ in range(k)]
@@ -94,14 +99,7 @@ class MultimodalGenerator(MegatronGenerator):
             )
         if tiles is None or n_tiles == 0:
             return torch.empty(0)
-        device = next(self.model.parameters()).device
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                return self.model.image_embeddings(tiles.to(device))
-        finally:
-            self.model.train(was_training)
+        return rollout_image_embeddings(self.model, tiles)
 
     def _call_model(
         self, net: Any, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, context: Any

@@ -25,6 +25,25 @@ Choices, each for a reason:
 - the prefix cache is reset after every weight load: cached prompt KV from the old weights
   must not be reused.
 
+Vision-language students are served as transformers' InternVL (vLLM's
+``InternVLForConditionalGeneration``). A prompt goes in vLLM's multimodal format:
+``TokensPrompt(prompt_token_ids=..., multi_modal_data={"image": [...]})`` where each image's
+``<img> + placeholders + </img>`` run of our ids is collapsed into one placeholder
+(:func:`engine_prompt`), which vLLM's InternVL processor expands back. ``rollout.vllm_image_input``
+chooses what the images are:
+
+- ``embeddings`` (default): the student's own image embeddings (encoder + projector run by the
+  trainer on our tiles), one ``[tokens, hidden]`` tensor per image; the engine needs only the
+  language model's weights. What the engine sampled from is exactly what the trainer scores.
+- ``pixels``: the original images; vLLM tiles and normalises them with transformers' InternVL
+  image processor (``preprocessor_config.json`` written from ``model.vision``) and runs its own
+  copy of the encoder and projector, so the sync also sends the projector, and the encoder on the
+  first sync when it is frozen.
+
+Either way each output's prompt (``RequestOutput.prompt_token_ids``) must be ours or the collapsed
+one: an engine that expanded an image into a different number of tokens is an error naming the
+row, not a silent off-policy rollout.
+
 The vLLM-facing code is the constructor, :meth:`VLLMGenerator.generate`'s engine call and
 :func:`_load_on_worker`; request building and output conversion are pure functions.
 """
@@ -33,18 +52,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+import shutil
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.config.schema import Dtype, ModelConfig, RolloutConfig
 from megatron_gndpo.config.validate import require_package
-from megatron_gndpo.rollout.base import Rollout, SamplingParams
+from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.data.datasets import PromptImages
+from megatron_gndpo.data.images import ImageLayout, load_image
+from megatron_gndpo.rollout.base import Rollout, SamplingParams, text_only
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# A VLM's parts (weight_sync.VLM_PARTS keys) by their Hugging Face (InternVL) name prefix.
+_HF_PARTS = {
+    "language": "language_model.",
+    "projector": "multi_modal_projector.",
+    "encoder": "vision_tower.",
+}
 # vLLM's "no top-k" value (0 means the same in ours).
 _VLLM_NO_TOP_K = -1
 
@@ -56,22 +85,115 @@ def row_seed(seed: int, k: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One vLLM request: the prompt's token ids and ``vllm.SamplingParams`` keyword arguments."""
+    """One vLLM request: the prompt's token ids, ``vllm.SamplingParams`` keyword arguments and,
+    for a prompt with images, its ``multi_modal_data``."""
 
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
+    multi_modal_data: dict[str, Any] | None = None
+
+    def prompt(self, tokens_prompt: Callable[..., Any]) -> Any:
+        """The request's prompt as ``vllm.inputs.TokensPrompt`` (passed in) builds it."""
+        if self.multi_modal_data is None:
+            return tokens_prompt(prompt_token_ids=self.prompt_token_ids)
+        return tokens_prompt(
+            prompt_token_ids=self.prompt_token_ids, multi_modal_data=self.multi_modal_data
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionInput:
+    """How a vision-language student's images reach the engine (``rollout.vllm_image_input``).
+
+    ``embed`` maps a prompt's tiles ``[n, 3, H, W]`` to the student's image embeddings
+    ``[n * tokens_per_tile, hidden]`` (embeddings mode only).
+    """
+
+    layout: ImageLayout
+    mode: Literal["embeddings", "pixels"] = "embeddings"
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+    freeze_encoder: bool = True
+    freeze_projector: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode == "embeddings" and self.embed is None:
+            raise ValueError("vllm_image_input=embeddings needs the student's image embedder")
+        if self.layout.image_start_id is None or self.layout.image_end_id is None:
+            raise ValueError(
+                "vLLM wraps every image in <img> ... </img>: set model.vision.image_start_id and "
+                "image_end_id so the trainer's ids match the engine's"
+            )
+
+
+def engine_prompt(
+    ids: Sequence[int], tiles_per_image: Sequence[int], layout: ImageLayout
+) -> list[int]:
+    """``ids`` as vLLM takes them: image i's ids (:meth:`ImageLayout.image_ids`) become one
+    placeholder, which vLLM's InternVL processor expands back into ``<img> ... </img>``."""
+    out: list[int] = []
+    t, k = 0, 0
+    while t < len(ids):
+        if k < len(tiles_per_image):
+            span = layout.image_ids(tiles_per_image[k])
+            if list(ids[t : t + len(span)]) == span:
+                out.append(layout.image_token_id)
+                t, k = t + len(span), k + 1
+                continue
+        if ids[t] == layout.image_token_id:
+            raise ValueError(
+                f"image placeholder at position {t} is not part of image {k}'s run of "
+                f"<img> + {layout.tokens_per_tile} x tiles placeholders + </img>: the prompt was "
+                "expanded for another image layout"
+            )
+        out.append(int(ids[t]))
+        t += 1
+    if k != len(tiles_per_image):
+        raise ValueError(f"the prompt holds {k} of its {len(tiles_per_image)} images' runs")
+    return out
+
+
+def image_data(
+    images: PromptImages, vision: VisionInput, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    """``multi_modal_data`` of one prompt: one embedding ``[tokens, hidden]`` (cast to the
+    engine's ``dtype``, on the CPU) or one PIL image per image."""
+    if vision.mode == "embeddings":
+        assert vision.embed is not None
+        sizes = [n * vision.layout.tokens_per_tile for n in images.tiles_per_image]
+        embeddings = vision.embed(images.tiles)
+        if embeddings.shape[0] != sum(sizes):
+            raise ValueError(
+                f"the image embedder returned {embeddings.shape[0]} rows for {sum(sizes)} image "
+                "tokens"
+            )
+        return {"image": [e.to("cpu", dtype) for e in embeddings.split(sizes)]}
+    if not images.sources:
+        raise ValueError(
+            "rollout.vllm_image_input=pixels needs the prompts' original images; these prompts "
+            "carry tiles only (use vllm_image_input=embeddings)"
+        )
+    return {"image": [load_image(source) for source in images.sources]}
 
 
 def build_requests(
-    prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    seeds: Sequence[int],
+    *,
+    multi_modal: Sequence[dict[str, Any] | None] | None = None,
 ) -> list[Request]:
-    """Requests in row order (prompt i's samples contiguous), one sample each."""
+    """Requests in row order (prompt i's samples contiguous), one sample each; every sample of
+    prompt i carries ``multi_modal[i]``."""
     if len(seeds) != len(prompts):
         raise ValueError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (check the chat template)")
+    if multi_modal is None:
+        multi_modal = [None] * len(prompts)
+    if len(multi_modal) != len(prompts):
+        raise ValueError(f"need one multi_modal entry per prompt, got {len(multi_modal)}")
     requests = []
-    for prompt, seed in zip(prompts, seeds, strict=True):
+    for prompt, seed, data in zip(prompts, seeds, multi_modal, strict=True):
         for k in range(params.samples_per_prompt):
             sampling = dict(
                 n=1,
@@ -84,8 +206,20 @@ def build_requests(
                 seed=row_seed(seed, k),
                 detokenize=False,
             )
-            requests.append(Request([int(t) for t in prompt], sampling))
+            requests.append(Request([int(t) for t in prompt], sampling, data))
     return requests
+
+
+def _check_prompt(row: int, seen: Any, ours: list[int], sent: list[int]) -> None:
+    """The engine's prompt must be the one sent or ours (its image placeholders expanded)."""
+    if seen is None or list(seen) in (ours, sent):
+        return
+    raise ValueError(
+        f"row {row}: vLLM's prompt has {len(seen)} tokens where the trainer's has {len(ours)}: "
+        "it expanded an image into other tokens than ours (tiling: model.vision.max_tiles vs the "
+        "processor's max_patches; <img>/</img> ids; tokens per tile), so the trainer would "
+        "score another sequence than the one sampled; set rollout.vllm_image_input=embeddings"
+    )
 
 
 def rollout_from_outputs(
@@ -94,18 +228,23 @@ def rollout_from_outputs(
     *,
     samples_per_prompt: int,
     pad_id: int,
+    sent: Sequence[Sequence[int]] | None = None,
 ) -> Rollout:
     """A right-padded :class:`Rollout` from vLLM ``RequestOutput``s in request order.
 
     Reads ``outputs[r].outputs[0]``: ``token_ids`` (the stop token included when it stopped),
     ``logprobs`` (per generated token, a dict ``token id -> Logprob``) and ``finish_reason``
-    (``"stop"`` is finished; ``"length"`` is truncated).
+    (``"stop"`` is finished; ``"length"`` is truncated). ``sent``: the prompts as sent to the
+    engine, when they differ from ``prompts`` (collapsed images); ``outputs[r].prompt_token_ids``
+    must be one or the other.
     """
     rows = [list(p) for p in prompts for _ in range(samples_per_prompt)]
+    sent_rows = rows if sent is None else [list(p) for p in sent for _ in range(samples_per_prompt)]
     if len(outputs) != len(rows):
         raise ValueError(f"expected {len(rows)} vLLM outputs (one per row), got {len(outputs)}")
     responses, logprobs, finished = [], [], []
     for row, output in enumerate(outputs):
+        _check_prompt(row, getattr(output, "prompt_token_ids", None), rows[row], sent_rows[row])
         completion = output.outputs[0]
         ids = [int(t) for t in completion.token_ids]
         per_token = completion.logprobs
@@ -146,9 +285,17 @@ def engine_args(
     seed: int,
     load_format: str,
     max_model_len: int | None,
+    vision: VisionInput | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for a colocated engine (see the module docstring)."""
-    return dict(
+    """Keyword arguments of ``vllm.LLM`` for a colocated engine (see the module docstring).
+
+    A vision-language engine loads the tokenizer (vLLM's InternVL processor tokenizes the image
+    tokens) and, with embedding input, accepts image embeddings (``enable_mm_embeds``).
+    """
+    extra: dict[str, Any] = {}
+    if vision is not None and vision.mode == "embeddings":
+        extra["enable_mm_embeds"] = True
+    return extra | dict(
         model=str(model_dir),
         tensor_parallel_size=tensor_parallel_size,
         dtype=_VLLM_DTYPES[dtype],
@@ -156,23 +303,83 @@ def engine_args(
         enable_sleep_mode=True,
         distributed_executor_backend="external_launcher",
         load_format=load_format,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=vision is None,
         logprobs_mode="processed_logprobs",
         max_model_len=max_model_len or rollout.max_prompt_length + rollout.max_response_length,
         seed=seed,
     )
 
 
+# Tokenizer files a vision-language engine directory receives from data.tokenizer.
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+
+
+def internvl_preprocessor_config(vision: VisionConfig) -> dict[str, Any]:
+    """transformers' InternVL image processor settings that tile as ``data/images.py`` does."""
+    return {
+        "image_processor_type": "GotOcr2ImageProcessorFast",
+        "processor_class": "InternVLProcessor",
+        "crop_to_patches": vision.max_tiles > 1,
+        "min_patches": 1,
+        "max_patches": vision.max_tiles,
+        "size": {"height": vision.image_size, "width": vision.image_size},
+        "do_resize": True,
+        "resample": 3,  # bicubic
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(vision.image_mean),
+        "image_std": list(vision.image_std),
+        "do_convert_rgb": True,
+    }
+
+
 def write_engine_config(
-    out_dir: str | Path, model_cfg: ModelConfig, *, family: str, dtype: Dtype = "bf16"
+    out_dir: str | Path,
+    model_cfg: ModelConfig,
+    *,
+    family: str,
+    dtype: Dtype = "bf16",
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
-    """Write the ``config.json`` a dummy-loaded engine starts from; return ``out_dir``."""
-    config = hf_mapping.hf_config_from_model(
-        dataclasses.replace(model_cfg, params_dtype=dtype), family
-    )
+    """Write the files a dummy-loaded engine starts from; return ``out_dir``.
+
+    ``config.json`` always; a vision-language model (``model_cfg.vision``) is written as
+    transformers' InternVL, with ``preprocessor_config.json``, ``processor_config.json`` and the
+    tokenizer files copied from ``tokenizer_dir`` (vLLM's InternVL processor needs them).
+    """
+    model_cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    vision = model_cfg.vision
+    if vision is None:
+        config = hf_mapping.hf_config_from_model(model_cfg, family)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        return out
+    from megatron_gndpo.checkpoint import vlm_mapping
+
+    config = vlm_mapping.hf_config_from_vlm(model_cfg, vision, family)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(internvl_preprocessor_config(vision), indent=2)
+    )
+    processor = {"processor_class": "InternVLProcessor", "image_seq_length": vision.tokens_per_tile}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    copied = (
+        [] if source is None else [source / f for f in _TOKENIZER_FILES if (source / f).is_file()]
+    )
+    if not copied:
+        raise ValueError(
+            f"a vision-language vLLM engine needs the Hugging Face tokenizer (vLLM's InternVL "
+            f"processor tokenizes the image tokens); {tokenizer_dir!r} holds none of "
+            f"{', '.join(_TOKENIZER_FILES[:2])}: set data.tokenizer to the tokenizer directory"
+        )
+    for path in copied:
+        shutil.copyfile(path, out / path.name)
     return out
 
 
@@ -200,6 +407,7 @@ class VLLMGenerator:
         seed: int = 0,
         load_format: str = "dummy",
         max_model_len: int | None = None,
+        vision: VisionInput | None = None,
     ) -> None:
         require_package(
             "vllm", what="rollout.engine=vllm", extra="vllm", instead="set rollout.engine=builtin"
@@ -207,21 +415,42 @@ class VLLMGenerator:
         import vllm
 
         self.pad_id = pad_id
+        self.vision = vision
+        self.dtype = getattr(torch, _VLLM_DTYPES[dtype])
         self.args = engine_args(
             rollout, model_dir, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-            seed=seed, load_format=load_format, max_model_len=max_model_len,
+            seed=seed, load_format=load_format, max_model_len=max_model_len, vision=vision,
         )  # fmt: skip
         self.llm = vllm.LLM(**self.args)
         self.has_weights = load_format != "dummy"
         self.asleep = False
+        self.loaded_parts: set[str] = set()  # a VLM's parts the engine holds (VLM_PARTS keys)
+
+    def weight_parts(self) -> frozenset[str] | None:
+        """The parts of a VLM the next sync must send (None: a text model, every weight).
+
+        Embedding input uses the language model only; pixel input also the projector and the
+        encoder, each sent once when frozen.
+        """
+        if self.vision is None:
+            return None
+        if self.vision.mode == "embeddings":
+            return frozenset({"language"})
+        frozen = {"encoder": self.vision.freeze_encoder, "projector": self.vision.freeze_projector}
+        return frozenset(
+            {"language"} | {p for p, f in frozen.items() if not (f and p in self.loaded_parts)}
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full HF-named tensors into the engine (``WeightReceiver``); any subset at once."""
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: call wake_up() before a weight sync")
-        self.llm.collective_rpc(_load_on_worker, args=(list(weights),))
+        weights = list(weights)
+        self.llm.collective_rpc(_load_on_worker, args=(weights,))
         self.llm.reset_prefix_cache()  # prompt KV cached under the old weights is stale
         self.has_weights = True
+        for name, _ in weights:
+            self.loaded_parts |= {p for p, prefix in _HF_PARTS.items() if name.startswith(prefix)}
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory for training (level 1: weights to CPU, KV cache gone)."""
@@ -233,7 +462,12 @@ class VLLMGenerator:
         self.asleep = False
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        seeds: Sequence[int],
+        images: Sequence[PromptImages | None] | None = None,
     ) -> Rollout:
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep: call wake_up() before generating")
@@ -245,12 +479,33 @@ class VLLMGenerator:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        requests = build_requests(prompts, params, seeds)
+        sent, multi_modal = self._engine_inputs(prompts, images)
+        requests = build_requests(sent, params, seeds, multi_modal=multi_modal)
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests],
+            [r.prompt(TokensPrompt) for r in requests],
             [VLLMSamplingParams(**r.sampling) for r in requests],
             use_tqdm=False,
         )
         return rollout_from_outputs(
-            prompts, outputs, samples_per_prompt=params.samples_per_prompt, pad_id=self.pad_id
-        )
+            prompts, outputs, samples_per_prompt=params.samples_per_prompt, pad_id=self.pad_id,
+            sent=sent,
+        )  # fmt: skip
+
+    def _engine_inputs(
+        self, prompts: Sequence[Sequence[int]], images: Sequence[PromptImages | None] | None
+    ) -> tuple[list[list[int]], list[dict[str, Any] | None] | None]:
+        """The prompts as sent (images collapsed) and their ``multi_modal_data``."""
+        if images is None or all(x is None for x in images):
+            return [list(p) for p in prompts], None
+        if self.vision is None:
+            text_only(images, "this vLLM engine (built for a text model)")
+        assert self.vision is not None
+        if len(images) != len(prompts):
+            raise ValueError(f"need one image entry per prompt, got {len(images)}")
+        layout = self.vision.layout
+        sent = [
+            list(p) if x is None else engine_prompt(p, x.tiles_per_image, layout)
+            for p, x in zip(prompts, images, strict=True)
+        ]
+        data = [None if x is None else image_data(x, self.vision, self.dtype) for x in images]
+        return sent, data

@@ -17,22 +17,90 @@ Cost: every rank of the replica holds one full megatron tensor at a time (the la
 on their own groups. Tied embeddings are written once (as ``model.embed_tokens.weight``); the
 last stage's copy of the embedding is not sent and no ``lm_head.weight`` is produced.
 
+A vision-language model (``vision`` set) is sent as transformers' InternVL names it: the language
+model under ``language_model.``, then (when ``parts`` asks for them) the projector
+(``multi_modal_projector.``) and the vision tower (``vision_tower.``), from
+:mod:`~megatron_gndpo.checkpoint.vlm_mapping`. ``parts`` lets a sync skip what the engine already
+holds (a frozen encoder) or never uses (the vision side when the engine gets image embeddings).
+
 The iterator runs collectives: every rank of the replica must exhaust it, in the same order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.checkpoint import hf_mapping
+from megatron_gndpo.checkpoint import hf_mapping, vlm_convert, vlm_mapping
 from megatron_gndpo.checkpoint.convert import _global_names
 from megatron_gndpo.config.schema import ModelConfig
+from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelGroups
+
+# What a vision-language model's sync may hold, by megatron name prefix.
+VLM_PARTS: dict[str, str] = {
+    "language": "language_model.",
+    "projector": "vision_projection.",
+    "encoder": "vision_model.",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mapping:
+    """One full megatron parameter, the HF tensors it becomes and how (GPT or VLM mapping)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    to_hf: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    gated: bool  # a SwiGLU fc1: TP shards hold [gate_r; up_r]
+
+
+def _mappings(
+    model_cfg: ModelConfig, vision: VisionConfig | None, parts: Collection[str]
+) -> list[_Mapping]:
+    """The mappings to send, in order: the language model first, then the vision side."""
+    if vision is None:
+        gpt = hf_mapping.iter_mappings(model_cfg)
+        return [
+            _Mapping(
+                m.megatron,
+                m.hf,
+                functools.partial(m.to_hf, model=model_cfg),
+                gated=model_cfg.swiglu and m.kind == "fc1",
+            )
+            for m in gpt
+        ]
+    unknown = sorted(set(parts) - set(VLM_PARTS))
+    if unknown:
+        raise ValueError(f"unknown weight-sync part(s) {unknown}; choose from {sorted(VLM_PARTS)}")
+    ordered = [
+        *(m for m in vlm_mapping.iter_vlm_mappings(model_cfg, vision) if m.lm is not None),
+        *(m for m in vlm_mapping.iter_vision_mappings(vision)),
+    ]
+    prefixes = tuple(VLM_PARTS[p] for p in parts)
+    return [
+        _Mapping(
+            m.megatron,
+            m.hf,
+            functools.partial(m.to_hf, model=model_cfg, vision=vision),
+            gated=model_cfg.swiglu and m.lm is not None and m.lm.kind == "fc1",
+        )
+        for m in ordered
+        if m.megatron.startswith(prefixes)
+    ]
+
+
+def _canonical(name: str, vision: VisionConfig | None) -> str:
+    """A parameter's name in local-spec form (TE aliases resolved; VLM prefix kept)."""
+    if vision is not None and name.startswith(VLM_PARTS["language"]):
+        lm = VLM_PARTS["language"]
+        return lm + hf_mapping.canonical_name(name.removeprefix(lm))
+    return hf_mapping.canonical_name(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +156,12 @@ def _unwrap(model: Any) -> torch.nn.Module:
 
 
 def _entries(
-    local: Mapping[str, torch.Tensor], groups: ParallelGroups, model_cfg: ModelConfig
+    local: Mapping[str, torch.Tensor],
+    groups: ParallelGroups,
+    mappings: Sequence[_Mapping],
+    *,
+    tied: bool,
+    vision: VisionConfig | None,
 ) -> dict[str, _Entry]:
     """Every stage's parameters, keyed by canonical (local-spec) name; checked against the map.
 
@@ -105,13 +178,14 @@ def _entries(
         everything = mine
     entries: dict[str, _Entry] = {}
     for name, owner, shape, dtype in everything:
-        key = hf_mapping.canonical_name(name)
+        key = _canonical(name, vision)
         if key in entries:
             raise ValueError(f"megatron parameter {name!r} is held by two pipeline stages")
         entries[key] = _Entry(name, owner, tuple(shape), dtype)
-    expected = {m.megatron for m in hf_mapping.iter_mappings(model_cfg)}
+    expected = {m.megatron for m in mappings}
     # A tied model's last stage keeps its own copy of the embedding: not an HF tensor.
-    ignored = {"output_layer.weight"} if model_cfg.tie_embeddings else set()
+    lm = VLM_PARTS["language"] if vision is not None else ""
+    ignored = {lm + "output_layer.weight"} if tied else set()
     unmapped = sorted(set(entries) - expected - ignored)
     missing = sorted(expected - set(entries))
     if unmapped or missing:
@@ -152,33 +226,44 @@ def iter_hf_weights(
     *,
     family: str,
     dtype: torch.dtype | None = None,
+    vision: VisionConfig | None = None,
+    parts: Collection[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(Hugging Face name, full tensor)`` for every HF tensor of the model, on every rank.
 
     Call on every rank of the replica described by ``groups`` (TP and PP collectives) and
     exhaust the iterator on all of them. Order: embedding, layers by global index, final norm,
-    ``lm_head`` (untied only). ``dtype`` casts the weights (before any communication); None keeps
-    the model's. Tensors lie on the model's device and are contiguous; without a cast, a
-    tensor TP does not shard may share storage with its parameter (copy what you keep past the
-    next optimizer step).
+    ``lm_head`` (untied only), then a VLM's projector and vision tower. ``dtype`` casts the
+    weights (before any communication); None keeps the model's. Tensors lie on the model's
+    device and are contiguous; without a cast, a tensor TP does not shard may share storage with
+    its parameter (copy what you keep past the next optimizer step). ``vision``: the model is a
+    VLM with this vision config; ``parts``: which of :data:`VLM_PARTS` to send (None: all).
     """
     hf_mapping.check_family(model_cfg, family)
     net = _unwrap(model)
-    local = {full: param for _, full, param in _global_names(net)}
-    entries = _entries(local, groups, model_cfg)
+    mappings = _mappings(model_cfg, vision, VLM_PARTS if parts is None else parts)
+    if vision is None:
+        local = {full: param for _, full, param in _global_names(net)}
+    else:
+        sent = tuple(VLM_PARTS[p] for p in (VLM_PARTS if parts is None else parts))
+        local = {
+            full: param for _, full, param in vlm_convert._global_names(net)
+            if full.startswith(sent)
+        }  # fmt: skip
+    entries = _entries(local, groups, mappings, tied=model_cfg.tie_embeddings, vision=vision)
     device = next(net.parameters()).device
     layout, coords = groups.layout, groups.coords
-    for mapping in hf_mapping.iter_mappings(model_cfg):
+    for mapping in mappings:
         entry = entries[mapping.megatron]
         out_dtype = dtype or entry.dtype
         if entry.stage == coords["pp"]:
-            full = _gather_tp(entry.name, local[entry.name], groups, out_dtype, model_cfg.swiglu)
+            full = _gather_tp(entry.name, local[entry.name], groups, out_dtype, mapping.gated)
         else:
             full = torch.empty(entry.shape, dtype=out_dtype, device=device)
         if layout.pp > 1:
             # Over the PP group: the same TP rank of every stage; the owner's copy is full.
             owner = layout.rank_of(coords | {"pp": entry.stage})
             dist.broadcast(full, src=owner, group=groups.pp)
-        for name, tensor in zip(mapping.hf, mapping.to_hf(full, model_cfg), strict=True):
+        for name, tensor in zip(mapping.hf, mapping.to_hf(full), strict=True):
             yield name, tensor.contiguous()
         del full

@@ -7,12 +7,13 @@ Call between the optimizer update and the next rollout, on every rank of every m
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, Protocol
 
 import torch
 
 from megatron_gndpo.config.schema import ModelConfig
+from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelGroups
 from megatron_gndpo.weight_sync.buckets import bucketed, nbytes
 from megatron_gndpo.weight_sync.gather import iter_hf_weights
@@ -41,17 +42,22 @@ def sync_weights(
     family: str,
     dtype: torch.dtype | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    vision: VisionConfig | None = None,
+    parts: Collection[str] | None = None,
 ) -> dict[str, float]:
     """Load every weight of ``model`` (this replica's TP/PP shards) into ``engine``.
 
     ``engine`` is None on ranks that host none: they still take part in the gathers. ``dtype``
-    casts before sending (the engine's dtype; None keeps the model's). Returns
+    casts before sending (the engine's dtype; None keeps the model's). A vision-language model
+    passes its ``vision`` config and the ``parts`` to send (see :func:`iter_hf_weights`). Returns
     ``weight_sync/{tensors,bytes,buckets,seconds}`` (tensors and bytes are those produced
     on this rank, whether or not it loads them).
     """
     started = time.perf_counter()
     tensors = total = buckets = 0
-    weights = iter_hf_weights(model, groups, model_cfg, family=family, dtype=dtype)
+    weights = iter_hf_weights(
+        model, groups, model_cfg, family=family, dtype=dtype, vision=vision, parts=parts
+    )
     for bucket in bucketed(weights, bucket_bytes):
         if engine is not None:
             engine.load_weights(bucket)
