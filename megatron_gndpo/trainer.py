@@ -160,14 +160,21 @@ class Trainer:
         base = (self.cfg.trainer.seed * 1_000_003 + self.step_count) * 10_007 + first
         return [base + j for j in range(len(prompts))]
 
-    def _rollout(self, prompts: list[Any], params: SamplingParams | None = None) -> Rollout:
-        ids, seeds = [p.ids for p in prompts], self._seeds(prompts)
+    def _generate(
+        self, prompts: list[Any], ids: list[list[int]], params: SamplingParams, seeds: list[int]
+    ) -> Rollout:
+        """The student's generator on ``ids`` (the prompts' ids, maybe extended), with the
+        prompts' images for a vision-language student; the rows carry their tiles."""
         if self.cfg.model.vision is None:
-            return self.c.generator.generate(ids, params or self.params, seeds=seeds)
+            return self.c.generator.generate(ids, params, seeds=seeds)
         images = [p.images for p in prompts]
-        rollout = self.c.generator.generate(ids, params or self.params, seeds=seeds, images=images)
+        rollout = self.c.generator.generate(ids, params, seeds=seeds, images=images)
         rollout.images = [tiles_of(images[int(i)]) for i in rollout.prompt_index]
         return rollout
+
+    def _rollout(self, prompts: list[Any], params: SamplingParams | None = None) -> Rollout:
+        ids = [list(p.ids) for p in prompts]
+        return self._generate(prompts, ids, params or self.params, self._seeds(prompts))
 
     def _sample(self, prompts: list[Any]) -> Rollout:
         """The step's rollout: on-policy, or continued from teacher-written prefixes (TrOPD)."""
@@ -178,18 +185,22 @@ class Trainer:
         # each answer is kept, and the student samples its continuations from there.
         seeds = self._seeds(prompts)
         once = dataclasses.replace(self.params, samples_per_prompt=1)
+        images = [p.images for p in prompts] if self.cfg.model.vision is not None else None
         answers = self.c.teacher.generate(
-            [list(p.ids) for p in prompts], once, [s + 1_000_000_007 for s in seeds]
-        )
+            [list(p.ids) for p in prompts], once, [s + 1_000_000_007 for s in seeds],
+            images=images,
+        )  # fmt: skip
         prefixes = [a[: int(share * len(a))] for a in answers]
         room = self.params.max_new_tokens - min(len(x) for x in prefixes)
-        continued = self.c.generator.generate(
-            [[*p.ids, *x] for p, x in zip(prompts, prefixes, strict=True)],
-            dataclasses.replace(self.params, max_new_tokens=room), seeds=seeds,
+        continued = self._generate(
+            prompts, [[*p.ids, *x] for p, x in zip(prompts, prefixes, strict=True)],
+            dataclasses.replace(self.params, max_new_tokens=room), seeds,
         )  # fmt: skip
-        return with_teacher_prefix(
+        rollout = with_teacher_prefix(
             continued, [len(x) for x in prefixes], self.params.max_new_tokens
         )
+        rollout.images = continued.images
+        return rollout
 
     def _sync_engine(self) -> dict[str, float]:
         """Push the student's weights into an external engine (vLLM); nothing for the built-in

@@ -1,5 +1,6 @@
 """GNDPO with a vision-language student and teacher on CPU (gloo): DP=2, TP=2, PP=2 with the
-teacher on another layout; the frozen encoder never changes, every trainable weight does."""
+teacher on another layout, and TrOPD with teacher-written prefixes; the frozen encoder never
+changes, every trainable weight does."""
 
 from __future__ import annotations
 
@@ -26,7 +27,14 @@ LAYOUTS = {
     "dp2": [],
     "tp2 / teacher pp2": ["parallel.tensor_parallel=2", "teacher.parallel.pipeline_parallel=2"],
     "pp2 / teacher tp2": ["parallel.pipeline_parallel=2", "teacher.parallel.tensor_parallel=2"],
-}
+    # TrOPD with teacher-written prefixes: the VLM teacher answers with the images (on its own
+    # layout), the student continues half of it at step 1, a quarter at step 2
+    "tropd prefixes / teacher pp2": [
+        "algorithm.estimator=tropd", "algorithm.tropd.top_k=4",
+        "algorithm.tropd.prefix_share_start=0.5", "algorithm.tropd.prefix_decay_steps=2",
+        "teacher.parallel.pipeline_parallel=2",
+    ],
+}  # fmt: skip
 
 
 def _vlm_runs(rank: int, world: int, root: str) -> list[dict[str, object]]:
@@ -51,8 +59,9 @@ def _vlm_runs(rank: int, world: int, root: str) -> list[dict[str, object]]:
         })  # fmt: skip
         trainer.c.logger.close()
         _reset()
-    # Resume: the last run's checkpoint reloads into a new trainer at its step.
-    trainer = _trainer(f"{root}/{len(out) - 1}", *VLM, *LAYOUTS["pp2 / teacher tp2"])
+    # Resume: the PP=2 run's checkpoint reloads into a new trainer at its step.
+    pp2 = list(LAYOUTS).index("pp2 / teacher tp2")
+    trainer = _trainer(f"{root}/{pp2}", *VLM, *LAYOUTS["pp2 / teacher tp2"])
     described = sorted(p.name for p in trainer.c.save_dir.glob("*.yaml"))
     out.append({"name": "resumed", "step": trainer.step_count, "described": described})
     _reset()
@@ -74,5 +83,10 @@ def test_vlm_gndpo_trains_at_dp2_tp2_pp2(tmp_path: Path) -> None:
                 assert m["skipped"] == 0.0 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
                 assert math.isfinite(m["loss"]) and m["tokens/step"] > 0, name
                 assert 0.0 <= m["eval/accuracy"] <= 1.0, name
+            if name.startswith("tropd"):
+                first, second = r["history"]
+                assert (first["tropd/prefix_share"], second["tropd/prefix_share"]) == (0.5, 0.25)
+                assert 0 < second["tropd/teacher_written_frac"] < 1
+                assert second["tropd/teacher_written_frac"] < first["tropd/teacher_written_frac"]
         # the encoder is frozen on the first stage (where it lives) of every layout
         assert any(r["frozen"] for r in runs)

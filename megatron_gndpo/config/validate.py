@@ -343,12 +343,10 @@ def _vision_problems(cfg: Config) -> list[str]:
         "trainer.pack_sequences=true": cfg.trainer.pack_sequences,
         "algorithm.vopd_top_k=0 (full-vocabulary vOPD)": a.vopd_top_k == 0
         and "vopd" in (a.estimator, a.distill_estimator),
-        "algorithm.tropd.prefix_share_start > 0 (teacher-written prefixes)": a.estimator == "tropd"
-        and a.tropd.prefix_share_start > 0,
     }
     p += [
-        f"{what} is not supported with a vision-language model yet; use padded micro-batches, "
-        "top-k vOPD and on-policy TrOPD"
+        f"{what} is not supported with a vision-language model yet; use padded micro-batches "
+        "and top-k vOPD"
         for what, used in unsupported.items()
         if used
     ]

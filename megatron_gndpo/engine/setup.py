@@ -175,7 +175,12 @@ def _teacher_generator(
     a = cfg.algorithm
     if a.estimator != "tropd" or a.tropd.prefix_share_start <= 0:
         return None
-    return MegatronGenerator(
+    kind = MegatronGenerator
+    if cfg.teacher.model.vision is not None:
+        from megatron_gndpo.rollout.multimodal import MultimodalGenerator
+
+        kind = MultimodalGenerator
+    return kind(
         teacher, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
         max_sequence_length=cfg.teacher.model.max_position_embeddings,
     )  # fmt: skip

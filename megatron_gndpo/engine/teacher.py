@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -63,26 +64,37 @@ class TeacherScorer:
         self.generator = generator  # a MegatronGenerator on the teacher (TrOPD's guidance)
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        *,
+        images: list[PromptImages | None] | None = None,
     ) -> list[list[int]]:
         """The teacher's response (token ids, stop token included) to each of this rank's
         prompts, one sample each; replica ``d`` of the teacher generates share ``d`` of the step.
+        ``images``: the prompts' images (a vision-language teacher).
 
-        Prompts are short lists of ids, so they travel as Python objects (two all-gathers).
+        Prompts are short lists of ids, so they travel as Python objects (two all-gathers); so
+        do their image tiles.
         """
         if self.generator is None:
             raise RuntimeError("this teacher was built without a generator (see engine/setup.py)")
         student_dp, teacher_dp = self.student_groups.dp, self.groups.dp
         if self.same_layout:
-            return self._responses(prompts, params, seeds)
+            return self._responses(prompts, params, seeds, images)
         parts: list[Any] = [None] * dist.get_world_size(student_dp)
-        dist.all_gather_object(parts, (prompts, seeds), group=student_dp)
+        dist.all_gather_object(parts, (prompts, seeds, images), group=student_dp)
         all_prompts = [p for part in parts for p in part[0]]
         all_seeds = [x for part in parts for x in part[1]]
+        all_images = None if images is None else [x for part in parts for x in part[2]]
         share = len(all_prompts) // self.groups.layout.dp
         d = self.groups.coords["dp"]
         mine = slice(d * share, (d + 1) * share)
-        responses = self._responses(all_prompts[mine], params, all_seeds[mine])
+        responses = self._responses(
+            all_prompts[mine], params, all_seeds[mine],
+            None if all_images is None else all_images[mine],
+        )  # fmt: skip
         gathered: list[Any] = [None] * dist.get_world_size(teacher_dp)
         dist.all_gather_object(gathered, responses, group=teacher_dp)
         everything = [r for part in gathered for r in part]
@@ -90,10 +102,14 @@ class TeacherScorer:
         return everything[s * n : (s + 1) * n]
 
     def _responses(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        images: list[PromptImages | None] | None,
     ) -> list[list[int]]:
         assert self.generator is not None
-        rollout = self.generator.generate(prompts, params, seeds=seeds)
+        rollout = self.generator.generate(prompts, params, seeds=seeds, images=images)
         return [
             rollout.tokens[i, int(rollout.prompt_lengths[i]) : int(n)].tolist()
             for i, n in enumerate(rollout.lengths)
