@@ -201,6 +201,11 @@ class InternVLEngineDouble(FakeLLM):
                 reason = "length"
                 for _ in range(sp.max_tokens):
                     logits = self.model(inputs_embeds=x[None]).logits[0, -1].float()
+                    allowed = getattr(sp, "allowed_token_ids", None)
+                    if allowed is not None:  # as vLLM: every other id gets -inf
+                        keep = torch.full_like(logits, float("-inf"))
+                        keep[allowed] = 0.0
+                        logits = logits + keep
                     logp = (logits / sp.temperature).log_softmax(-1)
                     token = int(torch.multinomial(logp.exp(), 1, generator=rng))
                     new.append(token)

@@ -150,6 +150,10 @@ def test_requests_carry_the_images_of_their_prompt() -> None:
     prompt = requests[0].prompt(lambda **kw: kw)
     assert prompt == {"prompt_token_ids": [7, IMAGE, 8], "multi_modal_data": {"image": ["a"]}}
     assert requests[2].prompt(lambda **kw: kw) == {"prompt_token_ids": [9]}
+    allowed = list(range(100))  # the tokenizer's ids, when the model has more rows
+    requests = build_requests([[7]], params, [1], allowed_token_ids=allowed)
+    assert all(r.sampling["allowed_token_ids"] is allowed for r in requests)
+    assert "allowed_token_ids" not in build_requests([[7]], params, [1])[0].sampling
     with pytest.raises(ValueError, match="one multi_modal entry per prompt"):
         build_requests([[7]], params, [1], multi_modal=[None, None])
 
@@ -354,3 +358,88 @@ def test_student_synced_into_internvl_samples_what_it_scores(tmp_path: Path) -> 
         assert pix["parts"] == [["encoder", "language", "projector"], ["language", "projector"]]
         assert pix["missing"] == [] and pix["tensors"] == len(every)
         assert {n for n, k in pix["loads"].items() if k == 1} == encoder  # frozen: sent once
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer with a VLM student on the stand-in engine
+
+
+def hf_char_tokenizer(directory: Path) -> dict[str, int]:
+    """A Hugging Face tokenizer directory with the built-in character tokenizer's ids and chat
+    template, plus InternVL's ``<img>``, ``</img>`` and ``<IMG_CONTEXT>``; returns their ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_gndpo.data.tokenizer import CharTokenizer
+
+    chars = CharTokenizer()
+    vocab = {token: i for i, token in enumerate(chars._tokens)}
+    extra = ("<img>", "</img>", "<IMG_CONTEXT>")
+    vocab |= {token: len(vocab) + i for i, token in enumerate(extra)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", additional_special_tokens=list(extra),
+    )  # fmt: skip
+    fast.chat_template = "{{ bos_token }}Q: {{ messages[0]['content'] }}\nA: "
+    fast.save_pretrained(directory)
+    return {token: vocab[token] for token in extra}
+
+
+def _trainer_steps(rank: int, world: int, root: str) -> dict[str, Any]:
+    from tests import fake_vllm
+    from tests.test_trainer import _reset, _trainer
+
+    sys.modules.update(internvl_modules())
+    ids = hf_char_tokenizer(Path(root) / f"tokenizer{rank}")
+    fake_vllm.InternVLEngineDouble.wrappers = (ids["<img>"], ids["</img>"])
+    vision = json.dumps({
+        "encoder": "internvit", "pixel_shuffle": True, "projector": "norm_mlp",
+        "projector_norm_epsilon": 1e-5, "layer_scale": 0.1, "image_token_id": ids["<IMG_CONTEXT>"],
+        "image_start_id": ids["<img>"], "image_end_id": ids["</img>"],
+    })  # fmt: skip
+    out = {}
+    for mode in ("embeddings", "pixels"):
+        trainer = _trainer(
+            f"{root}/{mode}", "rollout.engine=vllm", "parallel.tensor_parallel=2",
+            f"rollout.vllm_image_input={mode}", f"model.vision={vision}",
+            f"teacher.model.vision={vision}", f"data.tokenizer={root}/tokenizer{rank}",
+            "data.train=builtin:visual", "rollout.max_prompt_length=64", "trainer.steps=1",
+        )  # fmt: skip
+        engine = trainer.c.generator.llm
+        first = dict(engine.loads)
+        metrics = trainer.step()
+        out[mode] = {
+            "first": first, "loads": dict(engine.loads), "metrics": metrics,
+            "engine_dir": sorted(p.name for p in (Path(root) / mode / "engine").iterdir()),
+        }  # fmt: skip
+        trainer.c.logger.close()
+        _reset()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_trainer_rolls_a_vlm_out_on_the_engine(tmp_path: Path) -> None:
+    """setup builds the engine directory and the image input, the trainer syncs the parts each
+    mode needs, and the engine samples what the student scores (the sampler gap)."""
+    for result in run_distributed(_trainer_steps, 2, args=(str(tmp_path),), timeout_s=300):
+        emb, pix = result["embeddings"], result["pixels"]
+        assert (
+            "tokenizer.json" in emb["engine_dir"]
+            and "preprocessor_config.json" in emb["engine_dir"]
+        )
+        for mode, r in (("embeddings", emb), ("pixels", pix)):
+            m = r["metrics"]
+            assert m["skipped"] == 0.0 and m["tokens/step"] > 0, mode
+            assert m["sampler_gap/mean_abs"] < 1e-5, (mode, m["sampler_gap/mean_abs"])
+        assert all(n.startswith("language_model.") for n in emb["loads"])
+        assert set(emb["loads"].values()) == {2}  # at start and after the update
+        encoder = {n for n in pix["loads"] if n.startswith("vision_tower.")}
+        assert encoder and all(pix["loads"][n] == 1 for n in encoder)  # frozen: once
+        assert all(k == 2 for n, k in pix["loads"].items() if n not in encoder)
+        language = sum(n.startswith("language_model.") for n in pix["loads"])
+        assert pix["metrics"]["weight_sync/tensors"] == len(pix["loads"]) - len(encoder)
+        assert emb["metrics"]["weight_sync/tensors"] == language

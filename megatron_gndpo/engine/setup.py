@@ -215,7 +215,8 @@ def _generator(
         cfg.rollout, engine_dir, pad_id=tokenizer.pad_id,
         tensor_parallel_size=cfg.parallel.tensor_parallel, dtype=cfg.model.params_dtype,
         seed=cfg.trainer.seed, max_model_len=cfg.model.max_position_embeddings,
-        vision=_vision_input(cfg, student),
+        vision=_vision_input(cfg, student), vocab_size=vocab,
+        model_vocab_size=cfg.model.vocab_size,
     )  # fmt: skip
 
 

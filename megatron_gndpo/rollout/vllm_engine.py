@@ -181,9 +181,11 @@ def build_requests(
     seeds: Sequence[int],
     *,
     multi_modal: Sequence[dict[str, Any] | None] | None = None,
+    allowed_token_ids: list[int] | None = None,
 ) -> list[Request]:
     """Requests in row order (prompt i's samples contiguous), one sample each; every sample of
-    prompt i carries ``multi_modal[i]``."""
+    prompt i carries ``multi_modal[i]``. ``allowed_token_ids`` restricts sampling (the
+    tokenizer's ids when the model's vocabulary is larger; one list shared by every request)."""
     if len(seeds) != len(prompts):
         raise ValueError(f"need one seed per prompt, got {len(seeds)} for {len(prompts)}")
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -206,6 +208,8 @@ def build_requests(
                 seed=row_seed(seed, k),
                 detokenize=False,
             )
+            if allowed_token_ids is not None:
+                sampling["allowed_token_ids"] = allowed_token_ids
             requests.append(Request([int(t) for t in prompt], sampling, data))
     return requests
 
@@ -393,7 +397,9 @@ class VLLMGenerator:
 
     ``model_dir`` holds the model's ``config.json`` (:func:`write_engine_config`), or a full
     Hugging Face model with ``load_format="auto"``. ``tensor_parallel_size`` is vLLM's own TP
-    (consecutive ranks of the job); ``dtype`` the engine's weights.
+    (consecutive ranks of the job); ``dtype`` the engine's weights. ``vocab_size``: the
+    tokenizer's ids; when ``model_vocab_size`` (the config's) is larger, requests may sample
+    only those (``allowed_token_ids``).
     """
 
     def __init__(
@@ -408,6 +414,8 @@ class VLLMGenerator:
         load_format: str = "dummy",
         max_model_len: int | None = None,
         vision: VisionInput | None = None,
+        vocab_size: int | None = None,
+        model_vocab_size: int | None = None,
     ) -> None:
         require_package(
             "vllm", what="rollout.engine=vllm", extra="vllm", instead="set rollout.engine=builtin"
@@ -416,6 +424,11 @@ class VLLMGenerator:
 
         self.pad_id = pad_id
         self.vision = vision
+        # The engine samples from the model's whole vocabulary; ids past the tokenizer's (rows
+        # the embedding has beyond it, e.g. Qwen's 152064 for 151665 tokens) must never be
+        # sampled: the trainer gives them no probability mass, as the built-in generator does.
+        restricted = vocab_size is not None and (model_vocab_size or 0) > vocab_size
+        self.allowed_token_ids = list(range(vocab_size)) if restricted and vocab_size else None
         self.dtype = getattr(torch, _VLLM_DTYPES[dtype])
         self.args = engine_args(
             rollout, model_dir, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
@@ -480,7 +493,9 @@ class VLLMGenerator:
         from vllm.inputs import TokensPrompt
 
         sent, multi_modal = self._engine_inputs(prompts, images)
-        requests = build_requests(sent, params, seeds, multi_modal=multi_modal)
+        requests = build_requests(
+            sent, params, seeds, multi_modal=multi_modal, allowed_token_ids=self.allowed_token_ids
+        )
         outputs = self.llm.generate(
             [r.prompt(TokensPrompt) for r in requests],
             [VLLMSamplingParams(**r.sampling) for r in requests],
