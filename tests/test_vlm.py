@@ -11,6 +11,7 @@ combined sequence also equals megatron-core's own ``LLaVAModel.forward`` on comp
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -159,13 +160,29 @@ def _upstream_equal(model, tokens, lengths, images, vision) -> float:  # type: i
     return worst
 
 
+def _micro_batch(tokens_BS, lengths, images, rows) -> types.SimpleNamespace:  # type: ignore[no-untyped-def]
+    """``rows`` right-padded (pad id 0, not the placeholder) with next-token targets and their
+    tiles concatenated in row order."""
+    width = max(lengths[r] for r in rows)
+    tokens = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : lengths[r]] = tokens_BS[r, : lengths[r]]
+    targets = torch.zeros_like(tokens)
+    targets[:, :-1] = tokens[:, 1:]
+    positions = torch.arange(width).unsqueeze(0).expand(len(rows), -1)
+    tiles = [images[r] for r in rows if images[r] is not None]
+    return types.SimpleNamespace(
+        tokens=tokens, positions=positions, targets=targets,
+        images=torch.cat(tiles) if tiles else None,
+    )  # fmt: skip
+
+
 def _train_step(model, groups, tokens, lengths, images) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """One optimizer step on the response log-likelihood: what changed, what it optimises."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_gndpo.engine.optimizer import build_optimizer, step_optimizer, wrap_ddp
     from megatron_gndpo.models.logprob_head import TokenLogProbs
-    from megatron_gndpo.models.vlm_scoring import vision_micro_batch
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
@@ -173,10 +190,7 @@ def _train_step(model, groups, tokens, lengths, images) -> dict[str, object]:  #
     optimizer = build_optimizer(ddp, OptimizerConfig(lr=1e-2, use_distributed_optimizer=True))
     head = TokenLogProbs(vocab_size=VOCAB)
     lengths_list = lengths.tolist()
-    micro = [
-        vision_micro_batch(tokens, lengths_list, images, rows, image_token_id=IMAGE)
-        for rows in ([0, 1], [2, 3])
-    ]
+    micro = [_micro_batch(tokens, lengths_list, images, rows) for rows in ([0, 1], [2, 3])]
 
     def forward_step(data_iterator, net):  # type: ignore[no-untyped-def]
         mb = next(data_iterator)

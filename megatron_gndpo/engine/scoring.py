@@ -304,7 +304,9 @@ def score_batch(
     else:  # a VLM: padding must not be its image placeholder; the rows' tiles come along
         from megatron.core.utils import get_attr_wrapped_model
 
-        pad = 1 if get_attr_wrapped_model(model, "image_token_index") == 0 else 0
+        from megatron_gndpo.models.vlm_scoring import pad_id_for
+
+        pad = pad_id_for(get_attr_wrapped_model(model, "image_token_index"))
         micro_batches = [
             _padded_micro_batch(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, pad)
             for rows in plan(lengths, token_budget)

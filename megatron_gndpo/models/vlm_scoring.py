@@ -7,12 +7,11 @@ position ``t`` is that of ``tokens[t]`` given everything before it, image embedd
 response that starts right after an image gets the log-prob of its first token from the last
 image position, which megatron's LLaVA labels path would drop.
 
-Legend: B = rows, S = padded row length, L = micro-batch row length, N = image tiles.
+Legend: B = rows, S = padded row length.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,42 +21,9 @@ from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 
-@dataclasses.dataclass
-class VisionMicroBatch:
-    """Rows padded to one length, with their image tiles in row order."""
-
-    rows: list[int]
-    tokens: torch.Tensor  # [b, L]
-    positions: torch.Tensor  # [b, L]
-    targets: torch.Tensor  # [b, L]: the next token at each position (pad where none)
-    images: torch.Tensor | None  # [N, 3, H, W]: the rows' tiles, row by row
-
-
 def pad_id_for(image_token_id: int) -> int:
     """A padding id that is not the image placeholder (padding must not take an image)."""
     return 1 if image_token_id == 0 else 0
-
-
-def vision_micro_batch(
-    tokens_BS: torch.Tensor,
-    lengths: Sequence[int],
-    images: Sequence[torch.Tensor | None],
-    rows: Sequence[int],
-    *,
-    image_token_id: int,
-) -> VisionMicroBatch:
-    """``rows`` of the batch right-padded to their longest, with their images concatenated."""
-    width = max(lengths[r] for r in rows)
-    pad = pad_id_for(image_token_id)
-    tokens = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, : lengths[r]] = tokens_BS[r, : lengths[r]]
-    targets = torch.full_like(tokens, pad)
-    targets[:, :-1] = tokens[:, 1:]
-    positions = torch.arange(width).unsqueeze(0).expand(len(rows), -1)
-    tiles = [images[r] for r in rows if images[r] is not None and images[r].shape[0] > 0]  # type: ignore[union-attr]
-    stacked = torch.cat(tiles) if tiles else None  # type: ignore[arg-type]
-    return VisionMicroBatch(list(rows), tokens, positions, targets, stacked)
 
 
 def score_multimodal(
