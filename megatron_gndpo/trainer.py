@@ -245,6 +245,7 @@ class Trainer:
         if not self.c.student_groups.is_last_stage:
             return None
         model = self.c.student
+        model = getattr(model, "language_model", model)  # a VLM's output layer is its LM's
         if model.share_embeddings_and_output_weights:  # tied: the (last stage's) embedding
             return cast(torch.Tensor, model.shared_embedding_or_output_weight()).detach()
         return cast(torch.Tensor, model.output_layer.weight).detach()

@@ -29,6 +29,16 @@ LAYOUTS = {
     "pp2 / teacher tp2": ["parallel.pipeline_parallel=2", "teacher.parallel.tensor_parallel=2"],
     # TrOPD with teacher-written prefixes: the VLM teacher answers with the images (on its own
     # layout), the student continues half of it at step 1, a quarter at step 2
+    # vOPD over the full vocabulary (the teacher's hidden states meet the student's output
+    # layer) equals top-k vOPD with k = every id (the character tokenizer's 100)
+    "full vopd / tp2": [
+        "algorithm.estimator=vopd", "algorithm.vopd_top_k=0", "parallel.tensor_parallel=2",
+        "teacher.parallel.tensor_parallel=2",
+    ],
+    "all-ids vopd / tp2": [
+        "algorithm.estimator=vopd", "algorithm.vopd_top_k=100", "parallel.tensor_parallel=2",
+        "teacher.parallel.tensor_parallel=2",
+    ],
     "tropd prefixes / teacher pp2": [
         "algorithm.estimator=tropd", "algorithm.tropd.top_k=4",
         "algorithm.tropd.prefix_share_start=0.5", "algorithm.tropd.prefix_decay_steps=2",
@@ -88,5 +98,10 @@ def test_vlm_gndpo_trains_at_dp2_tp2_pp2(tmp_path: Path) -> None:
                 assert (first["tropd/prefix_share"], second["tropd/prefix_share"]) == (0.5, 0.25)
                 assert 0 < second["tropd/teacher_written_frac"] < 1
                 assert second["tropd/teacher_written_frac"] < first["tropd/teacher_written_frac"]
+        full, every = (next(r for r in runs if r["name"] == n) for n in
+                       ("full vopd / tp2", "all-ids vopd / tp2"))  # fmt: skip
+        for got, ref in zip(full["history"], every["history"], strict=True):
+            for key in ("loss", "grad_norm", "vopd/kl_mean"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
         # the encoder is frozen on the first stage (where it lives) of every layout
         assert any(r["frozen"] for r in runs)

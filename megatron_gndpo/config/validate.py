@@ -341,8 +341,6 @@ def _vision_problems(cfg: Config) -> list[str]:
         p += _vllm_vision_problems(cfg, student)
     unsupported = {
         "trainer.pack_sequences=true": cfg.trainer.pack_sequences,
-        "algorithm.vopd_top_k=0 (full-vocabulary vOPD)": a.vopd_top_k == 0
-        and "vopd" in (a.estimator, a.distill_estimator),
     }
     p += [
         f"{what} is not supported with a vision-language model yet; use padded micro-batches "
