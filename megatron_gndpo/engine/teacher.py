@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
 from megatron_gndpo.models.logprob_head import TokenLogProbs
-from megatron_gndpo.parallel.groups import ParallelGroups
+from megatron_gndpo.parallel.groups import ParallelGroups, ParallelLayout
 from megatron_gndpo.rollout.base import Generator, SamplingParams
 
 
@@ -37,6 +37,51 @@ def _all_gather_rows(x_nS: torch.Tensor, group: Any) -> torch.Tensor:
     parts = [torch.empty_like(x_nS) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x_nS.contiguous(), group=group)
     return torch.cat(parts, dim=0)
+
+
+def rows_to_students(
+    share_rows: torch.Tensor, n: int, groups: ParallelGroups, student_layout: ParallelLayout
+) -> torch.Tensor:
+    """This rank's ``n`` student rows ``[n, ...]``, from the teacher replicas' shares.
+
+    Teacher replica ``d`` (``groups``) holds rows ``[d * share, (d + 1) * share)`` of the step in
+    ``share_rows``; the student rank with data-parallel coordinate ``s`` (``student_layout``)
+    scores rows ``[s * n, (s + 1) * n)``. Over the teacher's DP group (one rank of every replica,
+    so every share) each member sends each other member only the rows of its share that member
+    needs, point to point: a rank receives its ``n`` rows, not the step's (an all-gather would
+    move ``N x S x K`` values to every rank for top-k outputs). Every rank calls it.
+    """
+    share = share_rows.shape[0]
+    me = dist.get_rank()
+
+    def held(rank: int) -> tuple[int, int]:  # the rows of the share a teacher rank holds
+        d = groups.layout.coords(rank)["dp"]
+        return d * share, (d + 1) * share
+
+    def needed(rank: int) -> tuple[int, int]:  # the rows a student rank scores
+        s = student_layout.coords(rank)["dp"]
+        return s * n, (s + 1) * n
+
+    out = torch.empty((n, *share_rows.shape[1:]), dtype=share_rows.dtype, device=share_rows.device)
+    mine, want = held(me), needed(me)
+    ops = []
+    for peer in dist.get_process_group_ranks(groups.dp):
+        theirs, their_want = held(peer), needed(peer)
+        lo, hi = max(theirs[0], want[0]), min(theirs[1], want[1])  # peer -> me
+        if peer == me:
+            if lo < hi:
+                out[lo - want[0] : hi - want[0]] = share_rows[lo - mine[0] : hi - mine[0]]
+            continue
+        if lo < hi:
+            ops.append(dist.P2POp(dist.irecv, out[lo - want[0] : hi - want[0]], peer))
+        lo, hi = max(mine[0], their_want[0]), min(mine[1], their_want[1])  # me -> peer
+        if lo < hi:
+            part = share_rows[lo - mine[0] : hi - mine[0]].contiguous()
+            ops.append(dist.P2POp(dist.isend, part, peer))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return out
 
 
 class TeacherScorer:
@@ -184,9 +229,9 @@ class TeacherScorer:
         specs = (mine_request or ScoreRequest()).specs(share, width)
         mine = broadcast_scores(mine, specs, self.groups, device)
 
-        s = self.student_groups.coords["dp"]
-        out = {}
-        for key, value in mine.items():
-            everything = _all_gather_rows(value, self.groups.dp)
-            out[key] = everything[s * n : (s + 1) * n, :width_n].to(tokens_nS.device)
-        return out
+        return {
+            key: rows_to_students(value, n, self.groups, self.student_groups.layout)[
+                :, :width_n
+            ].to(tokens_nS.device)
+            for key, value in mine.items()
+        }

@@ -1,0 +1,51 @@
+"""The teacher's outputs reach the student's ranks point to point (``rows_to_students``).
+
+One 4-rank launch (gloo), no models: teacher replica ``d`` holds rows ``[d*share, (d+1)*share)``
+of the step as ``[share, S, K]`` values that name their own row; every rank must get exactly the
+rows its student data-parallel rank scores, for teacher/student layouts whose data-parallel sizes
+are equal, larger and smaller, with tensor and pipeline parallelism on either side.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+N, S, K = 8, 3, 2  # rows of the step, width, values per position
+# (student tp, pp) and (teacher tp, pp) on 4 ranks: student DP 4/2/1/2, teacher DP 2/4/2/1
+PAIRS = {
+    "student dp4 / teacher tp2": ((1, 1), (2, 1)),
+    "student tp2 / teacher dp4": ((2, 1), (1, 1)),
+    "student tp4 / teacher pp2": ((4, 1), (1, 2)),
+    "student pp2 / teacher tp2 pp2": ((1, 2), (2, 2)),
+}
+
+
+def _exchange(rank: int, world: int) -> dict[str, object]:
+    from megatron_gndpo.engine.teacher import rows_to_students
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_groups
+
+    out: dict[str, object] = {}
+    for name, ((stp, spp), (ttp, tpp)) in PAIRS.items():
+        student = ParallelLayout(world, tp=stp, pp=spp)
+        teacher = build_groups(ParallelLayout(world, tp=ttp, pp=tpp), name=name)
+        share, d = N // teacher.layout.dp, teacher.coords["dp"]
+        rows = torch.arange(d * share, (d + 1) * share)
+        values = rows.view(-1, 1, 1).expand(share, S, K) * 100 + torch.arange(S * K).view(S, K)
+        n = N // student.dp
+        got = rows_to_students(values.float(), n, teacher, student)
+        ids = rows_to_students(rows.view(-1, 1), n, teacher, student)  # int64, [share, 1]
+        out[name] = (student.coords(rank)["dp"], n, got, ids)
+    return out
+
+
+@pytest.mark.distributed
+def test_each_rank_receives_exactly_its_rows() -> None:
+    for rank, result in enumerate(run_distributed(_exchange, 4, timeout_s=120)):
+        for name, (s, n, got, ids) in result.items():  # type: ignore[misc]
+            want = torch.arange(s * n, (s + 1) * n)
+            assert ids.view(-1).tolist() == want.tolist(), (rank, name)
+            expected = want.view(-1, 1, 1) * 100 + torch.arange(S * K).view(S, K)
+            assert got.shape == (n, S, K) and torch.equal(got, expected.float()), (rank, name)
