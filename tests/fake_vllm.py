@@ -5,13 +5,33 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.machinery
 import sys
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+
+def load_named(
+    params: dict[str, torch.Tensor],
+    loads: collections.Counter[str],
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> None:
+    """vLLM's ``load_weights`` contract on a name -> parameter map: copy each tensor into its
+    parameter (unknown names and shapes are errors) and count every load."""
+    with torch.no_grad():
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(f"the engine has no weight {name!r}")
+            target = params[name]
+            if tensor.shape != target.shape:
+                raise ValueError(f"{name}: got {tuple(tensor.shape)}, need {target.shape}")
+            target.copy_(tensor)
+            loads[name] += 1
 
 
 @dataclasses.dataclass
@@ -113,7 +133,6 @@ class InternVLEngineDouble(FakeLLM):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        import collections
         import json
         from pathlib import Path
 
@@ -145,15 +164,7 @@ class InternVLEngineDouble(FakeLLM):
         )
 
     def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in weights:
-                if name not in self.params:
-                    raise KeyError(f"the engine has no weight {name!r}")
-                target = self.params[name]
-                if tensor.shape != target.shape:
-                    raise ValueError(f"{name}: got {tuple(tensor.shape)}, need {target.shape}")
-                target.copy_(tensor)
-                self.loads[name] += 1
+        load_named(self.params, self.loads, weights)
 
     def missing(self) -> list[str]:
         return sorted(set(self.params) - set(self.loads))

@@ -36,7 +36,14 @@ from megatron_gndpo.rollout.vllm_engine import (
     write_engine_config,
 )
 from megatron_gndpo.weight_sync import bucketed, merge_tp_shards
-from tests.fake_vllm import FakeCompletion, FakeLLM, FakeRequestOutput, fake_output, modules
+from tests.fake_vllm import (
+    FakeCompletion,
+    FakeLLM,
+    FakeRequestOutput,
+    fake_output,
+    load_named,
+    modules,
+)
 from tests.harness import run_distributed
 
 VOCAB = 90
@@ -79,15 +86,7 @@ class HFEngineDouble:
         self.loads: collections.Counter[str] = collections.Counter()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in weights:
-                if name not in self.params:
-                    raise KeyError(f"the engine has no weight {name!r}")
-                target = self.params[name]
-                if tensor.shape != target.shape:
-                    raise ValueError(f"{name}: got {tuple(tensor.shape)}, need {target.shape}")
-                target.copy_(tensor)
-                self.loads[name] += 1
+        load_named(self.params, self.loads, weights)
 
     def missing(self) -> list[str]:
         return sorted(set(self.params) - set(self.loads))
