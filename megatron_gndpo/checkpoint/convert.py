@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -331,7 +331,6 @@ def convert_mcore_to_hf(
     checkpoint is a ``CheckpointError``. Returns ``out_dir``.
     """
     from megatron_gndpo.models.gpt import build_gpt
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
 
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
@@ -354,13 +353,42 @@ def convert_mcore_to_hf(
         if source and source.get(key) is not None:
             config[key] = source[key]
 
+    return export_checkpoint(
+        step, out_dir,
+        build=lambda groups: build_gpt(model, ParallelConfig(), groups),
+        to_hf=lambda state: hf_mapping.iter_megatron_to_hf(state, model, consume=True),
+        config=config, side_files=tok_dir if tok_dir is not None else base, dtype=dtype,
+        max_shard_bytes=max_shard_bytes, copy_side_files=copy_tokenizer_files,
+    )  # fmt: skip
+
+
+def export_checkpoint(
+    step: Path,
+    out_dir: str | Path,
+    *,
+    build: Callable[[ParallelGroups], torch.nn.Module],
+    to_hf: Callable[[dict[str, Any]], Iterable[tuple[str, torch.Tensor]]],
+    config: dict[str, Any],
+    side_files: Path,
+    dtype: Dtype,
+    max_shard_bytes: int,
+    copy_side_files: Callable[[Path, Path], Any],
+) -> Path:
+    """Load checkpoint ``step`` into a TP=1/PP=1 model from ``build`` and write it as Hugging
+    Face safetensors (names and layouts from ``to_hf`` on the state dict, which it may consume),
+    ``config.json`` and the files ``copy_side_files`` copies from ``side_files``.
+
+    Every rank loads; rank 0 writes. Starts (and ends) a one-process world when none exists.
+    """
+    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+
     started = not dist.is_initialized()
     if started:
         init_distributed()
     created_state = False
     try:
         groups, created_state = _export_groups()
-        net = build_gpt(model, ParallelConfig(), groups)
+        net = build(groups)
         load_checkpoint(step, net)
         state = {k: v for k, v in net.state_dict().items() if not hf_mapping.is_extra_state(k)}
         del net  # the state dict is now the only owner: consuming it frees memory as we write
@@ -370,12 +398,12 @@ def convert_mcore_to_hf(
             out_dtype = _TORCH_DTYPES[dtype]
             tensors = (
                 # copy: outputs must not share storage (gate/up, q/k/v are views)
-                (name, t.to(dtype=out_dtype, copy=True).contiguous())
-                for name, t in hf_mapping.iter_megatron_to_hf(state, model, consume=True)
+                (name, t.detach().to("cpu", out_dtype, copy=True).contiguous())
+                for name, t in to_hf(state)
             )
             _write_safetensors(tensors, out, max_shard_bytes)
             (out / "config.json").write_text(json.dumps(config, indent=2))
-            copy_tokenizer_files(tok_dir if tok_dir is not None else base, out)
+            copy_side_files(side_files, out)
         _barrier()
     finally:
         if created_state:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import vlm_mapping
 from megatron_gndpo.checkpoint.convert import (
@@ -36,16 +35,15 @@ from megatron_gndpo.checkpoint.convert import (
     HFCheckpoint,
     _barrier,
     _check_layout,
-    _export_groups,
     _rank,
     _source_hf_config,
-    _write_safetensors,
     copy_tokenizer_files,
+    export_checkpoint,
     read_hf_config,
     read_model_config,
 )
-from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
-from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, is_extra_state, shard_for_rank
+from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
+from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, shard_for_rank
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -212,7 +210,6 @@ def convert_vlm_mcore_to_hf(
     files from ``tokenizer_dir`` or from beside the checkpoint. Returns ``out_dir``.
     """
     from megatron_gndpo.models.vlm import build_vlm
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
 
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
@@ -231,36 +228,13 @@ def convert_vlm_mcore_to_hf(
         if value is not None:
             config["text_config"][key] = value
 
-    started = not dist.is_initialized()
-    if started:
-        init_distributed()
-    created_state = False
-    try:
-        groups, created_state = _export_groups()
-        net = build_vlm(model, vision, ParallelConfig(), groups)
-        load_checkpoint(step, net)
-        state = {k: v for k, v in net.state_dict().items() if not is_extra_state(k)}
-        del net
-        if _rank() == 0:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            out_dtype = _TORCH_DTYPES[dtype]
-            tensors = (
-                (name, t.detach().to("cpu", out_dtype).contiguous())
-                for name, t in vlm_mapping.iter_megatron_to_hf(state, model, vision, consume=True)
-            )
-            _write_safetensors(tensors, out, max_shard_bytes)
-            (out / "config.json").write_text(json.dumps(config, indent=2))
-            _copy_side_files(tok_dir if tok_dir is not None else base, out)
-        _barrier()
-    finally:
-        if created_state:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-        if started:
-            shutdown_distributed()
-    return Path(out_dir)
+    return export_checkpoint(
+        step, out_dir,
+        build=lambda groups: build_vlm(model, vision, ParallelConfig(), groups),
+        to_hf=lambda state: vlm_mapping.iter_megatron_to_hf(state, model, vision, consume=True),
+        config=config, side_files=tok_dir if tok_dir is not None else base, dtype=dtype,
+        max_shard_bytes=max_shard_bytes, copy_side_files=_copy_side_files,
+    )  # fmt: skip
 
 
 def is_hf_vlm(hf_dir: str | Path) -> bool:
