@@ -14,21 +14,12 @@ from megatron_gndpo.checkpoint.dist import (
     resolve,
     step_dir,
 )
-from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_gndpo.config.schema import OptimizerConfig, ParallelConfig
 from tests.harness import run_distributed
+from tests.tiny import tiny_model
 
 VOCAB = 120
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=VOCAB,
-    make_vocab_size_divisible_by=64,
-    max_position_embeddings=32,
-    params_dtype="fp32",
-)
+MODEL = tiny_model(vocab_size=VOCAB, max_position_embeddings=32)
 OPTIMIZER = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0)
 SEQ, MICRO = 12, 2
 

@@ -12,6 +12,7 @@ import pytest
 from megatron_gndpo.data.tasks import chains
 from megatron_gndpo.rewards.verifiable import extract_answer, reward
 from tests.harness import run_distributed
+from tests.tiny import tiny_model
 
 # ---------------------------------------------------------------------------- task
 
@@ -110,17 +111,12 @@ def test_sft_micro_batch_masks_the_response_only() -> None:
 
 # ---------------------------------------------------------------------------- on megatron
 
-_TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4)
-
 
 def _tiny_recipe(steps: int, batch: int, micro: int):  # type: ignore[no-untyped-def]
-    from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig
+    from megatron_gndpo.config.schema import OptimizerConfig
     from megatron_gndpo.demo.models import Recipe
 
-    model = ModelConfig(
-        **_TINY, vocab_size=128, make_vocab_size_divisible_by=64, max_position_embeddings=64,
-        params_dtype="fp32",
-    )  # fmt: skip
+    model = tiny_model(vocab_size=128, num_query_groups=None)
     optimizer = OptimizerConfig(lr=3e-3, warmup_steps=2, weight_decay=0.0)
     return Recipe("tiny", model, optimizer, steps, batch, micro, seed=5)
 

@@ -7,23 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from megatron_gndpo.config.schema import ParallelConfig
 from megatron_gndpo.rollout.base import RowStreams, SamplingParams, sample_next
 from tests.harness import run_distributed
+from tests.tiny import tiny_model
 
 VOCAB = 90
 PAD = 0
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=VOCAB,
-    make_vocab_size_divisible_by=64,
-    max_position_embeddings=48,
-    params_dtype="fp32",
-)
+MODEL = tiny_model(vocab_size=VOCAB, max_position_embeddings=48)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
 
 

@@ -13,23 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from megatron_gndpo.config.schema import ParallelConfig
 from megatron_gndpo.engine.scoring import plan_packed, plan_padded
 from tests.harness import run_distributed
+from tests.tiny import tiny_model
 
 VOCAB = 100
-MODEL = ModelConfig(
-    num_layers=4,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=VOCAB,
-    make_vocab_size_divisible_by=64,
-    max_position_embeddings=64,
-    add_qkv_bias=True,
-    params_dtype="fp32",
-)
+MODEL = tiny_model(num_layers=4, vocab_size=VOCAB, add_qkv_bias=True)
 LENGTHS = [5, 17, 9, 2, 17, 11]
 
 

@@ -16,23 +16,18 @@ import types
 import pytest
 import torch
 
-from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_gndpo.config.schema import OptimizerConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from tests.harness import run_distributed
+from tests.tiny import tiny_model
 
 VOCAB = 60
 IMAGE = 3  # the placeholder id
-MODEL = ModelConfig(
-    num_layers=2,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
+MODEL = tiny_model(
     vocab_size=VOCAB,
     make_vocab_size_divisible_by=32,
     max_position_embeddings=128,
     add_qkv_bias=True,
-    params_dtype="fp32",
 )
 ENCODERS = {
     "clip": VisionConfig(image_size=28, patch_size=7, image_token_id=IMAGE),

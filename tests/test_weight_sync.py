@@ -45,6 +45,7 @@ from tests.fake_vllm import (
     modules,
 )
 from tests.harness import run_distributed
+from tests.tiny import tiny_model
 
 VOCAB = 90
 PAD = 0
@@ -53,19 +54,12 @@ _NEW_TOKENS = 5
 
 
 def _model_cfg(family: str) -> ModelConfig:
-    return ModelConfig(
-        num_layers=2,
-        hidden_size=32,
+    return tiny_model(
         ffn_hidden_size=48,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=VOCAB,
-        make_vocab_size_divisible_by=64,  # padded to 128 (TP=1) / 128 (TP=2): trimmed on sync
-        max_position_embeddings=64,
+        vocab_size=VOCAB,  # padded to 128 (TP=1) / 128 (TP=2): trimmed on sync
         rotary_base=1e6 if family == "qwen2" else 5e5,
         add_qkv_bias=family == "qwen2",
         tie_embeddings=family == "qwen2",
-        params_dtype="fp32",
     )
 
 

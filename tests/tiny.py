@@ -1,0 +1,29 @@
+"""Shared test helpers: the tiny megatron model most CPU tests build."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_gndpo.config.schema import ModelConfig
+
+TINY_MODEL: dict[str, Any] = dict(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    make_vocab_size_divisible_by=64,
+    max_position_embeddings=64,
+    params_dtype="fp32",
+)
+"""The defaults of :func:`tiny_model`; every other field is ``ModelConfig``'s own default."""
+
+
+def tiny_model(**overrides: Any) -> ModelConfig:
+    """A tiny fp32 GPT config for CPU tests: 2 layers, hidden 32, FFN 64, 4 heads in 2 query
+    groups, the vocabulary padded to a multiple of 64 (x TP), 64 positions.
+
+    ``overrides`` are ``ModelConfig`` fields and win over these defaults; tests usually pass
+    ``vocab_size`` and whatever else they need (``max_position_embeddings``, ``add_qkv_bias``).
+    """
+    return ModelConfig(**{**TINY_MODEL, **overrides})
