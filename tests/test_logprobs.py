@@ -262,7 +262,7 @@ def test_errors_name_the_problem():
         vocab_parallel_logprobs_from_logits(hidden_TH @ weight_VH.t(), targets_T[:5])
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_logprobs_from_logits(hidden_TH @ weight_VH.t(), targets_T, temperature=0)
-    with pytest.raises(ValueError, match=r"top_k must lie in \[0, vocab_size=8\]"):
+    with pytest.raises(ValueError, match=r"top_k must lie in \[0, 8\] \(vocab_size=8"):
         vocab_parallel_token_stats(hidden_TH, weight_VH, targets_T % 8, vocab_size=8, top_k=9)
 
 

@@ -616,3 +616,88 @@ def test_tensor_parallel_matches_reference_for_tp_1_2_4(monkeypatch):
             check_forward_only(got, where)
             # the sample is the same at every TP size, not only equal to the reference
             assert torch.equal(got["sample"], ranks[0][1]["sample"]), where
+
+
+# ---------------------------------------------------------------------------------------------
+# Excluded ids (a VLM's image placeholder): no probability mass, at TP=1 and TP=2.
+
+EXCLUDED = (3, 31)  # one id in each half of the 48 rows (one per TP=2 shard)
+
+
+def reference_excluded(hidden_TH, weight_VH, vocab_size, temperature, excluded=EXCLUDED):
+    """float64 log-softmax [T, V] with padding and the excluded ids at −inf."""
+    logits_TV = hidden_TH.double() @ weight_VH.double().t() / temperature
+    masked_V = torch.arange(weight_VH.shape[0]) >= vocab_size
+    masked_V[list(excluded)] = True
+    return torch.log_softmax(logits_TV.masked_fill(masked_V, -math.inf), dim=-1)
+
+
+def excluded_case(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """48 rows, 40 real; the excluded rows would win every token if they took mass."""
+    hidden_TH, weight_VH, targets_T = make_case(23, 8, 48, 40, seed=seed)
+    weight_VH[list(EXCLUDED)] = 10.0 * hidden_TH.mean(0)
+    targets_T = torch.where(torch.isin(targets_T, torch.tensor(EXCLUDED)), 7, targets_T)
+    return hidden_TH, weight_VH, targets_T
+
+
+def test_excluded_ids_take_no_mass():
+    temp, kwargs = 0.9, {"vocab_size": 40, "chunk_tokens": 6, "excluded_ids": EXCLUDED}
+    hidden_TH, weight_VH, targets_T = excluded_case()
+    ref_TV = reference_excluded(hidden_TH, weight_VH, 40, temp)
+    hidden_TH.requires_grad_()
+    weight_VH.requires_grad_()
+    logp_T, entropy_T = vocab_parallel_logprobs_and_entropy(
+        hidden_TH, weight_VH, targets_T, temperature=temp, **kwargs
+    )
+    torch.testing.assert_close(logp_T.double(), ref_TV.gather(-1, targets_T[:, None])[:, 0],
+                               **FP32_TOL)  # fmt: skip
+    p_TV = ref_TV.exp()
+    ref_entropy = -(p_TV * ref_TV.masked_fill(p_TV == 0, 0.0)).sum(-1)
+    torch.testing.assert_close(entropy_T.double(), ref_entropy, **FP32_TOL)
+    (logp_T.sum() + entropy_T.sum()).backward()
+    assert hidden_TH.grad is not None and weight_VH.grad is not None
+    assert torch.isfinite(hidden_TH.grad).all() and torch.isfinite(weight_VH.grad).all()
+    assert torch.equal(weight_VH.grad[list(EXCLUDED)], torch.zeros(2, 8))  # no mass, no gradient
+    with torch.no_grad():
+        h, w = hidden_TH.detach(), weight_VH.detach()
+        stats = vocab_parallel_token_stats(h, w, targets_T, top_k=5, temperature=temp, **kwargs)
+        assert (
+            stats.topk_ids is not None
+            and not torch.isin(stats.topk_ids, torch.tensor(EXCLUDED)).any()
+        )
+        torch.testing.assert_close(stats.topk_ids, ref_TV.topk(5, -1).indices)
+        ids = vocab_parallel_argmax(h, w, **kwargs)
+        assert torch.equal(ids, ref_TV.argmax(-1))
+        drawn = vocab_parallel_sample(h, w, generator=torch.Generator().manual_seed(1), **kwargs)
+        assert not torch.isin(drawn, torch.tensor(EXCLUDED)).any()
+        # KL between two models, both without the excluded ids: no NaN from −inf − (−inf)
+        h2, w2, _ = excluded_case(seed=5)
+        kl_T = vocab_parallel_kl(h, w, h2, w2, **kwargs)
+        ref_p, ref_q = reference_excluded(h, w, 40, 1.0), reference_excluded(h2, w2, 40, 1.0)
+        terms = ref_p.exp() * (ref_p - ref_q)
+        torch.testing.assert_close(kl_T.double(), terms.nan_to_num(0.0).sum(-1), **FP32_TOL)
+    with pytest.raises(ValueError, match="excluded_ids must be ids in"):
+        vocab_parallel_logprobs(h, w, targets_T, vocab_size=40, excluded_ids=(40,))
+
+
+def _excluded_tp2(rank: int, world_size: int) -> dict[str, Any]:
+    group = dist.new_group([0, 1])
+    hidden_TH, weight_VH, targets_T = excluded_case()
+    shard = weight_VH.chunk(2)[rank]
+    kwargs = {"vocab_size": 40, "chunk_tokens": 6, "excluded_ids": EXCLUDED, "tp_group": group}
+    logp_T, entropy_T = vocab_parallel_logprobs_and_entropy(
+        hidden_TH, shard, targets_T, temperature=0.9, **kwargs
+    )
+    return {"logp": logp_T, "entropy": entropy_T,
+            "argmax": vocab_parallel_argmax(hidden_TH, shard, **kwargs)}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_excluded_ids_at_tp2():
+    hidden_TH, weight_VH, targets_T = excluded_case()
+    ref_TV = reference_excluded(hidden_TH, weight_VH, 40, 0.9)
+    for got in run_distributed(_excluded_tp2, 2, timeout_s=120):
+        expected = ref_TV.gather(-1, targets_T[:, None])[:, 0]
+        torch.testing.assert_close(got["logp"].double(), expected, **FP32_TOL)
+        assert torch.equal(got["argmax"], ref_TV.argmax(-1))
+        assert torch.isfinite(got["entropy"]).all()

@@ -351,7 +351,19 @@ def _generate_with_images(rank: int, world: int) -> dict[str, object]:
             logp = logits.log_softmax(-1)
             for t in range(int(rollout.prompt_lengths[row]), length):
                 expected[row, t] = logp[t - 1, ids[0, t]]
-    return {"rollout": rollout, "expected": expected}
+    # The trainer's scoring of the same rows: with the placeholder excluded (as the trainer's
+    # heads do for a VLM) it is the sampler's distribution; over the whole vocabulary it is not
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.models.vlm_scoring import score_multimodal
+
+    row_images = [images[int(i)] for i in rollout.prompt_index]
+    scored = {}
+    for name, excluded in (("excluded", (IMAGE,)), ("whole vocabulary", ())):
+        head = TokenLogProbs(VOCAB, excluded_ids=excluded)
+        scored[name] = score_multimodal(
+            model, groups, rollout.tokens, rollout.lengths, row_images, head=head, token_budget=256
+        )
+    return {"rollout": rollout, "expected": expected, "scored": scored}
 
 
 @pytest.mark.distributed
@@ -364,3 +376,10 @@ def test_generation_with_images_matches_full_recompute() -> None:
     torch.testing.assert_close(
         rollout.sampler_logprobs.double() * mask, expected * mask, rtol=1e-5, atol=1e-5
     )
+    scored = result["scored"]
+    torch.testing.assert_close(
+        scored["excluded"] * mask, rollout.sampler_logprobs * mask, rtol=1e-5, atol=1e-5
+    )
+    # without the exclusion the scorer gives the placeholder mass the sampler never draws from:
+    # on-policy training would then move probability onto it unopposed
+    assert float((scored["whole vocabulary"] - rollout.sampler_logprobs)[mask].abs().min()) > 1e-4

@@ -30,13 +30,14 @@ LAYOUTS = {
     # TrOPD with teacher-written prefixes: the VLM teacher answers with the images (on its own
     # layout), the student continues half of it at step 1, a quarter at step 2
     # vOPD over the full vocabulary (the teacher's hidden states meet the student's output
-    # layer) equals top-k vOPD with k = every id (the character tokenizer's 100)
+    # layer) equals top-k vOPD with k = every id the policy can sample (the character
+    # tokenizer's 100 less the image placeholder)
     "full vopd / tp2": [
         "algorithm.estimator=vopd", "algorithm.vopd_top_k=0", "parallel.tensor_parallel=2",
         "teacher.parallel.tensor_parallel=2",
     ],
     "all-ids vopd / tp2": [
-        "algorithm.estimator=vopd", "algorithm.vopd_top_k=100", "parallel.tensor_parallel=2",
+        "algorithm.estimator=vopd", "algorithm.vopd_top_k=99", "parallel.tensor_parallel=2",
         "teacher.parallel.tensor_parallel=2",
     ],
     "tropd prefixes / teacher pp2": [

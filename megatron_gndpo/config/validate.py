@@ -336,18 +336,13 @@ def _vision_problems(cfg: Config) -> list[str]:
         check_same_image_layout(student, teacher)
     except ValueError as err:
         p.append(str(err))
-    a = cfg.algorithm
     if cfg.rollout.engine == "vllm":
         p += _vllm_vision_problems(cfg, student)
-    unsupported = {
-        "trainer.pack_sequences=true": cfg.trainer.pack_sequences,
-    }
-    p += [
-        f"{what} is not supported with a vision-language model yet; use padded micro-batches "
-        "and top-k vOPD"
-        for what, used in unsupported.items()
-        if used
-    ]
+    if cfg.trainer.pack_sequences:
+        p.append(
+            "trainer.pack_sequences=true is not supported with a vision-language model yet (rows "
+            "with images are scored padded); set trainer.pack_sequences=false"
+        )
     return p
 
 

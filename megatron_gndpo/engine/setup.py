@@ -216,8 +216,13 @@ def _generator(
         tensor_parallel_size=cfg.parallel.tensor_parallel, dtype=cfg.model.params_dtype,
         seed=cfg.trainer.seed, max_model_len=cfg.model.max_position_embeddings,
         vision=_vision_input(cfg, student), vocab_size=vocab,
-        model_vocab_size=cfg.model.vocab_size,
+        model_vocab_size=cfg.model.vocab_size, excluded_ids=never_sampled(cfg),
     )  # fmt: skip
+
+
+def never_sampled(cfg: Config) -> tuple[int, ...]:
+    """Token ids no rollout samples: a VLM's image placeholder (the generators mask it)."""
+    return () if cfg.model.vision is None else (cfg.model.vision.image_token_id,)
 
 
 def _vision_input(cfg: Config, student: Any) -> Any:
@@ -263,8 +268,13 @@ def build_components(cfg: Config) -> Components:
     if cfg.teacher.load is not None:
         load_checkpoint(cfg.teacher.load, teacher_model)
 
-    head = TokenLogProbs(vocab_size=vocab)
-    teacher_head = TokenLogProbs(vocab_size=vocab, temperature=cfg.teacher.temperature)
+    # A VLM's image placeholder is never sampled: neither model gives it probability mass, so
+    # the student trains the distribution it samples from (and the teacher scores that support)
+    never = never_sampled(cfg)
+    head = TokenLogProbs(vocab_size=vocab, excluded_ids=never)
+    teacher_head = TokenLogProbs(
+        vocab_size=vocab, temperature=cfg.teacher.temperature, excluded_ids=never
+    )
     t = cfg.trainer
     prompts, skipped = _prompts(cfg, cfg.data.train, tokenizer)
     eval_prompts: list[EncodedPrompt] = []

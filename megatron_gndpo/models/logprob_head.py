@@ -86,11 +86,23 @@ class TokenLogProbs:
 
     ``vocab_size`` is the number of real token ids: embedding rows at or beyond it (TP padding,
     rows past the tokenizer) take no probability mass. ``temperature`` divides the logits.
+    ``excluded_ids`` take no mass either: ids the rollout never samples (a VLM's image
+    placeholder), so the policy scored and trained is the one sampled from; a target that is
+    one of them (a prompt position before an image) scores as another id, to be masked out.
     """
 
     vocab_size: int
     chunk_tokens: int = 2048
     temperature: float = 1.0
+    excluded_ids: tuple[int, ...] = ()
+
+    def _allowed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with every excluded id replaced by the first id that is not excluded."""
+        if not self.excluded_ids:
+            return ids
+        stand_in = next(i for i in range(self.vocab_size) if i not in self.excluded_ids)
+        excluded = torch.tensor(self.excluded_ids, device=ids.device)
+        return torch.where(torch.isin(ids, excluded), stand_in, ids)
 
     def __call__(
         self,
@@ -119,8 +131,11 @@ class TokenLogProbs:
             "chunk_tokens": self.chunk_tokens,
             "temperature": self.temperature,
         }
+        if self.excluded_ids:
+            kwargs["excluded_ids"] = self.excluded_ids
         if not isinstance(context, ScoreContext):  # the hot path: sampled tokens only
-            logprobs = vocab_parallel_logprobs(hidden_TH, weight, _tokens_first(context), **kwargs)
+            targets_T = self._allowed(_tokens_first(context))
+            logprobs = vocab_parallel_logprobs(hidden_TH, weight, targets_T, **kwargs)
             return logprobs.view(s, b).transpose(0, 1)
         return self._scores(hidden_TH, weight, request, (s, b), kwargs)
 
@@ -133,10 +148,10 @@ class TokenLogProbs:
         kwargs: dict[str, Any],
     ) -> dict[str, torch.Tensor]:
         """The :class:`ScoreContext` outputs, ``[b, s]`` / ``[b, s, K]``."""
-        targets_T = _tokens_first(request.targets)
+        targets_T = self._allowed(_tokens_first(request.targets))
         ids = targets_T.unsqueeze(-1)  # one pass for the targets, the K other ids and entropy
         if request.extra_ids is not None:
-            ids = torch.cat([ids, _tokens_first(request.extra_ids)], -1)
+            ids = torch.cat([ids, self._allowed(_tokens_first(request.extra_ids))], -1)
         if request.entropy:
             logp_TK, entropy_T = vocab_parallel_logprobs_and_entropy(
                 hidden_TH, weight, ids, **kwargs

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -81,6 +81,9 @@ class _VocabShard:
     vocab_size: int  # real (unpadded) size of the full vocabulary
     temperature: float
     chunk_tokens: int
+    # columns of this shard (local indices, below real_rows) that take no probability mass:
+    # ids the policy never samples (a VLM's image placeholder)
+    excluded: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -114,6 +117,8 @@ class _ShardMath:
             logits_CV.div_(shard.temperature)
         if shard.real_rows < shard.rows:
             logits_CV[:, shard.real_rows :] = -math.inf
+        if shard.excluded:
+            logits_CV[:, list(shard.excluded)] = -math.inf
         return logits_CV
 
     @staticmethod
@@ -207,6 +212,8 @@ class _ShardMath:
             del p_CV
             # Padding columns: p = 0 times log p = −inf is NaN; their true gradient is 0.
             grad_CV[:, shard.real_rows :] = 0.0
+            if shard.excluded:
+                grad_CV[:, list(shard.excluded)] = 0.0
         local_CK, owned_CK = _ShardMath.local_targets(targets_CK, shard)
         grad_CV.scatter_add_(-1, local_CK, scale_CK * owned_CK)
         return grad_CV
@@ -415,6 +422,7 @@ def _vocab_shard(
     vocab_size: int | None,
     temperature: float,
     chunk_tokens: int,
+    excluded_ids: Sequence[int] = (),
 ) -> _VocabShard:
     """Validate the per-call settings and locate this rank's rows in the full vocabulary."""
     if not (temperature > 0 and math.isfinite(temperature)):
@@ -433,16 +441,25 @@ def _vocab_shard(
             f"vocab_size={vocab_size} must lie in [1, {total_rows}], the rows of the full output "
             f"layer ({rows} per rank × TP size {tp_size})"
         )
+    bad = sorted({int(i) for i in excluded_ids if not 0 <= int(i) < vocab_size})
+    if bad or len(set(excluded_ids)) >= vocab_size:
+        raise ValueError(
+            f"excluded_ids must be ids in [0, vocab_size={vocab_size}) that leave at least one "
+            f"id, got {sorted(set(excluded_ids))}"
+        )
     start = tp_rank * rows
+    real_rows = min(max(vocab_size - start, 0), rows)
     return _VocabShard(
         group=tp_group if tp_size > 1 else None,  # a group of one needs no collective
         start=start,
         rows=rows,
-        real_rows=min(max(vocab_size - start, 0), rows),
+        real_rows=real_rows,
         vocab_size=vocab_size,
         temperature=float(temperature),
         chunk_tokens=chunk_tokens,
-    )
+        excluded=tuple(sorted({int(i) - start for i in excluded_ids
+                               if start <= int(i) < start + real_rows})),
+    )  # fmt: skip
 
 
 def _checked_targets(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -496,10 +513,13 @@ def _linear_setup(
     vocab_size: int | None,
     chunk_tokens: int,
     temperature: float,
+    excluded_ids: Sequence[int] = (),
 ) -> tuple[_VocabShard, torch.Tensor]:
     """Checked shard and int64 targets; ``targets=None`` gives ``[T, 0]`` (no target ids)."""
     _check_linear_shapes(hidden, weight, targets)
-    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
+    shard = _vocab_shard(
+        weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
+    )
     if targets is None:
         return shard, torch.zeros((hidden.shape[0], 0), dtype=torch.int64, device=hidden.device)
     return shard, _checked_targets(targets, shard.vocab_size)
@@ -514,6 +534,7 @@ def vocab_parallel_logprobs(
     vocab_size: int | None = None,
     chunk_tokens: int = 2048,
     temperature: float = 1.0,
+    excluded_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Log-prob of target tokens under ``softmax(hidden · W_fullᵀ / τ)``, float32, shaped like
     ``targets``: ``[T]`` for one id per token, ``[T, K]`` for K ids per token.
@@ -538,6 +559,8 @@ def vocab_parallel_logprobs(
             beyond the tokenizer) take no probability mass. ``None``: every row is real.
         chunk_tokens: tokens per chunk; bounds the logits memory to ``chunk_tokens × V/tp``.
         temperature: τ > 0 dividing the logits (the sampler's temperature).
+        excluded_ids: real ids that take no probability mass either (logit −inf), the ids the
+            sampler never draws (a VLM's image placeholder); a target among them gets −inf.
 
     Differentiable w.r.t. ``hidden`` and ``weight`` (gradients in their dtypes; the hidden
     gradient is all-reduced over ``tp_group``, the weight gradient is this rank's shard).
@@ -550,7 +573,7 @@ def vocab_parallel_logprobs(
     False)``), not one whose backward reduce-scatters.
     """
     shard, targets = _linear_setup(
-        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature
+        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature, excluded_ids
     )
     return cast(torch.Tensor, _LinearLogprobs.apply(hidden, weight, targets, shard, False))
 
@@ -564,6 +587,7 @@ def vocab_parallel_logprobs_and_entropy(
     vocab_size: int | None = None,
     chunk_tokens: int = 2048,
     temperature: float = 1.0,
+    excluded_ids: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target log-probs and the entropy from ONE fused pass: ``(logp, entropy)``, both float32
     and both differentiable (a policy loss with an entropy bonus needs both from one forward).
@@ -577,7 +601,7 @@ def vocab_parallel_logprobs_and_entropy(
     :func:`vocab_parallel_logprobs`.
     """
     shard, targets = _linear_setup(
-        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature
+        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature, excluded_ids
     )
     logp, entropy_T = _LinearLogprobs.apply(hidden, weight, targets, shard, True)
     return logp, entropy_T
@@ -591,6 +615,7 @@ def vocab_parallel_entropy(
     vocab_size: int | None = None,
     chunk_tokens: int = 2048,
     temperature: float = 1.0,
+    excluded_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Entropy ``H_t = −Σ_{v < vocab_size} p_tv log p_tv`` of ``softmax(hidden · W_fullᵀ / τ)``,
     float32 ``[T]``, differentiable w.r.t. ``hidden`` and ``weight``.
@@ -600,7 +625,7 @@ def vocab_parallel_entropy(
     :func:`vocab_parallel_logprobs`.
     """
     shard, no_targets_T0 = _linear_setup(
-        hidden, weight, None, tp_group, vocab_size, chunk_tokens, temperature
+        hidden, weight, None, tp_group, vocab_size, chunk_tokens, temperature, excluded_ids
     )
     _, entropy_T = _LinearLogprobs.apply(hidden, weight, no_targets_T0, shard, True)
     return cast(torch.Tensor, entropy_T)
@@ -613,6 +638,7 @@ def vocab_parallel_logprobs_from_logits(
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    excluded_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Log-prob of targets from vocab-parallel logits ``[..., V/tp]``: float32 ``[...]`` for
     targets ``[...]``, or ``[..., K]`` for targets ``[..., K]`` (K ids per position).
@@ -633,8 +659,9 @@ def vocab_parallel_logprobs_from_logits(
     if multi and targets.shape[-1] == 0:
         raise ValueError("targets [..., K] needs K >= 1 ids per position, got K = 0")
     shard = _vocab_shard(
-        logits.shape[-1], tp_group, vocab_size, temperature, _FROM_LOGITS_CHUNK_TOKENS
-    )
+        logits.shape[-1], tp_group, vocab_size, temperature, _FROM_LOGITS_CHUNK_TOKENS,
+        excluded_ids,
+    )  # fmt: skip
     targets = _checked_targets(targets, shard.vocab_size)
     logits_TV = logits.reshape(-1, logits.shape[-1])
     targets_T = targets.reshape(logits_TV.shape[0], -1) if multi else targets.reshape(-1)
@@ -652,6 +679,7 @@ def vocab_parallel_token_stats(
     vocab_size: int | None = None,
     chunk_tokens: int = 2048,
     temperature: float = 1.0,
+    excluded_ids: Sequence[int] = (),
     entropy: bool = False,
     top_k: int = 0,
 ) -> TokenStats:
@@ -671,10 +699,14 @@ def vocab_parallel_token_stats(
     Used for vOPD diagnostics and logging (e.g. teacher entropy, student top-k overlap).
     """
     shard, targets = _linear_setup(
-        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature
+        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature, excluded_ids
     )
-    if not 0 <= top_k <= shard.vocab_size:
-        raise ValueError(f"top_k must lie in [0, vocab_size={shard.vocab_size}], got {top_k}")
+    allowed = shard.vocab_size - len(set(excluded_ids))
+    if not 0 <= top_k <= allowed:
+        raise ValueError(
+            f"top_k must lie in [0, {allowed}] (vocab_size={shard.vocab_size} less "
+            f"{len(set(excluded_ids))} excluded ids), got {top_k}"
+        )
     num_tokens = hidden.shape[0]
     out = TokenStats(logprobs=hidden.new_empty(targets.shape, dtype=torch.float32))
     logp_TK, targets_TK = _as_TK(out.logprobs), _as_TK(targets)

@@ -27,6 +27,8 @@ different vocabulary slices, so a vocabulary max/sum is a max/sum over that grou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -94,6 +96,8 @@ class _StatsMath:
         # Real columns only: on padding a − b = −inf − (−inf) = NaN, and p = 0 there anyway.
         real = shard.real_rows
         diff_CR = shifted_p_CV[:, :real] - shifted_q_CV[:, :real]
+        if shard.excluded:  # −inf in both models, like padding
+            diff_CR[:, list(shard.excluded)] = 0.0
         exp_p_CV = shifted_p_CV.exp_()
         weighted_C = diff_CR.mul_(exp_p_CV[:, :real]).sum(dim=-1)
         del diff_CR
@@ -122,6 +126,7 @@ def vocab_parallel_argmax(
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     chunk_tokens: int = 2048,
+    excluded_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Greedy token ``argmax_{v < vocab_size} hidden_t · W_fullᵀ`` per token: int64 ``[T]``
     global ids, the same on every rank of ``tp_group``.
@@ -133,7 +138,7 @@ def vocab_parallel_argmax(
     gives the same id with its log-prob, in a pass that also scores given targets.
     """
     _check_linear_shapes(hidden, weight, None)
-    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, 1.0, chunk_tokens)
+    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, 1.0, chunk_tokens, excluded_ids)
     ids_T = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
     for rows in _chunks(hidden.shape[0], shard.chunk_tokens):
         logits_CV = _ShardMath.linear_logits(hidden[rows], weight, shard)
@@ -152,6 +157,7 @@ def vocab_parallel_sample(
     vocab_size: int | None = None,
     chunk_tokens: int = 2048,
     temperature: float = 1.0,
+    excluded_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """One token per position drawn from ``softmax(hidden · W_fullᵀ / τ)`` over the real
     vocabulary: int64 ``[T]`` global ids, the same on every rank of ``tp_group``.
@@ -171,7 +177,9 @@ def vocab_parallel_sample(
             f"generator is on {generator.device} but hidden is on {hidden.device}; pass a "
             "generator of hidden's device (torch.Generator(device=hidden.device))"
         )
-    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
+    shard = _vocab_shard(
+        weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
+    )
     ids_T = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
     for rows in _chunks(hidden.shape[0], shard.chunk_tokens):
         logits_CV = _ShardMath.linear_logits(hidden[rows], weight, shard)
@@ -204,6 +212,7 @@ def vocab_parallel_kl(
     vocab_size: int | None = None,
     chunk_tokens: int = 2048,
     temperature: float = 1.0,
+    excluded_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Full-vocabulary ``KL_t(p‖q) = Σ_{v < vocab_size} p_tv (log p_tv − log q_tv)``: float32
     ``[T]``, forward only.
@@ -224,7 +233,9 @@ def vocab_parallel_kl(
             f"hidden_p {tuple(hidden_p.shape)}, weight_p {tuple(weight_p.shape)}, hidden_q "
             f"{tuple(hidden_q.shape)}, weight_q {tuple(weight_q.shape)}"
         )
-    shard = _vocab_shard(weight_p.shape[0], tp_group, vocab_size, temperature, chunk_tokens)
+    shard = _vocab_shard(
+        weight_p.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
+    )
     kl_T = torch.empty(hidden_p.shape[0], dtype=torch.float32, device=hidden_p.device)
     for rows in _chunks(hidden_p.shape[0], shard.chunk_tokens):
         logits_p_CV = _ShardMath.linear_logits(hidden_p[rows], weight_p, shard)
@@ -242,6 +253,7 @@ def vocab_parallel_kl_from_logits(
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
+    excluded_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """:func:`vocab_parallel_kl` for vocab-parallel logits that already exist: ``logits_p`` and
     ``logits_q`` of the same shape ``[..., V/tp]`` give float32 ``KL(p‖q) [...]``. Never
@@ -252,7 +264,12 @@ def vocab_parallel_kl_from_logits(
             f"{tuple(logits_p.shape)} and {tuple(logits_q.shape)}"
         )
     shard = _vocab_shard(
-        logits_p.shape[-1], tp_group, vocab_size, temperature, _FROM_LOGITS_CHUNK_TOKENS
+        logits_p.shape[-1],
+        tp_group,
+        vocab_size,
+        temperature,
+        _FROM_LOGITS_CHUNK_TOKENS,
+        excluded_ids,
     )
     logits_p_TV = logits_p.reshape(-1, logits_p.shape[-1])
     logits_q_TV = logits_q.reshape(-1, logits_q.shape[-1])

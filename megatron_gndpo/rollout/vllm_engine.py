@@ -398,8 +398,9 @@ class VLLMGenerator:
     ``model_dir`` holds the model's ``config.json`` (:func:`write_engine_config`), or a full
     Hugging Face model with ``load_format="auto"``. ``tensor_parallel_size`` is vLLM's own TP
     (consecutive ranks of the job); ``dtype`` the engine's weights. ``vocab_size``: the
-    tokenizer's ids; when ``model_vocab_size`` (the config's) is larger, requests may sample
-    only those (``allowed_token_ids``).
+    tokenizer's ids; when ``model_vocab_size`` (the config's) is larger, or ``excluded_ids`` are
+    given (a VLM's image placeholder), requests sample only the tokenizer's ids that are not
+    excluded (``allowed_token_ids``).
     """
 
     def __init__(
@@ -416,6 +417,7 @@ class VLLMGenerator:
         vision: VisionInput | None = None,
         vocab_size: int | None = None,
         model_vocab_size: int | None = None,
+        excluded_ids: Sequence[int] = (),
     ) -> None:
         require_package(
             "vllm", what="rollout.engine=vllm", extra="vllm", instead="set rollout.engine=builtin"
@@ -425,10 +427,13 @@ class VLLMGenerator:
         self.pad_id = pad_id
         self.vision = vision
         # The engine samples from the model's whole vocabulary; ids past the tokenizer's (rows
-        # the embedding has beyond it, e.g. Qwen's 152064 for 151665 tokens) must never be
-        # sampled: the trainer gives them no probability mass, as the built-in generator does.
-        restricted = vocab_size is not None and (model_vocab_size or 0) > vocab_size
-        self.allowed_token_ids = list(range(vocab_size)) if restricted and vocab_size else None
+        # the embedding has beyond it, e.g. Qwen's 152064 for 151665 tokens) and excluded ids
+        # (a VLM's image placeholder) must never be sampled: the trainer gives them no
+        # probability mass, as the built-in generator does.
+        self.allowed_token_ids: list[int] | None = None
+        if vocab_size is not None and ((model_vocab_size or 0) > vocab_size or excluded_ids):
+            banned = set(excluded_ids)
+            self.allowed_token_ids = [i for i in range(vocab_size) if i not in banned]
         self.dtype = getattr(torch, _VLLM_DTYPES[dtype])
         self.args = engine_args(
             rollout, model_dir, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
