@@ -205,6 +205,9 @@ def test_what_each_sync_sends(tmp_path: Path) -> None:
     pixels.load_weights([("vision_tower.embeddings.cls_token", torch.zeros(1)),
                          ("multi_modal_projector.linear_1.bias", torch.zeros(1))])  # fmt: skip
     assert pixels.weight_parts() == {"language", "projector"}  # the frozen encoder is there
+    pixels.sleep(level=2)  # discards the weights: everything goes again
+    pixels.wake_up()
+    assert pixels.weight_parts() == {"language", "projector", "encoder"}
     frozen = _generator(tmp_path, VisionInput(layout, "pixels", freeze_projector=True))
     frozen.load_weights([("vision_tower.x", torch.zeros(1)),
                          ("multi_modal_projector.x", torch.zeros(1))])  # fmt: skip

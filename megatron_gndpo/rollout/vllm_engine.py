@@ -471,9 +471,13 @@ class VLLMGenerator:
             self.loaded_parts |= {p for p, prefix in _HF_PARTS.items() if name.startswith(prefix)}
 
     def sleep(self, level: int = 1) -> None:
-        """Free the engine's GPU memory for training (level 1: weights to CPU, KV cache gone)."""
+        """Free the engine's GPU memory for training (level 1: weights to CPU, KV cache gone;
+        level 2 discards the weights too, so the next sync sends every part again)."""
         self.llm.sleep(level=level)
         self.asleep = True
+        if level >= 2:
+            self.loaded_parts.clear()
+            self.has_weights = False
 
     def wake_up(self) -> None:
         self.llm.wake_up()
