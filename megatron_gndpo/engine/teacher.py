@@ -32,11 +32,82 @@ from megatron_gndpo.parallel.groups import ParallelGroups, ParallelLayout
 from megatron_gndpo.rollout.base import Generator, SamplingParams
 
 
-def _all_gather_rows(x_nS: torch.Tensor, group: Any) -> torch.Tensor:
-    """Concatenate equal-shaped ``[n, ...]`` tensors of every member of ``group`` (rank order)."""
-    parts = [torch.empty_like(x_nS) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x_nS.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+def _members(layout: ParallelLayout, world: int) -> dict[int, list[int]]:
+    """Global ranks of each data-parallel replica of ``layout``, by replica, in rank order."""
+    out: dict[int, list[int]] = {}
+    for rank in range(world):
+        out.setdefault(layout.coords(rank)["dp"], []).append(rank)
+    return out
+
+
+def rows_from_students(
+    rows: torch.Tensor, share: int, groups: ParallelGroups, student_layout: ParallelLayout
+) -> torch.Tensor:
+    """This teacher rank's ``share`` rows ``[share, ...]`` of the step, from the student ranks.
+
+    The inverse of :func:`rows_to_students`: the student rank with data-parallel coordinate
+    ``s`` holds rows ``[s * n, (s + 1) * n)`` in ``rows [n, ...]`` (every rank of a student
+    replica holds the same rows); teacher replica ``d`` (``groups``) scores rows
+    ``[d * share, (d + 1) * share)``. Point to point over the world: teacher rank ``j`` of its
+    replica takes each block from member ``j mod size`` of the student replica holding it, so
+    the sends spread over the student replica's ranks and a rank receives only its rows (not
+    the step's, as an all-gather would, images included). Every rank calls it.
+    """
+    n, world, me = rows.shape[0], dist.get_world_size(), dist.get_rank()
+    students, teachers = _members(student_layout, world), _members(groups.layout, world)
+
+    def needed(rank: int) -> tuple[int, int]:  # the rows a teacher rank scores
+        d = groups.layout.coords(rank)["dp"]
+        return d * share, (d + 1) * share
+
+    def source(rank: int, s: int) -> int:  # the student rank that sends block s to ``rank``
+        replica = teachers[groups.layout.coords(rank)["dp"]]
+        return students[s][replica.index(rank) % len(students[s])]
+
+    out = torch.empty((share, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    want, mine = needed(me), student_layout.coords(me)["dp"]
+    ops = []
+    for s in students:  # receive
+        lo, hi = max(want[0], s * n), min(want[1], (s + 1) * n)
+        if lo >= hi:
+            continue
+        into = out[lo - want[0] : hi - want[0]]
+        if source(me, s) == me:
+            into.copy_(rows[lo - s * n : hi - s * n])
+        else:
+            ops.append(dist.P2POp(dist.irecv, into, source(me, s)))
+    for peer in range(world):  # send my block to the teacher ranks that take it from me
+        lo, hi = max(needed(peer)[0], mine * n), min(needed(peer)[1], (mine + 1) * n)
+        if peer != me and lo < hi and source(peer, mine) == me:
+            part = rows[lo - mine * n : hi - mine * n].contiguous()
+            ops.append(dist.P2POp(dist.isend, part, peer))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return out
+
+
+def _dense_images(
+    images: list[torch.Tensor | None], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows' tiles as one ``[n, T, 3, H, W]`` tensor (T: the most tiles of any row of the
+    step, zero-filled) and the tile counts ``[n]``; None when no row of the step has images."""
+    shapes = torch.zeros(4, dtype=torch.long, device=device)  # T, C, H, W
+    for tiles in images:
+        if tiles is not None and tiles.shape[0]:
+            shapes = torch.maximum(shapes, torch.tensor([tiles.shape[0], *tiles.shape[1:]],
+                                                        device=device))  # fmt: skip
+    dist.all_reduce(shapes, op=dist.ReduceOp.MAX)
+    if int(shapes[0]) == 0:
+        return None
+    t, c, h, w = (int(x) for x in shapes)
+    dense = torch.zeros(len(images), t, c, h, w, device=device)
+    counts = torch.zeros(len(images), dtype=torch.long, device=device)
+    for i, tiles in enumerate(images):
+        if tiles is not None and tiles.shape[0]:
+            dense[i, : tiles.shape[0]] = tiles.to(device, torch.float32)
+            counts[i] = tiles.shape[0]
+    return dense, counts
 
 
 def rows_to_students(
@@ -198,31 +269,36 @@ class TeacherScorer:
         width = int(width_t)
         padded = torch.zeros(n, width, dtype=tokens_nS.dtype, device=device)
         padded[:, :width_n] = tokens_nS
-        all_tokens = _all_gather_rows(padded, self.student_groups.dp)
-        all_lengths = _all_gather_rows(lengths_n.to(device), self.student_groups.dp)
-        all_extra = None
-        if request is not None and request.extra_ids is not None:
-            extra = torch.zeros(
-                n, width, request.extra_ids.shape[-1], dtype=torch.long, device=device
-            )
-            extra[:, :width_n] = request.extra_ids
-            all_extra = _all_gather_rows(extra, self.student_groups.dp)
+        # Each teacher rank receives its share of the step's rows, point to point.
+        share = n * self.student_groups.layout.dp // self.groups.layout.dp
+        layout = self.student_groups.layout
 
-        teacher_dp = self.groups.layout.dp
-        share = all_tokens.shape[0] // teacher_dp
-        d = self.groups.coords["dp"]
-        rows = slice(d * share, (d + 1) * share)
+        def to_teacher(x: torch.Tensor) -> torch.Tensor:
+            return rows_from_students(x, share, self.groups, layout)
+
+        mine_tokens = to_teacher(padded)
+        mine_lengths = to_teacher(lengths_n.to(device).view(n, 1)).view(share)
         mine_request = None
         if request is not None:
-            extra_rows = None if all_extra is None else all_extra[rows]
+            extra_rows = None
+            if request.extra_ids is not None:
+                extra = torch.zeros(
+                    n, width, request.extra_ids.shape[-1], dtype=torch.long, device=device
+                )
+                extra[:, :width_n] = request.extra_ids
+                extra_rows = to_teacher(extra)
             mine_request = dataclasses.replace(request, extra_ids=extra_rows)
-        mine_images = None
-        if images is not None:  # image tiles travel as objects, like the prompts
-            parts: list[Any] = [None] * dist.get_world_size(self.student_groups.dp)
-            dist.all_gather_object(parts, images, group=self.student_groups.dp)
-            mine_images = [tiles for part in parts for tiles in part][rows]
+        mine_images: list[torch.Tensor | None] | None = None
+        dense = None if images is None else _dense_images(images, device)
+        if images is not None:
+            mine_images = [None] * share
+        if dense is not None:  # image tiles as one zero-filled tensor, with the counts
+            tiles, counts = to_teacher(dense[0]), to_teacher(dense[1].view(n, 1)).view(share)
+            mine_images = [
+                tiles[i, : int(c)] if int(c) else None for i, c in enumerate(counts.tolist())
+            ]
         mine = score_batch(
-            self.model, self.groups, all_tokens[rows], all_lengths[rows], head=self.head,
+            self.model, self.groups, mine_tokens, mine_lengths, head=self.head,
             token_budget=self.token_budget, pack=self.pack, request=mine_request,
             images=mine_images,
         )  # fmt: skip
