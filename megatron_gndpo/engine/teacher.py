@@ -20,6 +20,7 @@ Legend: n = rows of this student rank, N = rows of the step, S = padded position
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,13 +32,46 @@ from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups, ParallelLayout
 from megatron_gndpo.rollout.base import Generator, SamplingParams
 
+# A block of rows one rank receives: (sending rank, first global row, end global row).
+_Block = tuple[int, int, int]
 
-def _members(layout: ParallelLayout, world: int) -> dict[int, list[int]]:
-    """Global ranks of each data-parallel replica of ``layout``, by replica, in rank order."""
-    out: dict[int, list[int]] = {}
-    for rank in range(world):
-        out.setdefault(layout.coords(rank)["dp"], []).append(rank)
+
+def _move_rows(
+    rows: torch.Tensor,
+    held: Callable[[int], tuple[int, int]],
+    wanted: Callable[[int], tuple[int, int]],
+    blocks: Callable[[int], list[_Block]],
+) -> torch.Tensor:
+    """Rows between two data-parallel layouts, point to point; every rank calls it.
+
+    ``rows`` are the global rows ``held(me)``; the result the rows ``wanted(me)``, assembled from
+    ``blocks(me)``. A rank sends every other rank the blocks that name it as the sender (a copy
+    for its own), so each rank receives only its rows, never the whole step.
+    """
+    me, world = dist.get_rank(), dist.get_world_size()
+    mine, want = held(me), wanted(me)
+    out = torch.empty((want[1] - want[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    ops = []
+    for src, lo, hi in blocks(me):
+        into = out[lo - want[0] : hi - want[0]]
+        if src == me:
+            into.copy_(rows[lo - mine[0] : hi - mine[0]])
+        else:
+            ops.append(dist.P2POp(dist.irecv, into, src))
+    for peer in range(world):
+        for src, lo, hi in blocks(peer) if peer != me else ():
+            if src == me:
+                part = rows[lo - mine[0] : hi - mine[0]].contiguous()
+                ops.append(dist.P2POp(dist.isend, part, peer))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
     return out
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
 
 
 def rows_from_students(
@@ -48,42 +82,73 @@ def rows_from_students(
     The inverse of :func:`rows_to_students`: the student rank with data-parallel coordinate
     ``s`` holds rows ``[s * n, (s + 1) * n)`` in ``rows [n, ...]`` (every rank of a student
     replica holds the same rows); teacher replica ``d`` (``groups``) scores rows
-    ``[d * share, (d + 1) * share)``. Point to point over the world: teacher rank ``j`` of its
-    replica takes each block from member ``j mod size`` of the student replica holding it, so
-    the sends spread over the student replica's ranks and a rank receives only its rows (not
-    the step's, as an all-gather would, images included). Every rank calls it.
+    ``[d * share, (d + 1) * share)``. Teacher rank ``j`` of its replica takes each block from
+    member ``j mod size`` of the student replica holding it, so the sends spread over the
+    student replica's ranks and a rank receives only its rows (not the step's, as an all-gather
+    would, images included). Every rank calls it.
     """
-    n, world, me = rows.shape[0], dist.get_world_size(), dist.get_rank()
-    students, teachers = _members(student_layout, world), _members(groups.layout, world)
+    n, teacher = rows.shape[0], groups.layout
+    students, teachers = _replicas(student_layout), _replicas(teacher)
 
-    def needed(rank: int) -> tuple[int, int]:  # the rows a teacher rank scores
-        d = groups.layout.coords(rank)["dp"]
+    def held(rank: int) -> tuple[int, int]:
+        s = student_layout.coords(rank)["dp"]
+        return s * n, (s + 1) * n
+
+    def wanted(rank: int) -> tuple[int, int]:
+        d = teacher.coords(rank)["dp"]
         return d * share, (d + 1) * share
 
-    def source(rank: int, s: int) -> int:  # the student rank that sends block s to ``rank``
-        replica = teachers[groups.layout.coords(rank)["dp"]]
-        return students[s][replica.index(rank) % len(students[s])]
+    def blocks(rank: int) -> list[_Block]:
+        j = teachers[teacher.coords(rank)["dp"]].index(rank)
+        out = []
+        for s, members in students.items():
+            span = _overlap(wanted(rank), (s * n, (s + 1) * n))
+            if span is not None:
+                out.append((members[j % len(members)], *span))
+        return out
 
-    out = torch.empty((share, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-    want, mine = needed(me), student_layout.coords(me)["dp"]
-    ops = []
-    for s in students:  # receive
-        lo, hi = max(want[0], s * n), min(want[1], (s + 1) * n)
-        if lo >= hi:
-            continue
-        into = out[lo - want[0] : hi - want[0]]
-        if source(me, s) == me:
-            into.copy_(rows[lo - s * n : hi - s * n])
-        else:
-            ops.append(dist.P2POp(dist.irecv, into, source(me, s)))
-    for peer in range(world):  # send my block to the teacher ranks that take it from me
-        lo, hi = max(needed(peer)[0], mine * n), min(needed(peer)[1], (mine + 1) * n)
-        if peer != me and lo < hi and source(peer, mine) == me:
-            part = rows[lo - mine * n : hi - mine * n].contiguous()
-            ops.append(dist.P2POp(dist.isend, part, peer))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    return _move_rows(rows, held, wanted, blocks)
+
+
+def rows_to_students(
+    share_rows: torch.Tensor, n: int, groups: ParallelGroups, student_layout: ParallelLayout
+) -> torch.Tensor:
+    """This rank's ``n`` student rows ``[n, ...]``, from the teacher replicas' shares.
+
+    Teacher replica ``d`` (``groups``) holds rows ``[d * share, (d + 1) * share)`` of the step in
+    ``share_rows``; the student rank with data-parallel coordinate ``s`` (``student_layout``)
+    scores rows ``[s * n, (s + 1) * n)`` and takes them from the members of its own teacher DP
+    group (one rank of every replica, so every share): a rank receives its ``n`` rows, not the
+    step's (an all-gather would move ``N x S x K`` values to every rank for top-k outputs).
+    Every rank calls it.
+    """
+    share, teacher = share_rows.shape[0], groups.layout
+    dp_groups = {rank: members for members in teacher.groups(("dp",)) for rank in members}
+
+    def held(rank: int) -> tuple[int, int]:
+        d = teacher.coords(rank)["dp"]
+        return d * share, (d + 1) * share
+
+    def wanted(rank: int) -> tuple[int, int]:
+        s = student_layout.coords(rank)["dp"]
+        return s * n, (s + 1) * n
+
+    def blocks(rank: int) -> list[_Block]:
+        out = []
+        for peer in dp_groups[rank]:
+            span = _overlap(held(peer), wanted(rank))
+            if span is not None:
+                out.append((peer, *span))
+        return out
+
+    return _move_rows(share_rows, held, wanted, blocks)
+
+
+def _replicas(layout: ParallelLayout) -> dict[int, list[int]]:
+    """Global ranks of each data-parallel replica of ``layout``, by replica, in rank order."""
+    out: dict[int, list[int]] = {}
+    for rank in range(layout.world_size):
+        out.setdefault(layout.coords(rank)["dp"], []).append(rank)
     return out
 
 
@@ -108,51 +173,6 @@ def _dense_images(
             dense[i, : tiles.shape[0]] = tiles.to(device, torch.float32)
             counts[i] = tiles.shape[0]
     return dense, counts
-
-
-def rows_to_students(
-    share_rows: torch.Tensor, n: int, groups: ParallelGroups, student_layout: ParallelLayout
-) -> torch.Tensor:
-    """This rank's ``n`` student rows ``[n, ...]``, from the teacher replicas' shares.
-
-    Teacher replica ``d`` (``groups``) holds rows ``[d * share, (d + 1) * share)`` of the step in
-    ``share_rows``; the student rank with data-parallel coordinate ``s`` (``student_layout``)
-    scores rows ``[s * n, (s + 1) * n)``. Over the teacher's DP group (one rank of every replica,
-    so every share) each member sends each other member only the rows of its share that member
-    needs, point to point: a rank receives its ``n`` rows, not the step's (an all-gather would
-    move ``N x S x K`` values to every rank for top-k outputs). Every rank calls it.
-    """
-    share = share_rows.shape[0]
-    me = dist.get_rank()
-
-    def held(rank: int) -> tuple[int, int]:  # the rows of the share a teacher rank holds
-        d = groups.layout.coords(rank)["dp"]
-        return d * share, (d + 1) * share
-
-    def needed(rank: int) -> tuple[int, int]:  # the rows a student rank scores
-        s = student_layout.coords(rank)["dp"]
-        return s * n, (s + 1) * n
-
-    out = torch.empty((n, *share_rows.shape[1:]), dtype=share_rows.dtype, device=share_rows.device)
-    mine, want = held(me), needed(me)
-    ops = []
-    for peer in dist.get_process_group_ranks(groups.dp):
-        theirs, their_want = held(peer), needed(peer)
-        lo, hi = max(theirs[0], want[0]), min(theirs[1], want[1])  # peer -> me
-        if peer == me:
-            if lo < hi:
-                out[lo - want[0] : hi - want[0]] = share_rows[lo - mine[0] : hi - mine[0]]
-            continue
-        if lo < hi:
-            ops.append(dist.P2POp(dist.irecv, out[lo - want[0] : hi - want[0]], peer))
-        lo, hi = max(mine[0], their_want[0]), min(mine[1], their_want[1])  # me -> peer
-        if lo < hi:
-            part = share_rows[lo - mine[0] : hi - mine[0]].contiguous()
-            ops.append(dist.P2POp(dist.isend, part, peer))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    return out
 
 
 class TeacherScorer:
