@@ -69,6 +69,12 @@ _LM = "language_model."
 _IGNORED_HF = re.compile(r"language_model\.model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 Kind = Literal["copy", "vit_qkv", "positions", "lm"]
+# The VLM's parts (what a weight sync may send separately): megatron and Hugging Face prefixes.
+PARTS: dict[str, tuple[str, str]] = {
+    "language": ("language_model.", "language_model."),
+    "projector": ("vision_projection.", "multi_modal_projector."),
+    "encoder": ("vision_model.", "vision_tower."),
+}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_gndpo.checkpoint import hf_mapping
+from megatron_gndpo.checkpoint import hf_mapping, vlm_mapping
 from megatron_gndpo.config.schema import Dtype, ModelConfig, RolloutConfig
 from megatron_gndpo.config.validate import require_package
 from megatron_gndpo.config.vision import VisionConfig
@@ -68,12 +68,7 @@ from megatron_gndpo.data.images import ImageLayout, load_image
 from megatron_gndpo.rollout.base import Rollout, SamplingParams, text_only
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# A VLM's parts (weight_sync.VLM_PARTS keys) by their Hugging Face (InternVL) name prefix.
-_HF_PARTS = {
-    "language": "language_model.",
-    "projector": "multi_modal_projector.",
-    "encoder": "vision_tower.",
-}
+
 # vLLM's "no top-k" value (0 means the same in ours).
 _VLLM_NO_TOP_K = -1
 
@@ -363,8 +358,6 @@ def write_engine_config(
         config = hf_mapping.hf_config_from_model(model_cfg, family)
         (out / "config.json").write_text(json.dumps(config, indent=2))
         return out
-    from megatron_gndpo.checkpoint import vlm_mapping
-
     config = vlm_mapping.hf_config_from_vlm(model_cfg, vision, family)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "preprocessor_config.json").write_text(
@@ -442,7 +435,9 @@ class VLLMGenerator:
         self.llm = vllm.LLM(**self.args)
         self.has_weights = load_format != "dummy"
         self.asleep = False
-        self.loaded_parts: set[str] = set()  # a VLM's parts the engine holds (VLM_PARTS keys)
+        self.loaded_parts: set[str] = (
+            set()
+        )  # a VLM's parts the engine holds (vlm_mapping.PARTS keys)
 
     def weight_parts(self) -> frozenset[str] | None:
         """The parts of a VLM the next sync must send (None: a text model, every weight).
@@ -468,7 +463,9 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()  # prompt KV cached under the old weights is stale
         self.has_weights = True
         for name, _ in weights:
-            self.loaded_parts |= {p for p, prefix in _HF_PARTS.items() if name.startswith(prefix)}
+            self.loaded_parts |= {
+                part for part, (_, hf) in vlm_mapping.PARTS.items() if name.startswith(hf)
+            }
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory for training (level 1: weights to CPU, KV cache gone;

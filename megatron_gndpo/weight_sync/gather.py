@@ -43,11 +43,7 @@ from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 # What a vision-language model's sync may hold, by megatron name prefix.
-VLM_PARTS: dict[str, str] = {
-    "language": "language_model.",
-    "projector": "vision_projection.",
-    "encoder": "vision_model.",
-}
+VLM_PARTS: dict[str, str] = {part: megatron for part, (megatron, _) in vlm_mapping.PARTS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
