@@ -81,6 +81,7 @@ class Trainer:
         self.c: Components = build_components(cfg)
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
+        self._syncs = 0  # weight syncs into an external engine so far
         self._describe_checkpoints()
         self._resume()
         self._sync_engine()  # an external engine starts without the student's weights
@@ -213,9 +214,25 @@ class Trainer:
         if hasattr(engine, "wake_up"):
             engine.wake_up()
         parts = engine.weight_parts() if hasattr(engine, "weight_parts") else None
-        return sync_weights(
+        metrics = sync_weights(
             cast(WeightReceiver, engine), self.c.student, self.c.student_groups, self.cfg.model,
             family=self.cfg.model.hf_family, vision=self.cfg.model.vision, parts=parts,
+        )  # fmt: skip
+        self._syncs += 1
+        return metrics | self._check_engine(engine)
+
+    def _check_engine(self, engine: Any) -> dict[str, float]:
+        """The engine's log-probs of a probe sequence against the student's, after a sync
+        (``rollout.weight_sync_check``): a silently corrupted engine stops the run."""
+        from megatron_gndpo.weight_sync.check import DEFAULT_TOLERANCE, check_engine
+
+        r, model = self.cfg.rollout, self.cfg.model
+        if r.weight_sync_check == "never" or (r.weight_sync_check == "first" and self._syncs > 1):
+            return {}
+        tolerance = r.weight_sync_check_tolerance or DEFAULT_TOLERANCE[model.params_dtype]
+        return check_engine(
+            engine, self.c.student, self.c.student_groups, vocab_size=model.vocab_size,
+            tolerance=tolerance, vision_language=model.vision is not None,
         )  # fmt: skip
 
     def _score(self, rollout: Rollout) -> tuple[Scores, Scores]:

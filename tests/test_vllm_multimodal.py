@@ -410,6 +410,7 @@ def _trainer_steps(rank: int, world: int, root: str) -> dict[str, Any]:
             f"rollout.vllm_image_input={mode}", f"model.vision={vision}",
             f"teacher.model.vision={vision}", f"data.tokenizer={root}/tokenizer{rank}",
             "data.train=builtin:visual", "rollout.max_prompt_length=64", "trainer.steps=1",
+            "rollout.weight_sync_check=never",  # the double computes no prompt log-probs
         )  # fmt: skip
         engine = trainer.c.generator.llm
         first = dict(engine.loads)

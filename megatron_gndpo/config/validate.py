@@ -219,6 +219,10 @@ def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
         p.append(
             f"rollout.gpu_memory_utilization must be in (0, 1), got {r.gpu_memory_utilization}"
         )
+    if r.vllm_kv_cache_gib is not None:
+        _positive(p, "rollout.vllm_kv_cache_gib", r.vllm_kv_cache_gib)
+    if r.weight_sync_check_tolerance is not None:
+        _positive(p, "rollout.weight_sync_check_tolerance", r.weight_sync_check_tolerance)
     for name in ("steps", "micro_batch_size", "optimizer_steps_per_rollout"):
         _positive(p, f"trainer.{name}", getattr(t, name))
     _positive(p, "trainer.eval_interval", t.eval_interval, strict=False)

@@ -217,6 +217,7 @@ def _generator(
         seed=cfg.trainer.seed, max_model_len=cfg.model.max_position_embeddings,
         vision=_vision_input(cfg, student), vocab_size=vocab,
         model_vocab_size=cfg.model.vocab_size, excluded_ids=never_sampled(cfg),
+        head_dim=cfg.model.head_dim,
     )  # fmt: skip
 
 

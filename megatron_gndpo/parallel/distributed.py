@@ -24,7 +24,7 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
@@ -199,7 +199,30 @@ def init_distributed(
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    export_torchrun_env(env)
     return env
+
+
+def export_torchrun_env(env: DistributedEnv) -> None:
+    """Describe this process in torchrun's variables when another launcher (srun, none) started
+    it: libraries that join the job's world read them (vLLM's ``external_launcher`` executor
+    reads ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``). Values already set are kept."""
+    for name, value in (
+        ("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+        ("LOCAL_WORLD_SIZE", env.local_world_size), ("MASTER_ADDR", env.master_addr),
+        ("MASTER_PORT", env.master_port),
+    ):  # fmt: skip
+        os.environ.setdefault(name, str(value))
+
+
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def before_shutdown(callback: Callable[[], None]) -> None:
+    """Run ``callback`` in :func:`shutdown_distributed`, after megatron's groups are destroyed
+    and before torch's world is: for engines that joined the world and must leave it first (a
+    colocated vLLM engine's shutdown destroys its own groups and the world with them)."""
+    _BEFORE_SHUTDOWN.append(callback)
 
 
 def shutdown_distributed() -> None:
@@ -210,4 +233,7 @@ def shutdown_distributed() -> None:
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
         parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    while _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.pop()()
+    if dist.is_initialized():
+        dist.destroy_process_group()
