@@ -93,13 +93,18 @@ def _perturb(net: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
                 p.add_(torch.randn(p.shape) * scale)
 
 
-def _engine(cfg: Any, root: Path, *, tp: int = 1, **rollout: Any) -> Any:
+def _engine(cfg: Any, root: Path, *, tp: int = 1, eos: int | None = None, **rollout: Any) -> Any:
+    """A vLLM engine for ``cfg`` (dummy weights until a sync); ``eos`` goes into its config.json
+    as ``eos_token_id`` (a token vLLM would stop at on its own)."""
     from megatron_gndpo.config.schema import RolloutConfig
     from megatron_gndpo.rollout.vllm_engine import VLLMGenerator, write_engine_config
 
     engine_dir = root / "engine"
     if torch.distributed.get_rank() == 0:
         write_engine_config(engine_dir, cfg, family=cfg.hf_family, dtype=cfg.params_dtype)
+        if eos is not None:
+            config = json.loads((engine_dir / "config.json").read_text())
+            (engine_dir / "config.json").write_text(json.dumps(config | {"eos_token_id": eos}))
     torch.distributed.barrier()
     settings = RolloutConfig(engine="vllm", max_prompt_length=32, max_response_length=16,
                              gpu_memory_utilization=0.05, **rollout)  # fmt: skip
@@ -155,9 +160,11 @@ def _one_rank(rank: int, world: int, root: str, family: str, tied: bool) -> dict
     groups = build_student_groups(ParallelLayout(world), seed=3)
     net = build_teacher(cfg, ParallelConfig(), groups)
     _perturb(net, seed=11)
-    engine = _engine(cfg, Path(root))
     builtin = MegatronGenerator(net, groups, vocab_size=VOCAB, pad_id=PAD, max_sequence_length=64)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    # The config's eos_token_id is a token the greedy answer holds: only our stop ids end a row
+    eos = _responses(builtin.generate(PROMPTS, greedy, seeds=[1, 2, 3]))[0][2]
+    engine = _engine(cfg, Path(root), eos=eos)
     sampled = SamplingParams(max_new_tokens=NEW_TOKENS, samples_per_prompt=2)
     out: dict[str, Any] = {
         "sleep_mode": engine.platform.sleep_mode,
@@ -407,3 +414,113 @@ def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
         assert s["sampler_gap/mean_abs"] < 1e-5, s
         assert s["weight_sync/check_logprob_diff"] < 1e-5, s
         assert math.isfinite(s["loss"]) and s["skipped"] == 0.0, s
+
+
+# ---------------------------------------------------------------------------------------------
+# The user's inference path: a checkpoint exported by `convert mcore-to-hf`, served by vLLM
+
+
+def _save_student(rank: int, world: int, root: str) -> None:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+    from megatron_gndpo.config import to_yaml
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    cfg = _model_cfg("qwen3", tied=True)
+    groups = build_student_groups(ParallelLayout(world), seed=3)
+    net = build_teacher(cfg, ParallelConfig(), groups)
+    _perturb(net, seed=21)
+    save_checkpoint(Path(root) / "checkpoints", 7, net)
+    (Path(root) / "checkpoints" / MODEL_CONFIG_FILE).write_text(to_yaml(cfg))
+
+
+def _serve_export(rank: int, world: int, root: str) -> dict[str, float]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    import vllm
+
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.vllm_engine import build_requests, rollout_from_outputs
+
+    cfg = _model_cfg("qwen3", tied=True)
+    groups = build_student_groups(ParallelLayout(world), seed=3)
+    net = build_teacher(cfg, ParallelConfig(), groups)
+    load_checkpoint(Path(root) / "checkpoints", net)
+    llm = vllm.LLM(
+        model=str(Path(root) / "hf"), dtype="float32", skip_tokenizer_init=True,
+        enforce_eager=True, distributed_executor_backend="external_launcher",
+        logprobs_mode="processed_logprobs", max_model_len=64, seed=0,
+    )  # fmt: skip
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    try:
+        # prompt log-probs of fixed sequences: the model as exported, position by position
+        tokens = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens],
+            VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False,
+        )
+        served = torch.tensor([
+            [0.0] + [float(step[int(t)].logprob) for step, t in zip(o.prompt_logprobs[1:],
+                                                                      row[1:], strict=True)]
+            for o, row in zip(outputs, tokens, strict=True)
+        ])  # fmt: skip
+        lengths = torch.full((3,), 20)
+        prompt_diff = float((served - _scores(net, groups, _Rows(tokens, lengths))).abs().max())
+        # sampled log-probs (temperature 0.8), through the adapter's own request building
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, samples_per_prompt=2)
+        requests = build_requests(PROMPTS, params, [1, 2, 3])
+        out = llm.generate(
+            [r.prompt(TokensPrompt) for r in requests],
+            [VLLMSamplingParams(**r.sampling) for r in requests],
+            use_tqdm=False,
+        )
+        rollout = rollout_from_outputs(PROMPTS, out, samples_per_prompt=2, pad_id=PAD)
+        from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
+        from megatron_gndpo.models.logprob_head import TokenLogProbs
+
+        head = TokenLogProbs(VOCAB, temperature=0.8)
+        tempered = score_tokens(
+            net, groups, rollout.tokens, rollout.lengths, head=head, token_budget=512
+        )
+        tempered = broadcast_from_last_stage(tempered, rollout.tokens.shape, groups)
+        mask = rollout.response_mask
+        sampled_diff = float((tempered - rollout.sampler_logprobs)[mask].abs().max())
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # while the process group exists
+    return {"prompt": prompt_diff, "sampled": sampled_diff}
+
+
+@dataclasses.dataclass
+class _Rows:
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+
+def test_exported_checkpoint_served_by_vllm(tmp_path: Path) -> None:
+    """``convert mcore-to-hf`` of a trained student, served by ``vllm.LLM(model=export_dir)``:
+    its prompt and sampled-token log-probs equal the megatron model's (fp32)."""
+    run_distributed(_save_student, 1, args=(str(tmp_path),), timeout_s=300)
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "convert", "mcore-to-hf", "--mcore-dir",
+         str(tmp_path / "checkpoints"), "--out", str(tmp_path / "hf"), "--dtype", "fp32"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (r,) = run_distributed(_serve_export, 1, args=(str(tmp_path),), timeout_s=300)
+    assert r["prompt"] < 1e-5, r
+    assert r["sampled"] < 1e-5, r

@@ -89,10 +89,15 @@ def check_engine(
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank stops together
     value = float(worst)
     if not value <= tolerance:
+        what = (
+            "are not finite (NaN or inf)"
+            if math.isinf(value)
+            else f"differ from the trainer's by {value:.3g} nats per token (tolerance "
+            f"{tolerance:g})"
+        )
         raise WeightSyncError(
-            f"after the weight sync the rollout engine's log-probs of a probe sequence differ "
-            f"from the trainer's by {value:.3g} nats per token (tolerance {tolerance:g}): the "
-            "engine does not hold the student's weights, so its rollouts would be off-policy. "
+            f"after the weight sync the rollout engine's log-probs of a probe sequence {what}: "
+            "the engine does not hold the student's weights, so its rollouts would be off-policy. "
             "Check the vLLM version (docs/DEPLOY.md lists the tested one) and "
             "rollout.weight_sync_check_tolerance for a low-precision engine; "
             "rollout.weight_sync_check=never disables the check"
