@@ -34,7 +34,7 @@ from megatron_gndpo.engine.methods import (
     teacher_request,
 )
 from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
-from megatron_gndpo.engine.setup import Components, build_components
+from megatron_gndpo.engine.setup import Components, build_components, never_sampled
 from megatron_gndpo.engine.update import UpdateBatch, run_update
 from megatron_gndpo.logging import progress
 from megatron_gndpo.logging.throughput import (
@@ -232,7 +232,8 @@ class Trainer:
         tolerance = r.weight_sync_check_tolerance or DEFAULT_TOLERANCE[model.params_dtype]
         return check_engine(
             engine, self.c.student, self.c.student_groups, vocab_size=model.vocab_size,
-            tolerance=tolerance, vision_language=model.vision is not None,
+            tolerance=tolerance, excluded_ids=never_sampled(self.cfg),
+            vision_language=model.vision is not None,
         )  # fmt: skip
 
     def _score(self, rollout: Rollout) -> tuple[Scores, Scores]:

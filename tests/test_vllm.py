@@ -524,3 +524,131 @@ def test_exported_checkpoint_served_by_vllm(tmp_path: Path) -> None:
     (r,) = run_distributed(_serve_export, 1, args=(str(tmp_path),), timeout_s=300)
     assert r["prompt"] < 1e-5, r
     assert r["sampled"] < 1e-5, r
+
+
+# ---------------------------------------------------------------------------------------------
+# A vision-language student served as InternVL, both image modes
+
+
+def _internvl_tokenizer(directory: Path) -> None:
+    """A word-level Hugging Face tokenizer over the tiny InternVL's ids, with the tokens vLLM's
+    InternVL processor asks for by name in ``tokenizer_config.json`` (``start_image_token``,
+    ``end_image_token``, ``context_image_token``, ``video_token``; ../shared/REAL_ENGINES.md)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.test_vlm_conversion import IMAGE, VOCAB
+
+    named = {0: "<pad>", 1: "<s>", 2: "</s>", 3: "<img>", 4: "</img>", IMAGE: "<IMG_CONTEXT>",
+             6: "<video>"}  # fmt: skip
+    vocab = {named.get(i, f"t{i}"): i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=["<img>", "</img>", "<IMG_CONTEXT>", "<video>"],
+    )  # fmt: skip
+    fast.save_pretrained(directory)
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config |= {"start_image_token": "<img>", "end_image_token": "</img>",
+               "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}  # fmt: skip
+    config_file.write_text(json.dumps(config))
+
+
+def _vlm_configs() -> tuple[Any, Any]:
+    """The tiny InternVL of the conversion tests with language heads of 32 (vLLM's CPU
+    attention), <img>/</img> ids and up to 4 tiles per image."""
+    from megatron_gndpo.checkpoint import vlm_mapping
+    from tests.test_vlm_conversion import _hf_config
+
+    hf = _hf_config().to_dict()
+    hf["text_config"] |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+    model, vision = vlm_mapping.vlm_configs_from_hf(hf)
+    vision = dataclasses.replace(vision, image_start_id=3, image_end_id=4, max_tiles=4)
+    return dataclasses.replace(model, vision=vision, family="qwen2"), vision
+
+
+def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    import functools
+
+    from megatron_gndpo.config.schema import ParallelConfig, RolloutConfig
+    from megatron_gndpo.data.images import ImageLayout
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.models.vlm import build_vlm, rollout_image_embeddings
+    from megatron_gndpo.models.vlm_scoring import score_multimodal
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator, write_engine_config
+    from megatron_gndpo.weight_sync import sync_weights
+    from megatron_gndpo.weight_sync.check import check_engine
+    from tests.test_vllm_multimodal import _image, _prompt_images, _prompts
+    from tests.test_vlm_conversion import IMAGE, VOCAB
+
+    model, vision = _vlm_configs()
+    groups = build_student_groups(ParallelLayout(world), seed=1234)
+    net = build_vlm(model, vision, ParallelConfig(), groups)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    _internvl_tokenizer(Path(root) / "tokenizer")
+    engine_dir = write_engine_config(Path(root) / "engine", model, family="qwen2", dtype="fp32",
+                                     tokenizer_dir=Path(root) / "tokenizer")  # fmt: skip
+    layout = ImageLayout.of(vision)
+    embed = functools.partial(rollout_image_embeddings, net)
+    settings = RolloutConfig(engine="vllm", max_prompt_length=64, max_response_length=8,
+                             vllm_image_input=mode)  # fmt: skip
+    gen = VLLMGenerator(
+        settings, engine_dir, pad_id=0, dtype="fp32", max_model_len=256, vocab_size=VOCAB,
+        model_vocab_size=VOCAB, excluded_ids=(IMAGE,), head_dim=model.head_dim,
+        vision=VisionInput(layout, mode, embed),
+    )  # fmt: skip
+    stats = sync_weights(gen, net, groups, model, family="qwen2", vision=vision,
+                         parts=gen.weight_parts(), bucket_bytes=TINY_BUCKET)  # fmt: skip
+    check = check_engine(gen, net, groups, vocab_size=VOCAB, tolerance=1e-3,
+                         excluded_ids=(IMAGE,), vision_language=True)  # fmt: skip
+    prompts, images = _prompts(layout)  # [1 image of 3 tiles], [1 tile + 3 tiles], [text]
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(2,), samples_per_prompt=2)
+    mixed_error = None
+    if mode == "embeddings":  # one prompt's images of two sizes: vLLM 0.32 cannot take them
+        try:
+            gen.generate(prompts, params, seeds=[11, 12, 13], images=images)
+        except ValueError as err:
+            mixed_error = str(err)
+        square = _prompt_images(layout, _image(28, 28, seed=2))  # 1 tile
+        prompts = [prompts[0], prompts[2], [*layout.image_ids(1), 7, 8], prompts[0]]
+        images = [images[0], None, square, images[0]]
+    rollout = gen.generate(prompts, params, seeds=list(range(11, 11 + len(prompts))), images=images)
+    rows = [images[int(i)] for i in rollout.prompt_index]
+    tiles = [None if x is None else x.tiles for x in rows]
+    scores = score_multimodal(
+        net, groups, rollout.tokens, rollout.lengths, tiles,
+        head=TokenLogProbs(vocab_size=VOCAB, excluded_ids=(IMAGE,)), token_budget=512,
+    )  # fmt: skip
+    assert scores is not None
+    mask = rollout.response_mask
+    return {
+        "tensors": stats["weight_sync/tensors"],
+        "check": check["weight_sync/check_logprob_diff"],
+        "gap": float((scores - rollout.sampler_logprobs)[mask].abs().max()),
+        "responses": int(mask.sum()),
+        "mixed_error": mixed_error,
+    }
+
+
+@pytest.mark.parametrize("mode", ["embeddings", "pixels"])
+def test_vlm_student_as_internvl(mode: str, tmp_path: Path) -> None:
+    """A VLM student synced into vLLM's InternVL samples what the trainer scores, with prompts of
+    one image, two images of other tile counts (pixels; with embeddings a clear error, and
+    prompts of 3-tile and 1-tile images in separate engine calls), and none."""
+    (r,) = run_distributed(_vlm, 1, args=(str(tmp_path), mode), timeout_s=400)
+    assert r["responses"] > 10, r
+    assert r["check"] < 1e-5, r
+    assert r["gap"] < 1e-4, r
+    if mode == "embeddings":
+        assert r["mixed_error"] is not None and "vllm_image_input=pixels" in r["mixed_error"]

@@ -356,6 +356,10 @@ def engine_args(
     extra: dict[str, Any] = {}
     if vision is not None and vision.mode == "embeddings":
         extra["enable_mm_embeds"] = True
+    if vision is not None and vision.mode == "pixels":
+        # transformers' PIL image processor tiles exactly as data/images.py; its default (5.x)
+        # torchvision one resizes differently (up to 0.0175 per pixel on a 70x30 image)
+        extra["mm_processor_kwargs"] = {"use_fast": False}
     kv_gib = rollout.vllm_kv_cache_gib
     if kv_gib is None and platform.cpu:
         kv_gib = _CPU_KV_CACHE_GIB
@@ -388,7 +392,7 @@ _TOKENIZER_FILES = (
 def internvl_preprocessor_config(vision: VisionConfig) -> dict[str, Any]:
     """transformers' InternVL image processor settings that tile as ``data/images.py`` does."""
     return {
-        "image_processor_type": "GotOcr2ImageProcessorFast",
+        "image_processor_type": "GotOcr2ImageProcessor",
         "processor_class": "InternVLProcessor",
         "crop_to_patches": vision.max_tiles > 1,
         "min_patches": 1,
@@ -654,15 +658,54 @@ class VLLMGenerator:
         requests = build_requests(
             sent, params, seeds, multi_modal=multi_modal, allowed_token_ids=self.allowed_token_ids
         )
-        outputs = self.llm.generate(
-            [r.prompt(TokensPrompt) for r in requests],
-            [VLLMSamplingParams(**r.sampling) for r in requests],
-            use_tqdm=False,
-        )
+        k = params.samples_per_prompt
+        outputs: list[Any] = [None] * len(requests)
+        for batch in self._engine_batches(len(prompts), images):  # prompt indices
+            rows = [i * k + j for i in batch for j in range(k)]
+            done = self.llm.generate(
+                [requests[r].prompt(TokensPrompt) for r in rows],
+                [VLLMSamplingParams(**requests[r].sampling) for r in rows],
+                use_tqdm=False,
+            )
+            for r, output in zip(rows, done, strict=True):
+                outputs[r] = output
         return rollout_from_outputs(
             prompts, outputs, samples_per_prompt=params.samples_per_prompt, pad_id=self.pad_id,
             sent=sent,
         )  # fmt: skip
+
+    def _engine_batches(
+        self, n: int, images: Sequence[PromptImages | None] | None
+    ) -> list[list[int]]:
+        """The prompts (indices) each engine call takes: all of them, except with image
+        embeddings, where every image of one call must have the same token count.
+
+        vLLM 0.32's InternVL embedding input declares its feature dimension static
+        (``TensorShape("ni", "tifs", "hs")``): images of different token counts in one engine
+        step stop the engine ("data contains inconsistent shapes"). Prompts are grouped by
+        their images' token count (text-only prompts join the first group); a prompt whose own
+        images differ in count cannot be served that way and is an error naming the fix.
+        """
+        if images is None or self.vision is None or self.vision.mode != "embeddings":
+            return [list(range(n))]
+        per_count: dict[int, list[int]] = {}
+        text: list[int] = []
+        for i, x in enumerate(images):
+            if x is None or not x.tiles_per_image:
+                text.append(i)
+                continue
+            counts = set(x.tiles_per_image)
+            if len(counts) > 1:
+                raise ValueError(
+                    f"prompt {i} holds images of {sorted(counts)} tiles: vLLM's InternVL takes "
+                    "image embeddings of one size per engine step (vLLM 0.32), so set "
+                    "rollout.vllm_image_input=pixels, or model.vision.max_tiles=1 (every image "
+                    "one tile)"
+                )
+            per_count.setdefault(counts.pop(), []).append(i)
+        batches = [sorted(b) for b in per_count.values()] or [[]]
+        batches[0] = sorted(batches[0] + text)
+        return batches
 
     def _engine_inputs(
         self, prompts: Sequence[Sequence[int]], images: Sequence[PromptImages | None] | None

@@ -66,7 +66,8 @@ def check_engine(
 
     ``vocab_size``: the model's vocabulary as the engine sees it (the HF config's
     ``vocab_size``: the engine normalises over all of it, so the trainer does too).
-    ``vision_language``: ``model`` is a VLM (the probe is text: its language model alone).
+    ``vision_language``: ``model`` is a VLM (the probe is text: its language model alone);
+    ``excluded_ids`` never appear in the probe (a VLM's image placeholder needs an image).
     """
     from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_batch
     from megatron_gndpo.models.logprob_head import TokenLogProbs
