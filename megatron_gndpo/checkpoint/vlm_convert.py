@@ -19,6 +19,7 @@ handling, same checkpoint format); names and layouts live in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from collections.abc import Iterator
@@ -120,11 +121,16 @@ def fill_vlm_from_hf(
             del tensors, full, shard
 
 
-def _copy_side_files(src: str | Path, dst: str | Path) -> None:
+def _copy_side_files(src: str | Path, dst: str | Path, vision: VisionConfig | None = None) -> None:
+    """Tokenizer and processor files from ``src``; processor files ``src`` lacks are written
+    from ``vision`` when given (an export of a model trained here is then servable as is)."""
     copy_tokenizer_files(src, dst)
+    written = vlm_mapping.internvl_processor_files(vision) if vision is not None else {}
     for name in PROCESSOR_FILES:
         if (Path(src) / name).is_file():
             shutil.copy2(Path(src) / name, Path(dst) / name)
+        elif name in written:
+            (Path(dst) / name).write_text(json.dumps(written[name], indent=2))
 
 
 def convert_vlm_hf_to_mcore(
@@ -233,7 +239,8 @@ def convert_vlm_mcore_to_hf(
         build=lambda groups: build_vlm(model, vision, ParallelConfig(), groups),
         to_hf=lambda state: vlm_mapping.iter_megatron_to_hf(state, model, vision, consume=True),
         config=config, side_files=tok_dir if tok_dir is not None else base, dtype=dtype,
-        max_shard_bytes=max_shard_bytes, copy_side_files=_copy_side_files,
+        max_shard_bytes=max_shard_bytes,
+        copy_side_files=functools.partial(_copy_side_files, vision=vision),
     )  # fmt: skip
 
 

@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -61,10 +60,10 @@ from typing import Any, Literal
 import torch
 
 from megatron_gndpo.checkpoint import hf_mapping, vlm_mapping
+from megatron_gndpo.checkpoint.convert import TOKENIZER_FILES, copy_tokenizer_files
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import Dtype, ModelConfig, RolloutConfig
 from megatron_gndpo.config.validate import require_package
-from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.data.images import ImageLayout, load_image
 from megatron_gndpo.parallel.distributed import before_shutdown
@@ -382,33 +381,6 @@ def engine_args(
     )
 
 
-# Tokenizer files a vision-language engine directory receives from data.tokenizer.
-_TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
-
-
-def internvl_preprocessor_config(vision: VisionConfig) -> dict[str, Any]:
-    """transformers' InternVL image processor settings that tile as ``data/images.py`` does."""
-    return {
-        "image_processor_type": "GotOcr2ImageProcessor",
-        "processor_class": "InternVLProcessor",
-        "crop_to_patches": vision.max_tiles > 1,
-        "min_patches": 1,
-        "max_patches": vision.max_tiles,
-        "size": {"height": vision.image_size, "width": vision.image_size},
-        "do_resize": True,
-        "resample": 3,  # bicubic
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(vision.image_mean),
-        "image_std": list(vision.image_std),
-        "do_convert_rgb": True,
-    }
-
-
 def write_engine_config(
     out_dir: str | Path,
     model_cfg: ModelConfig,
@@ -433,23 +405,15 @@ def write_engine_config(
         return out
     config = vlm_mapping.hf_config_from_vlm(model_cfg, vision, family)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(internvl_preprocessor_config(vision), indent=2)
-    )
-    processor = {"processor_class": "InternVLProcessor", "image_seq_length": vision.tokens_per_tile}
-    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
-    source = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    copied = (
-        [] if source is None else [source / f for f in _TOKENIZER_FILES if (source / f).is_file()]
-    )
+    for name, content in vlm_mapping.internvl_processor_files(vision).items():
+        (out / name).write_text(json.dumps(content, indent=2))
+    copied = [] if tokenizer_dir is None else copy_tokenizer_files(tokenizer_dir, out)
     if not copied:
         raise ValueError(
             f"a vision-language vLLM engine needs the Hugging Face tokenizer (vLLM's InternVL "
             f"processor tokenizes the image tokens); {tokenizer_dir!r} holds none of "
-            f"{', '.join(_TOKENIZER_FILES[:2])}: set data.tokenizer to the tokenizer directory"
+            f"{', '.join(TOKENIZER_FILES[:2])}: set data.tokenizer to the tokenizer directory"
         )
-    for path in copied:
-        shutil.copyfile(path, out / path.name)
     return out
 
 
