@@ -92,11 +92,16 @@ def _why_no_cluster() -> str | None:
     if not SLURM_CONF.exists():
         return f"no test cluster: {SLURM_CONF} is missing (start one with scripts/ci/slurm_up.sh)"
     try:
-        state = _slurm("sinfo", "--noheader", "--format=%T", check=False).strip()
+        sinfo = subprocess.run(
+            ["sinfo", "--noheader", "--format=%T"],
+            env=_slurm_env(), capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
     except subprocess.TimeoutExpired:
-        return f"sinfo did not answer within 30 s: slurmctld of {SLURM_CONF} is not running"
+        return f"sinfo did not answer within 30 s: is slurmctld of {SLURM_CONF} running?"
+    state = sinfo.stdout.strip()
     if state not in ("idle", "mixed", "allocated"):
-        return f"the test cluster's node is '{state or 'unknown'}', not up (logs: {CI_DIR}/log)"
+        said = state or (sinfo.stderr.strip().splitlines() or ["nothing"])[-1]
+        return f"the test cluster is not up (sinfo: {said!r}); start it with scripts/ci/slurm_up.sh"
     return None
 
 

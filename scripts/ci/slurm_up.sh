@@ -59,13 +59,14 @@ if alive munged && alive slurmctld && alive slurmd; then
   exit 0
 fi
 
-[[ $(id -u) == 0 ]] || die "needs root: slurmd starts jobs as their user and this cluster runs as root"
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
-  command -v apt-get >/dev/null || die "Slurm is not installed and apt-get is missing: install slurm-wlm and munge"
+[[ $(id -u) == 0 ]] || die "needs root: this cluster's daemons run as root (SlurmUser=root)"
+apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >&2; }
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
+  || ! command -v munged >/dev/null; then
+  command -v apt-get >/dev/null \
+    || die "Slurm is not installed and there is no apt-get: install slurm-wlm and munge"
   log "installing slurm-wlm and munge with apt-get (about 2 minutes)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >&2 \
-    || { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >&2; } \
-    || die "apt-get install slurm-wlm munge failed"
+  apt_install || { apt-get update -q >&2 && apt_install; } || die "apt-get install slurm-wlm munge failed"
 fi
 
 # A half-started cluster of an earlier call (one daemon died): stop what is left, start afresh.
@@ -137,13 +138,13 @@ EOF
 log "starting munged, slurmctld and slurmd (config $CONF)"
 munged --force --socket="$DIR/munge/munge.socket" --key-file="$KEY" \
   --pid-file="$DIR/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed"
-# munged's pid file is named after the daemon; slurmctld and slurmd write theirs from slurm.conf.
+# Each pid file is named after its daemon: alive() above and slurm_down.sh read them.
 slurmctld -c -f "$CONF"  # -c: no jobs recovered from an earlier cluster in this directory
 slurmd -f "$CONF"
 
 deadline=$((SECONDS + 10))
 until alive munged && alive slurmctld && alive slurmd; do
-  ((SECONDS < deadline)) || die "a daemon did not start; see $DIR/log/ (munged.log, slurmctld.log, slurmd.log)"
+  ((SECONDS < deadline)) || die "a daemon did not start: see munged.log, slurmctld.log, slurmd.log in $DIR/log"
   sleep 0.2
 done
 wait_idle
