@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.algorithms.metrics import advantage_metrics, score_metrics
+from megatron_gndpo.algorithms.metrics import StabilityMonitor, advantage_metrics, score_metrics
 from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
 from megatron_gndpo.checkpoint.dist import latest_step, load_checkpoint, save_checkpoint
 from megatron_gndpo.config import Config, to_yaml
@@ -45,6 +45,7 @@ from megatron_gndpo.logging.throughput import (
 )
 from megatron_gndpo.rewards.verifiable import reward
 from megatron_gndpo.rollout.base import Rollout, SamplingParams, with_teacher_prefix
+from megatron_gndpo.rollout.schedule import temperature_at
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
 _LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac", "guidance/kl_mean")
@@ -82,6 +83,7 @@ class Trainer:
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
         self._syncs = 0  # weight syncs into an external engine so far
+        self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
         self._describe_checkpoints()
         self._resume()
         self._sync_engine()  # an external engine starts without the student's weights
@@ -108,6 +110,7 @@ class Trainer:
         with timer.time("checkpoint"):
             self._maybe_save()
         metrics |= self._rollout_metrics(rollout, student, rewards)
+        metrics |= self.stability.observe(metrics.get("grad_norm", math.nan), metrics["score/rms"])
         metrics |= timer.pop()
         metrics["time/step"] = time.perf_counter() - started
         metrics["tokens/s"] = metrics["tokens/step"] / metrics["time/step"]
@@ -180,8 +183,10 @@ class Trainer:
     def _sample(self, prompts: list[Any]) -> Rollout:
         """The step's rollout: on-policy, or continued from teacher-written prefixes (TrOPD)."""
         share = prefix_share(self.cfg.algorithm, self.step_count + 1)
+        temperature = temperature_at(self.cfg.rollout, self.step_count + 1)
+        params = dataclasses.replace(self.params, temperature=temperature)
         if share == 0.0:
-            return self._rollout(prompts)
+            return self._rollout(prompts, params)
         # The teacher answers each prompt once (its own random streams), the first `share` of
         # each answer is kept, and the student samples its continuations from there.
         seeds = self._seeds(prompts)
@@ -195,7 +200,7 @@ class Trainer:
         room = self.params.max_new_tokens - min(len(x) for x in prefixes)
         continued = self._generate(
             prompts, [[*p.ids, *x] for p, x in zip(prompts, prefixes, strict=True)],
-            dataclasses.replace(self.params, max_new_tokens=room), seeds,
+            dataclasses.replace(params, max_new_tokens=room), seeds,
         )  # fmt: skip
         rollout = with_teacher_prefix(
             continued, [len(x) for x in prefixes], self.params.max_new_tokens
@@ -376,6 +381,7 @@ class Trainer:
             "finished/frac": finished / rows,
             "tokens/step": total,  # generated tokens of the whole step (all DP ranks)
             "prompts/skipped_too_long": float(self.c.skipped_prompts),
+            "rollout/temperature": temperature_at(self.cfg.rollout, self.step_count),
         }
         if rewards is not None:
             out["reward/mean"] = reward_sum / rows
@@ -419,7 +425,10 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
-        return {"sampler": self.c.sampler.state_dict(), "scheduler": self.c.scheduler.state_dict()}
+        return {
+            "sampler": self.c.sampler.state_dict(), "scheduler": self.c.scheduler.state_dict(),
+            "stability": self.stability.state_dict(),
+        }  # fmt: skip
 
     def _maybe_save(self) -> None:
         interval = self.cfg.checkpoint.save_interval
@@ -458,4 +467,6 @@ class Trainer:
         self._say(f"resumed from {source} at step {self.step_count}")
         self.c.sampler.load_state_dict(meta["extra"]["sampler"])
         self.c.scheduler.load_state_dict(meta["extra"]["scheduler"])
+        if "stability" in meta["extra"]:  # checkpoints before the diagnostics start them afresh
+            self.stability.load_state_dict(meta["extra"]["stability"])
         self.c.logger.truncate_after(self.step_count)

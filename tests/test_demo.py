@@ -8,10 +8,11 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from megatron_gndpo.demo.report import PLOTS
+from megatron_gndpo.demo.report import PLOTS, verdict
 from megatron_gndpo.demo.run import ALL_METHODS, run_demo
 
 pytestmark = [pytest.mark.megatron]
@@ -22,6 +23,49 @@ def _finite(value: object) -> bool:
 
 
 METHODS = tuple(ALL_METHODS)  # every method, so each one's report path runs
+
+
+def _numbers(start: float, finals: dict[str, float], clip_active: float) -> dict[str, Any]:
+    """summary.json-like numbers of a chains demo (128 held-out problems, clip 1.0)."""
+    return {
+        "student_start_accuracy": start, "teacher_accuracy": 1.0, "eval_problems": 128,
+        "clip_grad": 1.0,
+        "methods": {
+            name: {
+                "final_accuracy": final, "best_accuracy": max(final, start),
+                "grad_norm": {"max": 10.0, "median": 5.0, "max_over_median": 2.0},
+                "diagnostics": {
+                    "clip_active_frac": clip_active, "spikes": 0.0, "score_rms_slope": 0.5,
+                    "score_rms_slope_se": 0.3,
+                },
+            }
+            for name, final in finals.items()
+        },
+    }  # fmt: skip
+
+
+def test_verdict_calls_small_differences_noise_and_no_winner_below_the_start() -> None:
+    """What `demo --quick` printed before (issue 17): 'GNDPO did beat OPD on stability: max/median
+    1.43 against OPD's 1.46' and 'did beat OPD on accuracy: 0.219 -> 0.211 with GNDPO, -> 0.180
+    with OPD'. Both methods ended below the start within noise: neither improved the student,
+    and with the clip active on every step the pre-clip norms never reached the update."""
+    text = verdict(_numbers(0.219, {"gndpo": 0.211, "opd": 0.180}, clip_active=1.0))
+    assert "did beat" not in text and "max/median" not in text
+    assert "neither GNDPO nor OPD improved the student" in text
+    assert "within noise" in text
+    assert "active on 100% of the steps" in text and "never reached the update" in text
+
+
+def test_verdict_names_a_gain_beyond_noise_and_a_partly_active_clip() -> None:
+    text = verdict(_numbers(0.219, {"gndpo": 0.664, "opd": 0.234}, clip_active=0.25))
+    assert "GNDPO raised the student's accuracy beyond noise (0.219 -> 0.664)" in text
+    assert "OPD did not change the student's accuracy beyond noise (0.219 -> 0.234)" in text
+    assert "GNDPO ended ahead of OPD by 0.430, beyond noise" in text
+    assert "active on 25% of GNDPO's steps and 25% of OPD's" in text
+    assert "never reached the update" not in text
+    # one problem of difference is within noise whatever the accuracies
+    text = verdict(_numbers(0.219, {"gndpo": 0.664, "opd": 0.656}, clip_active=0.0))
+    assert "within noise of each other" in text
 
 
 def test_unknown_demo_method_is_a_clear_error(tmp_path: Path) -> None:

@@ -156,6 +156,12 @@ class RolloutConfig:
     """Maximum number of generated tokens per response."""
     temperature: float = 1.0
     """Sampling temperature."""
+    outlier_interval: int = 0
+    """Every this many steps (steps N, 2N, ...) the student samples at outlier_temperature
+    instead of temperature: a documented source of outlier batches for stability experiments
+    (docs/methods/gndpo.md, demo --stability); 0 disables it."""
+    outlier_temperature: float = 2.0
+    """Sampling temperature of the outlier steps (with outlier_interval > 0)."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 disables it)."""
     top_k: int = 0
@@ -269,6 +275,12 @@ class AlgorithmConfig:
     """vOPD: KL over the student's top-k tokens renormalised; 0 uses the full vocabulary."""
     gamma: float = 1.0
     """Discount of reinforce_pp returns."""
+    gndpo_subtract_mean: bool = True
+    """GNDPO: subtract the batch mean of the score; false keeps only the division by the batch's
+    standard deviation (the "scale only" ablation, docs/methods/gndpo.md)."""
+    gndpo_divide_std: bool = True
+    """GNDPO: divide by the batch's standard deviation of the score; false keeps only the
+    batch-mean baseline (the "baseline only" ablation, docs/methods/gndpo.md)."""
     entropy_coef: float | None = None
     """Entropy bonus beta: the loss subtracts beta * H_t of the student; null means the
     method's default (0.001 for tgpo, as its release; 0 otherwise)."""

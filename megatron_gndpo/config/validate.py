@@ -133,6 +133,16 @@ def _algorithm_problems(cfg: Config) -> list[str]:
                 "algorithm.estimator=mix needs algorithm.outcome_weight > 0 "
                 "(with 0 use the distillation estimator alone)"
             )
+    halves = {"gndpo_subtract_mean": a.gndpo_subtract_mean, "gndpo_divide_std": a.gndpo_divide_std}
+    off = [f"algorithm.{key}=false" for key, on in halves.items() if not on]
+    gndpo = a.estimator == "gndpo" or (a.estimator == "mix" and a.distill_estimator == "gndpo")
+    if off and not gndpo:
+        p.append(f"{' and '.join(off)} applies to the gndpo estimator only; set it to true")
+    elif len(off) == 2:
+        p.append(
+            "algorithm.gndpo_subtract_mean=false with gndpo_divide_std=false is OPD: use "
+            "algorithm.estimator=opd"
+        )
     p += _guidance_problems(a, cfg.model.vocab_size)
     if a.vopd_top_k == 0 and "vopd" in (a.estimator, a.distill_estimator):
         p += _full_kl_problems(cfg)
@@ -219,6 +229,14 @@ def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
         p.append(
             f"rollout.gpu_memory_utilization must be in (0, 1), got {r.gpu_memory_utilization}"
         )
+    _positive(p, "rollout.outlier_interval", r.outlier_interval, strict=False)
+    if r.outlier_interval == 1:
+        p.append(
+            "rollout.outlier_interval=1 makes every step an outlier step; set rollout.temperature "
+            "instead (or an interval of 2 or more)"
+        )
+    if r.outlier_interval:
+        _positive(p, "rollout.outlier_temperature", r.outlier_temperature)
     if r.vllm_kv_cache_gib is not None:
         _positive(p, "rollout.vllm_kv_cache_gib", r.vllm_kv_cache_gib)
     if r.weight_sync_check_tolerance is not None:
