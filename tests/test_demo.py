@@ -14,6 +14,7 @@ import pytest
 
 from megatron_gndpo.demo.report import PLOTS, verdict
 from megatron_gndpo.demo.run import ALL_METHODS, run_demo
+from megatron_gndpo.demo.stability import VARIANTS
 
 pytestmark = [pytest.mark.megatron]
 
@@ -23,6 +24,11 @@ def _finite(value: object) -> bool:
 
 
 METHODS = tuple(ALL_METHODS)  # every method, so each one's report path runs
+# The stability diagnostics every step of every run logs (algorithms/metrics.py).
+DIAGNOSTICS = (
+    "score/rms", "grad_norm/clip_active", "grad_norm/clip_active_frac", "grad_norm/spike",
+    "grad_norm/spikes", "rollout/temperature",
+)  # fmt: skip
 
 
 def _numbers(start: float, finals: dict[str, float], clip_active: float) -> dict[str, Any]:
@@ -73,12 +79,19 @@ def test_unknown_demo_method_is_a_clear_error(tmp_path: Path) -> None:
         run_demo(tmp_path, methods=("gndpo", "ppo"))
 
 
-def test_demo_quick_writes_a_finite_report(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def quick_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model cache for the quick demos of this module: the quick teacher and the student
+    are trained once (about a minute) and reused by the next test."""
+    return tmp_path_factory.mktemp("demo_cache")
+
+
+def test_demo_quick_writes_a_finite_report(tmp_path: Path, quick_cache: Path) -> None:
     run_dir = tmp_path / "demo"
     done = subprocess.run(
         [sys.executable, "-m", "megatron_gndpo.cli", "demo", "--quick",
          "--methods", ",".join(METHODS),
-         "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")],
+         "--run-dir", str(run_dir), "--cache-dir", str(quick_cache)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -86,7 +99,8 @@ def test_demo_quick_writes_a_finite_report(tmp_path: Path) -> None:
     assert "| student + gndpo |" in done.stdout
 
     summary = (run_dir / "summary.md").read_text()
-    assert "| teacher |" in summary and "GNDPO did" in summary
+    assert "| teacher |" in summary and "On held-out accuracy, GNDPO " in summary
+    assert "The gradient clip (optimizer.clip_grad=1.0) was active on" in summary
     for plot in PLOTS:
         path = run_dir / plot
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
@@ -99,7 +113,9 @@ def test_demo_quick_writes_a_finite_report(tmp_path: Path) -> None:
         assert m["start_accuracy"] == numbers["student_start_accuracy"], name  # same start
         assert 0.0 <= m["final_accuracy"] <= 1.0
         assert _finite(m["grad_norm"]["max"]) and _finite(m["grad_norm"]["median"]), (name, m)
+        assert 0.0 <= m["diagnostics"]["clip_active_frac"] <= 1.0, (name, m)
         assert m["wall_seconds"] > 0
+    assert numbers["eval_problems"] == 128 and numbers["clip_grad"] == 1.0
 
     with (run_dir / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -112,8 +128,11 @@ def test_demo_quick_writes_a_finite_report(tmp_path: Path) -> None:
         mine = [r for r in rows if r["method"] == name]
         assert [int(r["step"]) for r in mine] == list(range(steps + 1))  # step 0: the start
         for r in mine[1:]:
-            for key in ("grad_norm", "score/mean", "advantage/std", "response_length/mean"):
+            for key in ("grad_norm", "score/mean", "advantage/std", "response_length/mean",
+                        *DIAGNOSTICS):  # fmt: skip
                 assert math.isfinite(float(r[key])), (name, r["step"], key)
+            assert float(r["grad_norm/clip_active"]) == float(float(r["grad_norm"]) > 1.0)
+        assert "grad_norm/trailing_median" in mine[-1] and "grad_norm/spike" in mine[-1]
         accuracies = [float(r["eval/accuracy"]) for r in mine if r["eval/accuracy"]]
         assert len(accuracies) >= 2 and all(0.0 <= a <= 1.0 for a in accuracies)
 
@@ -128,8 +147,8 @@ def test_demo_multimodal_quick_writes_a_finite_report(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = (run_dir / "summary.md").read_text()
-    assert "on the visual (images) task" in summary and "GNDPO did" in summary
-    assert "nan" not in summary.split("GNDPO did", 1)[1]
+    assert "on the visual (images) task" in summary and "On held-out accuracy" in summary
+    assert "nan" not in summary.split("The gradient clip", 1)[1]
     numbers = json.loads((run_dir / "summary.json").read_text())
     assert set(numbers["methods"]) == {"gndpo", "opd"}
     # the quick teacher reads the digits; the student starts clearly below it
@@ -140,3 +159,52 @@ def test_demo_multimodal_quick_writes_a_finite_report(tmp_path: Path) -> None:
         assert _finite(m["grad_norm"]["max"]) and m["grad_norm"]["max"] > 0, name
         config = (run_dir / name / "config.yaml").read_text()
         assert "vision:" in config and "freeze_encoder: true" in config
+
+
+def test_demo_stability_quick_runs_every_variant_and_seed(
+    tmp_path: Path, quick_cache: Path
+) -> None:
+    """``demo --stability --quick``: the pipeline (4 variants x 2 seeds, outlier steps, the
+    report and its plots), not the claim: 8 steps cannot show it."""
+    run_dir = tmp_path / "stability"
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "demo", "--stability", "--quick",
+         "--run-dir", str(run_dir), "--cache-dir", str(quick_cache)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"report written to {run_dir / 'stability.md'}" in done.stdout
+    report = (run_dir / "stability.md").read_text()
+    assert "The claim " in report and "| opd | 1234 |" in report
+    for plot in ("norm_vs_rms.png", "grad_norm.png"):
+        assert (run_dir / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+    numbers = json.loads((run_dir / "stability.json").read_text())
+    st = numbers["settings"]
+    assert {(r["method"], r["seed"]) for r in numbers["runs"]} == {
+        (m, s) for m in VARIANTS for s in st["seeds"]
+    } and len(st["seeds"]) == 2
+    for r in numbers["runs"]:
+        assert _finite(r["normal_norm"]) and _finite(r["outlier_over_normal"]), r
+        assert r["clip_active_frac"] == 0.0, r  # the clip is above every norm
+        assert r["outlier_rms"] > r["normal_rms"], r  # hotter samples score further off
+        lines = (run_dir / f"{r['method']}_s{r['seed']}" / "metrics.jsonl").read_text()
+        steps = [json.loads(x) for x in lines.splitlines()]
+        assert len(steps) == st["steps"]
+        for step in steps:
+            hot = step["step"] % st["outlier_interval"] == 0
+            assert step["rollout/temperature"] == (st["outlier_temperature"] if hot else 1.0)
+            assert all(_finite(step[key]) for key in DIAGNOSTICS), step
+    config = (run_dir / "scale_only_s1234" / "config.yaml").read_text()
+    assert "gndpo_subtract_mean: false" in config and "outlier_interval: 4" in config
+
+
+def test_demo_stability_refuses_options_it_does_not_take(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from megatron_gndpo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--stability", "--methods", "opd"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "demo --stability runs its own methods and seeds" in err and "Traceback" not in err

@@ -245,8 +245,9 @@ def run_demo(
 
 
 def _prepare(
-    cache_dir: Path, s: Settings
+    cache_dir: Path, s: Settings, student: models.Recipe | None = None
 ) -> tuple[models.PreparedModel, models.PreparedModel, models.DemoTask]:
+    """The teacher and the student (``student``, else :func:`models.student_recipe`)."""
     from megatron.core import parallel_state
 
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
@@ -256,7 +257,7 @@ def _prepare(
     groups = build_student_groups(ParallelLayout(1), seed=0)
     try:
         prepared = []
-        for recipe in (models.teacher_recipe(s.quick), models.student_recipe()):
+        for recipe in (models.teacher_recipe(s.quick), student or models.student_recipe()):
             with progress(recipe.steps, f"sft {recipe.name}", True) as bar:
                 model = models.prepare(
                     cache_dir, recipe, groups, task, on_step=lambda step, m: bar.update(1)
