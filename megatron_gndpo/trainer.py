@@ -104,13 +104,14 @@ class Trainer:
             targets, metrics = self._targets(rollout, teacher, student, rewards)
         with timer.time("update"):
             metrics |= self._update(rollout, student["logprobs"], targets, teacher["logprobs"])
+        # before the checkpoint, whose state must include this step
+        metrics |= self.stability.observe(metrics.get("grad_norm", math.nan), metrics["score/rms"])
         with timer.time("weight_sync"):
             metrics |= self._sync_engine()
         self.step_count += 1
         with timer.time("checkpoint"):
             self._maybe_save()
         metrics |= self._rollout_metrics(rollout, student, rewards)
-        metrics |= self.stability.observe(metrics.get("grad_norm", math.nan), metrics["score/rms"])
         metrics |= timer.pop()
         metrics["time/step"] = time.perf_counter() - started
         metrics["tokens/s"] = metrics["tokens/step"] / metrics["time/step"]

@@ -193,6 +193,15 @@ def summary_table(numbers: dict[str, Any]) -> str:
 NOISE_STANDARD_ERRORS = 2.0
 
 
+# How the report writes each method's name in prose.
+_DISPLAY = {"gndpo": "GNDPO", "opd": "OPD", "rlvr": "RLVR", "tgpo": "TGPO", "tropd": "TrOPD",
+            "vopd": "vOPD"}  # fmt: skip
+
+
+def _display(method: str) -> str:
+    return _DISPLAY.get(method, method)
+
+
 def _standard_error(accuracy: float, problems: int) -> float:
     """The binomial standard error of an accuracy measured on ``problems`` problems."""
     return math.sqrt(max(accuracy * (1.0 - accuracy), 0.0) / problems)
@@ -233,7 +242,7 @@ def _stability_sentence(numbers: dict[str, Any], names: tuple[str, ...]) -> str:
     where = f"The gradient clip (optimizer.clip_grad={clip})"
     if all(f >= 1.0 for f in fracs.values()):
         return (
-            f"{where} was active on 100% of the steps of {' and '.join(n.upper() for n in names)}: "
+            f"{where} was active on 100% of the steps of {' and '.join(_display(n) for n in names)}: "
             f"every update was g·{clip}/‖g‖, so the pre-clip norms in the table never reached "
             "the update, and GNDPO's division by the batch's standard deviation cancelled "
             "exactly (it acted as OPD with a batch-mean baseline). This run cannot tell which "
@@ -242,13 +251,13 @@ def _stability_sentence(numbers: dict[str, Any], names: tuple[str, ...]) -> str:
             "(docs/methods/gndpo.md)."
         )
     shares = " and ".join(
-        f"{f:.0%} of {n.upper()}'s steps" if i == 0 else f"{f:.0%} of {n.upper()}'s"
+        f"{f:.0%} of {_display(n)}'s steps" if i == 0 else f"{f:.0%} of {_display(n)}'s"
         for i, (n, f) in enumerate(fracs.items())
     )
-    full = [n.upper() for n, f in fracs.items() if f >= 1.0]
+    full = [_display(n) for n, f in fracs.items() if f >= 1.0]
     blocked = f" (on {', '.join(full)}'s every update was clipped)" if full else ""
-    spikes = ", ".join(f"{n.upper()} {methods[n]['diagnostics']['spikes']:.0f}" for n in names)
-    slopes = ", ".join(f"{n.upper()} {_slope(methods[n]['diagnostics'])}" for n in names)
+    spikes = ", ".join(f"{_display(n)} {methods[n]['diagnostics']['spikes']:.0f}" for n in names)
+    slopes = ", ".join(f"{_display(n)} {_slope(methods[n]['diagnostics'])}" for n in names)
     return (
         f"{where} was active on {shares}{blocked}. Steps above 3x the median pre-clip norm of "
         f"the previous 20: {spikes}; slope of log pre-clip norm on log score RMS (1: the norm "
@@ -275,7 +284,7 @@ def verdict(numbers: dict[str, Any]) -> str:
     else:
         outcome = f"GNDPO and OPD ended within noise of each other ({g:.3f} vs {o:.3f})"
     others = "".join(
-        f" {_change(name.upper(), start, m['final_accuracy'], n)[0]}."
+        f" {_change(_display(name), start, m['final_accuracy'], n)[0]}."
         for name, m in methods.items()
         if name not in ("gndpo", "opd")
     )

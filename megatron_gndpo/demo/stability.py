@@ -179,7 +179,7 @@ def run_measures(history: list[dict[str, Any]], outlier_interval: int) -> dict[s
     ordinary ones; ``spikes`` (and how many of them fell on outlier steps), ``slope`` (±
     ``slope_se``) and ``clip_active_frac`` are the trainer's diagnostics at the last step.
     """
-    steps = [h for h in history if h["step"] > 0 and math.isfinite(float(h["grad_norm"]))]
+    steps = [h for h in history if h["step"] > 0 and math.isfinite(h.get("grad_norm", math.nan))]
     outlier = [h for h in steps if h["step"] % outlier_interval == 0]
     normal = [h for h in steps if h["step"] % outlier_interval != 0]
     normal_norm = _median([float(h["grad_norm"]) for h in normal])
