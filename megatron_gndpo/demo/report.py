@@ -242,7 +242,8 @@ def _stability_sentence(numbers: dict[str, Any], names: tuple[str, ...]) -> str:
     where = f"The gradient clip (optimizer.clip_grad={clip})"
     if all(f >= 1.0 for f in fracs.values()):
         return (
-            f"{where} was active on 100% of the steps of {' and '.join(_display(n) for n in names)}: "
+            f"{where} was active on 100% of the steps of "
+            f"{' and '.join(_display(n) for n in names)}: "
             f"every update was g·{clip}/‖g‖, so the pre-clip norms in the table never reached "
             "the update, and GNDPO's division by the batch's standard deviation cancelled "
             "exactly (it acted as OPD with a batch-mean baseline). This run cannot tell which "
