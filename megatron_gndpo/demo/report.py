@@ -34,9 +34,11 @@ _SCORE_PANELS = (
 def grad_norm_stats(run: MethodRun) -> dict[str, float]:
     """Max, median and max/median of the pre-clip gradient norm over the training steps.
 
-    max/median is the scale-free spread the stability comparison uses: GNDPO normalises its
-    advantages, so its raw gradient norms are on another scale than OPD's. Steps with no
-    gradient at all (RLVR when every sample of every prompt scored the same) are left out.
+    max/median is a scale-free spread (GNDPO normalises its advantages, so its raw norms are on
+    another scale than OPD's), shown for reference, never as a stability verdict: where the
+    clip is active on every step (see :func:`diagnostics`) no pre-clip norm reaches the update.
+    Steps with no gradient at all (RLVR when every sample of every prompt scored the same) are
+    left out.
     """
     all_norms = [float(h["grad_norm"]) for h in run.history if "grad_norm" in h]
     norms = [n for n in all_norms if n > 0.0]
