@@ -45,7 +45,7 @@ from megatron_gndpo.logging.throughput import (
 )
 from megatron_gndpo.rewards.verifiable import reward
 from megatron_gndpo.rollout.base import Rollout, SamplingParams, with_teacher_prefix
-from megatron_gndpo.rollout.schedule import temperature_at
+from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
 _LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac", "guidance/kl_mean")
@@ -156,6 +156,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def _next_prompts(self) -> list[Any]:
+        outliers = self.c.outlier_sampler
+        if outliers is not None and is_outlier_step(self.cfg.rollout, self.step_count + 1):
+            return [self.c.outlier_prompts[i] for i in outliers.next_step()]  # data.outlier_train
         return [self.c.prompts[i] for i in self.c.sampler.next_step()]
 
     def _seeds(self, prompts: list[Any]) -> list[int]:
@@ -426,10 +429,13 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
-        return {
+        state = {
             "sampler": self.c.sampler.state_dict(), "scheduler": self.c.scheduler.state_dict(),
             "stability": self.stability.state_dict(),
         }  # fmt: skip
+        if self.c.outlier_sampler is not None:
+            state["outlier_sampler"] = self.c.outlier_sampler.state_dict()
+        return state
 
     def _maybe_save(self) -> None:
         interval = self.cfg.checkpoint.save_interval
@@ -470,4 +476,6 @@ class Trainer:
         self.c.scheduler.load_state_dict(meta["extra"]["scheduler"])
         if "stability" in meta["extra"]:  # checkpoints before the diagnostics start them afresh
             self.stability.load_state_dict(meta["extra"]["stability"])
+        if self.c.outlier_sampler is not None and "outlier_sampler" in meta["extra"]:
+            self.c.outlier_sampler.load_state_dict(meta["extra"]["outlier_sampler"])
         self.c.logger.truncate_after(self.step_count)

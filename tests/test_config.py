@@ -614,7 +614,12 @@ def test_outlier_steps_and_gndpo_halves() -> None:
     """rollout.outlier_* (an outlier source for stability studies) and the GNDPO ablations."""
     validate(load_config(None, ["rollout.outlier_interval=10", "rollout.outlier_temperature=2"]))
     msg = validation_error(None, "rollout.outlier_interval=1")
-    assert "makes every step an outlier step; set rollout.temperature instead" in msg
+    assert "makes every step an outlier step; set rollout.temperature or data.train" in msg
+    msg = validation_error(None, "rollout.outlier_interval=10")
+    assert "needs what makes those steps outliers: set rollout.outlier_temperature" in msg
+    msg = validation_error(None, "data.outlier_train=builtin:chains")
+    assert "data.outlier_train applies to outlier steps only: set rollout.outlier_interval" in msg
+    validate(load_config(None, ["rollout.outlier_interval=4", "data.outlier_train=x.jsonl"]))
     msg = validation_error(None, "rollout.outlier_interval=-3")
     assert "rollout.outlier_interval must be >= 0, got -3" in msg
     msg = validation_error(None, "rollout.outlier_interval=5", "rollout.outlier_temperature=0")

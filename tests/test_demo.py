@@ -186,16 +186,16 @@ def test_demo_stability_quick_runs_every_variant_and_seed(
     for r in numbers["runs"]:
         assert _finite(r["normal_norm"]) and _finite(r["outlier_over_normal"]), r
         assert r["clip_active_frac"] == 0.0, r  # the clip is above every norm
-        assert r["outlier_rms"] > r["normal_rms"], r  # hotter samples score further off
         lines = (run_dir / f"{r['method']}_s{r['seed']}" / "metrics.jsonl").read_text()
         steps = [json.loads(x) for x in lines.splitlines()]
         assert len(steps) == st["steps"]
-        for step in steps:
-            hot = step["step"] % st["outlier_interval"] == 0
-            assert step["rollout/temperature"] == (st["outlier_temperature"] if hot else 1.0)
-            assert all(_finite(step[key]) for key in DIAGNOSTICS), step
+        assert all(_finite(step[key]) for key in DIAGNOSTICS for step in steps)
     config = (run_dir / "scale_only_s1234" / "config.yaml").read_text()
     assert "gndpo_subtract_mean: false" in config and "outlier_interval: 4" in config
+    prompts = run_dir / f"outlier_prompts_d{st['outlier_difficulty']}.jsonl"
+    assert f"outlier_train: {prompts}" in config
+    first = json.loads(prompts.read_text().splitlines()[0])
+    assert first["prompt"].count(" + ") + first["prompt"].count(" - ") == 4  # 4 operations
 
 
 def test_demo_stability_refuses_options_it_does_not_take(

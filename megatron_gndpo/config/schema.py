@@ -157,11 +157,11 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature."""
     outlier_interval: int = 0
-    """Every this many steps (steps N, 2N, ...) the student samples at outlier_temperature
-    instead of temperature: a documented source of outlier batches for stability experiments
-    (docs/methods/gndpo.md, demo --stability); 0 disables it."""
-    outlier_temperature: float = 2.0
-    """Sampling temperature of the outlier steps (with outlier_interval > 0)."""
+    """Every this many steps (steps N, 2N, ...) is an outlier step, which draws its prompts from
+    data.outlier_train and/or samples at outlier_temperature: a documented source of outlier
+    batches for stability experiments (docs/methods/gndpo.md, demo --stability); 0: none."""
+    outlier_temperature: float | None = None
+    """Sampling temperature of the outlier steps; null means rollout.temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 disables it)."""
     top_k: int = 0
@@ -367,6 +367,9 @@ class DataConfig:
     score the same support. null means model.vocab_size."""
     shuffle: bool = True
     """Shuffle prompts each epoch."""
+    outlier_train: str | None = None
+    """Prompts the outlier steps (rollout.outlier_interval) draw instead of data.train, e.g.
+    harder or out-of-distribution ones (same formats); null: they draw data.train."""
     image_key: str = "images"
     """With a vision model: the column holding each prompt's image(s) (a path, bytes, or a list
     of them); the prompt text marks where each image goes with <image>."""

@@ -9,8 +9,10 @@ needs, every setting in :class:`StabilitySettings`:
 
 - a student close to the teacher (``models.near_student_recipe``, held-out ~0.93), whose
   ordinary batches score little, so that an outlier batch stands out;
-- outlier batches on a documented schedule: every ``outlier_interval``-th step samples at
-  ``outlier_temperature`` (``rollout.outlier_interval`` / ``rollout.outlier_temperature``);
+- outlier batches on a documented schedule, as users meet them: every ``outlier_interval``-th
+  step draws harder prompts, chains with one operation more than the models were trained on
+  (``rollout.outlier_interval``, ``data.outlier_train``; ``rollout.outlier_temperature`` is the
+  other source, a hotter sampling temperature on those steps);
 - a gradient clip above every norm of these runs, so the pre-clip norm is the update's;
 - OPD, GNDPO, and GNDPO's two halves (``baseline_only``: A = c − μ, ``scale_only``:
   A = c / σ), from the same start over the same seeds.
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gndpo.config.schema import AlgorithmConfig, Config
+from megatron_gndpo.data.tasks import chains
 from megatron_gndpo.demo import models
 from megatron_gndpo.demo.run import MethodRun, Settings, _prepare, _run_method, method_config
 
@@ -52,6 +55,9 @@ VARIANTS: dict[str, AlgorithmConfig] = {
         estimator="gndpo", kl_clip=5.0, policy_loss="gspo", gndpo_subtract_mean=False
     ),
 }
+# The outlier steps' prompts (write_outlier_prompts): their own seed, apart from the others.
+OUTLIER_PROMPTS = 512
+OUTLIER_SEED = 3
 # The issue's bar for the claim: OPD's outlier steps at least 3x its ordinary median, GNDPO's
 # at most 1.5x, on every seed.
 OPD_BAR = 3.0
@@ -70,7 +76,8 @@ class StabilitySettings:
     lr: float
     clip_grad: float  # above every pre-clip norm of the full study's runs
     outlier_interval: int
-    outlier_temperature: float
+    outlier_difficulty: int | None  # operations of the outlier steps' chains; None: data.train
+    outlier_temperature: float | None = None  # None: the ordinary temperature (1.0)
 
     def run_settings(self, seed: int) -> Settings:
         """The main demo's settings of one run: accuracy at the start and the end only."""
@@ -84,16 +91,18 @@ class StabilitySettings:
 def stability_settings(quick: bool) -> StabilitySettings:
     """The full study fits 15 minutes on 2 CPU cores with cached models; quick about one.
 
-    lr 2e-4 as the main demo; clip 100: above every pre-clip norm of these runs (the full
-    study's largest was ~15, the quick one's ~30; docs/demo/RESULTS.md), so no step is clipped.
+    lr 2e-4 as the main demo; clip 100: above every pre-clip norm of these runs (the largest
+    was ~20, docs/demo/RESULTS.md), so no step is clipped. The outlier steps' chains have 4
+    operations where the models learnt 3: the near-teacher student's score RMS on them is ~5x
+    its ordinary one (2.8 vs 0.52 in 12 OPD steps; 5 operations gave 2.2).
     """
     if quick:
         return StabilitySettings(True, (1234, 1235), steps=8, prompts_per_step=4,
                                  samples_per_prompt=4, lr=2e-4, clip_grad=100.0,
-                                 outlier_interval=4, outlier_temperature=2.0)  # fmt: skip
+                                 outlier_interval=4, outlier_difficulty=4)  # fmt: skip
     return StabilitySettings(False, (1234, 1235), steps=80, prompts_per_step=16,
                              samples_per_prompt=4, lr=2e-4, clip_grad=100.0,
-                             outlier_interval=10, outlier_temperature=2.0)  # fmt: skip
+                             outlier_interval=10, outlier_difficulty=4)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +119,12 @@ class StabilityStudy:
 
 
 def run_stability(
-    run_dir: str | Path, cache_dir: str | Path | None = None, *, quick: bool = False
-) -> StabilityStudy:
+    run_dir: str | Path, cache_dir: str | Path | None = None, *, quick: bool = False,
+    settings: StabilitySettings | None = None,
+) -> StabilityStudy:  # fmt: skip
     """Prepare (or reuse) the teacher and the near-teacher student, run every variant on every
-    seed, write the report; return its numbers."""
+    seed, write the report; return its numbers. ``settings``: other than
+    :func:`stability_settings` (e.g. the temperature as the outlier source)."""
     import torch.distributed as dist
 
     from megatron_gndpo.compat import cpu
@@ -130,14 +141,17 @@ def run_stability(
                 f"the demo runs as one process, not {env.world_size}: start it without a launcher"
             )
         cpu.enable_if_no_cuda()
-        st = stability_settings(quick)
-        student = models.student_recipe() if quick else models.near_student_recipe()
+        st = settings or stability_settings(quick)
+        student = models.student_recipe() if st.quick else models.near_student_recipe()
         teacher, start, task = _prepare(cache_dir, st.run_settings(st.seeds[0]), student)
+        outlier_prompts = write_outlier_prompts(run_dir, st.outlier_difficulty)
         prepare_seconds = time.perf_counter() - started
         runs = {}
         for seed in st.seeds:
             for name in VARIANTS:
-                cfg = variant_config(name, seed, run_dir, cache_dir, teacher, start, task, st)
+                cfg = variant_config(
+                    name, seed, run_dir, cache_dir, teacher, start, task, st, outlier_prompts
+                )
                 runs[(name, seed)] = _run_method(cfg)
     finally:
         if owns_world:
@@ -150,19 +164,40 @@ def run_stability(
     return study
 
 
+def write_outlier_prompts(run_dir: Path, difficulty: int | None) -> Path | None:
+    """The outlier steps' prompts: chains of ``difficulty`` operations as a JSONL file in
+    ``run_dir`` (prompt, answer); None for no such prompts."""
+    if difficulty is None:
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"outlier_prompts_d{difficulty}.jsonl"
+    problems = chains.generate(OUTLIER_PROMPTS, OUTLIER_SEED, difficulty)
+    path.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n"
+                            for p in problems))  # fmt: skip
+    return path
+
+
 def variant_config(
     name: str, seed: int, run_dir: Path, cache_dir: Path, teacher: models.PreparedModel,
     student: models.PreparedModel, task: models.DemoTask, st: StabilitySettings,
+    outlier_prompts: Path | None,
 ) -> Config:  # fmt: skip
-    """The main demo's config of one run, with the variant's algorithm, the outlier steps and
-    its own directory ``RUN_DIR/NAME_sSEED``."""
+    """The main demo's config of one run, with the variant's algorithm, the outlier steps (and
+    room for their longer answers) and its own directory ``RUN_DIR/NAME_sSEED``."""
     cfg = method_config("gndpo", run_dir, cache_dir, teacher, student, task, st.run_settings(seed))
+    longest = max(task.difficulty, st.outlier_difficulty or 0)
     rollout = dataclasses.replace(
         cfg.rollout, outlier_interval=st.outlier_interval,
         outlier_temperature=st.outlier_temperature,
+        max_response_length=models.max_new_tokens(longest),
     )  # fmt: skip
+    data = dataclasses.replace(
+        cfg.data, outlier_train=None if outlier_prompts is None else str(outlier_prompts)
+    )
     logging = dataclasses.replace(cfg.logging, run_dir=str(run_dir / f"{name}_s{seed}"))
-    return dataclasses.replace(cfg, algorithm=VARIANTS[name], rollout=rollout, logging=logging)
+    return dataclasses.replace(
+        cfg, algorithm=VARIANTS[name], rollout=rollout, data=data, logging=logging
+    )
 
 
 # ---------------------------------------------------------------------------------- measures
@@ -315,8 +350,7 @@ def stability_markdown(numbers: dict[str, Any]) -> str:
         f"{numbers['teacher_accuracy']:.3f}. {st['steps']} steps of {st['prompts_per_step']} "
         f"prompts x {st['samples_per_prompt']} samples, lr {st['lr']:g}, "
         f"optimizer.clip_grad={st['clip_grad']:g}; every {st['outlier_interval']}th step is an "
-        f"outlier step sampled at temperature {st['outlier_temperature']:g} "
-        f"(rollout.outlier_interval / outlier_temperature); seeds "
+        f"outlier step ({_outlier_source(st)}); seeds "
         f"{', '.join(str(s) for s in st['seeds'])}. Spikes: steps above 3x the median pre-clip "
         "norm of the previous 20 (the trainer does not know which steps are outliers); slope: "
         "of log pre-clip norm on log score RMS over the run's steps (± its standard error); "
@@ -327,6 +361,19 @@ def stability_markdown(numbers: dict[str, Any]) -> str:
         "![pre-clip norm against score RMS](norm_vs_rms.png)\n"
         "![pre-clip norm per step](grad_norm.png)\n"
     )
+
+
+def _outlier_source(st: dict[str, Any]) -> str:
+    parts = []
+    if st["outlier_difficulty"] is not None:
+        parts.append(
+            f"it draws chains of {st['outlier_difficulty']} operations, data.outlier_train"
+        )
+    if st["outlier_temperature"] is not None:
+        parts.append(
+            f"it samples at temperature {st['outlier_temperature']:g}, rollout.outlier_temperature"
+        )
+    return "; ".join(parts) or "nothing makes it one"
 
 
 _QUICK_NOTE = (

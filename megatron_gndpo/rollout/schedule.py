@@ -1,13 +1,14 @@
-"""Which sampling temperature each training step uses: the base one, or the outlier steps'.
+"""The outlier steps: which steps they are, and the sampling temperature of each step.
 
-    temperature_at(cfg.rollout, step)   # step counts from 1
+    is_outlier_step(cfg.rollout, step)   # step counts from 1
+    temperature_at(cfg.rollout, step)
 
-``rollout.outlier_interval = N`` makes steps N, 2N, ... sample at ``rollout.outlier_temperature``:
-a documented, reproducible source of outlier batches (a hotter sample strays further from the
-teacher, so its score RMS rises) for measuring how a method's gradient reacts to them
-(docs/methods/gndpo.md, ``megatron-gndpo demo --stability``). The old log-probs are still the
-student's own at temperature 1, so on those steps the score is the teacher's and the student's
-view of tokens the student rarely samples.
+``rollout.outlier_interval = N`` makes steps N, 2N, ... outlier steps: a documented,
+reproducible source of outlier batches for measuring how a method's gradient reacts to them
+(docs/methods/gndpo.md, ``megatron-gndpo demo --stability``). Such a step draws its prompts from
+``data.outlier_train`` (harder or out-of-distribution prompts: the trainer's second sampler)
+and/or samples at ``rollout.outlier_temperature``. A hotter sample strays further from the
+teacher; its old log-probs are still the student's own at temperature 1.
 """
 
 from __future__ import annotations
@@ -23,4 +24,5 @@ def is_outlier_step(rollout: RolloutConfig, step: int) -> bool:
 
 def temperature_at(rollout: RolloutConfig, step: int) -> float:
     """The sampling temperature of training step ``step`` (from 1)."""
-    return rollout.outlier_temperature if is_outlier_step(rollout, step) else rollout.temperature
+    hot = rollout.outlier_temperature
+    return hot if hot is not None and is_outlier_step(rollout, step) else rollout.temperature
