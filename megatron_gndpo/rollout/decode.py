@@ -1,0 +1,348 @@
+"""A lean KV-cached forward of a megatron-core GPTModel's own layers, for rollouts.
+
+Why not megatron's static inference path: its ``StaticInferenceContext`` caches keys before
+RoPE and rotates the whole cache again at every step (a step's cost grows with the cached
+length), every row must sit at the same position, and each token runs the full training
+forward (schedule, block, layer and attention wrappers: ~1,200 torch ops per step for a
+4-layer model). Its fast decoding paths (``flash_decode``, the dynamic engine) need flash-attn,
+i.e. CUDA. This forward keeps megatron's modules for everything that holds weights or talks
+to other ranks (embedding, norms, the QKV split of ``get_query_key_value_tensors``, the output
+projection, the MLP, the final norm: so the weights and the TP collectives are megatron's
+own) and does only the attention itself:
+
+- keys are rotated once, when they are written into a slot cache ``[slots, ng, S, hn]``;
+- each row sits at its own position: a prefill writes whole prompts (right-padded, causal),
+  a decode step writes one position per row and attends to that row's cached keys only;
+- slots are plain rows of the cache, so finished rows can be replaced (:meth:`SlotCache.move`).
+
+Tokens are laid out token-major, ``[N, 1, h]`` with ``N`` = rows x chunk positions (megatron's
+``[s, b, h]`` with one "sequence" of all tokens: every module but the attention is per token).
+Pipeline stages pass those hidden states point to point, in stage order.
+
+Legend: B = rows in the chunk, T = chunk positions, N = B*T tokens, S = cache length, L =
+attended length, h = hidden, np / ng = query / KV heads on this TP rank, hn = head dim,
+V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_gndpo.parallel.groups import ParallelGroups
+
+
+class LogitsHead(Protocol):
+    """Turns the final hidden states of the rows' last positions into sampling logits."""
+
+    def from_hidden(
+        self, hidden_bh: torch.Tensor, weight: torch.Tensor, tp_group: Any
+    ) -> torch.Tensor:
+        """float32 ``[b, V]`` logits from ``[b, h]`` hidden states and the ``[V/tp, h]`` weight."""
+        ...
+
+
+def inner_model(model: Any) -> Any:
+    """The module under megatron's wrappers (DDP, Float16Module): the GPTModel itself."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why :class:`CachedDecoder` cannot run this GPTModel (None: it can).
+
+    The decoder reuses megatron's modules but not its attention or layer wiring, so it accepts
+    only the layer structure whose wiring it reproduces: pre-norm dense layers with megatron's
+    own (non-Transformer-Engine) linears, plain RoPE or learned positions, vanilla softmax.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if not isinstance(model, GPTModel):
+        return f"the model is a {type(model).__name__}, not a megatron GPTModel"
+    cfg = model.config
+    checks = {
+        "FP8": bool(cfg.fp8),
+        "multi-latent attention": bool(getattr(cfg, "multi_latent_attention", False)),
+        "interleaved RoPE": bool(cfg.rotary_interleaved),
+        "layers without RoPE (no_rope_freq)": bool(getattr(cfg, "no_rope_freq", None)),
+        "an attention output gate": bool(getattr(cfg, "attention_output_gate", False)),
+        "a non-vanilla softmax": getattr(cfg, "softmax_type", "vanilla") != "vanilla",
+        "sliding-window attention": getattr(cfg, "window_size", None) is not None,
+        "residuals after the norm": bool(cfg.apply_residual_connection_post_layernorm),
+        "fp32 residuals": bool(cfg.fp32_residual_connection),
+        "context parallelism": cfg.context_parallel_size != 1,
+        # megatron's local spec refuses it with torch norms, so nothing could test it here
+        "sequence parallelism (not verified with this decoder yet)": bool(cfg.sequence_parallel),
+        "mixture of experts": bool(cfg.num_moe_experts),
+        "MuP scaling": bool(getattr(cfg, "use_mup", False)),
+    }
+    found = [name for name, present in checks.items() if present]
+    if found:
+        return "the model uses " + ", ".join(found)
+    if model.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        return f"position embedding {model.position_embedding_type!r}"
+    if (
+        model.position_embedding_type == "rope"
+        and type(model.rotary_pos_emb) is not RotaryEmbedding
+    ):
+        return f"rotary embedding {type(model.rotary_pos_emb).__name__}"
+    for layer in model.decoder.layers:
+        if not isinstance(layer, TransformerLayer):
+            return f"a layer is a {type(layer).__name__}"
+        attn, mlp = layer.self_attention, layer.mlp
+        if not isinstance(attn, SelfAttention) or not isinstance(mlp, MLP):
+            return "a layer is not self-attention + dense MLP"
+        if not isinstance(layer.cross_attention, IdentityOp):
+            return "a layer has cross-attention"
+        linears = (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
+        if not all(isinstance(x, ColumnParallelLinear | RowParallelLinear) for x in linears):
+            # Transformer Engine linears would very likely work (they are called as modules),
+            # but nothing has run them through this path yet: they take megatron's own.
+            return "Transformer Engine layers (not verified with this decoder yet)"
+    return None
+
+
+@dataclasses.dataclass
+class SlotCache:
+    """Rotated keys and values of this stage's layers, ``[slots, ng, S, hn]`` per layer."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[2]) if self.keys else 0
+
+    def move(self, dst: list[int], src: list[int]) -> None:
+        """Copy slots ``src`` into slots ``dst`` (pairwise; how finished rows are replaced)."""
+        if not dst or not self.keys:
+            return
+        device = self.keys[0].device
+        to, frm = torch.tensor(dst, device=device), torch.tensor(src, device=device)
+        for cache in (*self.keys, *self.values):
+            cache.index_copy_(0, to, cache.index_select(0, frm))
+
+
+class CachedDecoder:
+    """Prefill and decode steps through one pipeline stage of a GPTModel (see module docstring).
+
+    Every rank of the model replica calls the same steps in the same order; the last stage
+    returns the logits of each row's last position (float32 ``[B, V]``), the others None.
+    """
+
+    def __init__(
+        self, model: Any, groups: ParallelGroups, head: LogitsHead, *, max_length: int
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"CachedDecoder cannot run this model: {reason}")
+        self.model = model
+        self.groups = groups
+        self.head = head
+        self.config = model.config
+        self.layers = list(model.decoder.layers)
+        attn = self.layers[0].self_attention if self.layers else None
+        self.query_heads = attn.num_attention_heads_per_partition if attn else 0
+        self.kv_heads = attn.num_query_groups_per_partition if attn else 0
+        self.head_dim = attn.hidden_size_per_attention_head if attn else 0
+        self.scale = attn.core_attention.softmax_scale if attn else 1.0
+        pp_ranks = dist.get_process_group_ranks(groups.pp) if groups.layout.pp > 1 else []
+        stage = dist.get_rank(group=groups.pp) if pp_ranks else 0
+        self.prev_rank = pp_ranks[stage - 1] if pp_ranks and stage > 0 else None
+        self.next_rank = pp_ranks[stage + 1] if pp_ranks and stage + 1 < len(pp_ranks) else None
+        self.max_length = max_length  # positions the RoPE table covers
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [max_length, d]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def new_cache(self, slots: int, length: int) -> SlotCache:
+        shape = (slots, self.kv_heads, length, self.head_dim)
+        dtype, device = self.config.params_dtype, self.device
+        # zeros, not empty: a masked key still meets its value in SDPA (0 x NaN = NaN)
+        return SlotCache(
+            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
+            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
+        )
+
+    def prefill(
+        self,
+        cache: SlotCache,
+        first_slot: int,
+        tokens_BT: torch.Tensor,
+        last_B: torch.Tensor,
+        embeddings_TBH: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Write whole prompts (right-padded, from position 0) into slots ``first_slot...``.
+
+        ``last_B[b]`` is row b's last prompt position: its logits are returned. Positions past
+        a row's prompt hold padding; their keys are overwritten before any query sees them.
+        ``embeddings_TBH`` replaces the token embedding on the first stage (images).
+        """
+        b, t = tokens_BT.shape
+        positions_BT = torch.arange(t).expand(b, t)
+        slots = slice(first_slot, first_slot + b)
+        return self._forward(cache, slots, tokens_BT, positions_BT, last_B, embeddings_TBH)
+
+    def decode(
+        self, cache: SlotCache, tokens_B: torch.Tensor, positions_B: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One token per row of slots ``0..B-1``: row b's token sits at ``positions_B[b]``."""
+        b = tokens_B.shape[0]
+        last_B = torch.zeros(b, dtype=torch.long)
+        return self._forward(
+            cache, slice(0, b), tokens_B[:, None], positions_B[:, None], last_B, None
+        )
+
+    # -- one forward through this stage ---------------------------------------------------
+
+    def _forward(
+        self,
+        cache: SlotCache,
+        slots: slice,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor,  # host int64
+        last_B: torch.Tensor,  # host int64: which position of each row gives the logits
+        embeddings_TBH: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        b, t = tokens_BT.shape
+        device = self.device
+        x = self._stage_input(tokens_BT, positions_BT, embeddings_TBH)  # [N, 1, h]
+        if self.layers:
+            length = int(positions_BT.max()) + 1
+            positions = positions_BT.to(device)
+            attend = self._attention_plan(positions, length)
+            cos, sin = self._rotary()
+            rope = (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))  # [B, T, 1, d]
+            for i, layer in enumerate(self.layers):
+                x = self._layer(layer, x, cache.keys[i][slots], cache.values[i][slots],
+                                positions, rope, attend, (b, t))  # fmt: skip
+        if self.next_rank is not None:
+            dist.send(x.contiguous(), dst=self.next_rank, group=self.groups.pp)
+            return None
+        return self._logits(x, last_B.to(device) + torch.arange(b, device=device) * t)
+
+    def _stage_input(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        embeddings_TBH: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """This stage's input ``[N, 1, h]``: received, or the embeddings on the first stage."""
+        b, t = tokens_BT.shape
+        n, device = b * t, self.device
+        if self.prev_rank is not None:
+            x = torch.empty(n, 1, self.config.hidden_size, dtype=self.config.pipeline_dtype,
+                            device=device)  # fmt: skip
+            dist.recv(x, src=self.prev_rank, group=self.groups.pp)
+            return x
+        if embeddings_TBH is not None:
+            return embeddings_TBH.transpose(0, 1).reshape(n, 1, -1)
+        ids, pos = tokens_BT.reshape(1, n).to(device), positions_BT.reshape(1, n).to(device)
+        out: torch.Tensor = self.model.embedding(input_ids=ids, position_ids=pos)
+        return out
+
+    def _attention_plan(self, positions_BT: torch.Tensor, length: int) -> dict[str, Any]:
+        """SDPA's mask arguments: row b's query at position p sees its keys ``0..p``."""
+        b, t = positions_BT.shape
+        if t > 1:  # a prefill from position 0: plain causal
+            return {"is_causal": True, "length": length}
+        if bool((positions_BT == length - 1).all()):  # every row at the same position
+            return {"length": length}
+        keys = torch.arange(length, device=positions_BT.device)
+        keep_B11L = (keys[None, :] <= positions_BT).view(b, 1, 1, length)
+        return {"attn_mask": keep_B11L, "length": length}
+
+    def _rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``cos`` and ``sin`` per position (megatron's own frequencies), made once."""
+        if self.model.position_embedding_type != "rope":
+            return torch.empty(0), torch.empty(0)
+        if self._rope is None:
+            freqs = self.model.rotary_pos_emb(self.max_length).reshape(self.max_length, -1)
+            dtype = self.config.params_dtype
+            # as megatron's apply_rotary_pos_emb: cos/sin in float32, then the activations' dtype
+            self._rope = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
+        return self._rope
+
+    def _layer(
+        self,
+        layer: Any,
+        x: torch.Tensor,  # [N, 1, h]
+        keys: torch.Tensor,  # [B, ng, S, hn], this chunk's slots
+        values: torch.Tensor,
+        positions_BT: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: dict[str, Any],
+        sizes: tuple[int, int],
+    ) -> torch.Tensor:
+        """One TransformerLayer, wired as megatron wires it (pre-norm, bias-dropout-add)."""
+        b, t = sizes
+        attn = layer.self_attention
+        q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(x))  # [N, 1, heads, hn]
+        q, k, v = (y.reshape(b, t, y.shape[2], y.shape[3]) for y in (q, k, v))
+        if rope[0].numel():
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        if t == 1:  # one position per row: write each row's key at its own position
+            rows = torch.arange(b, device=keys.device)
+            keys[rows, :, positions_BT[:, 0]] = k[:, 0]
+            values[rows, :, positions_BT[:, 0]] = v[:, 0]
+        else:  # a prefill from position 0
+            keys[:, :, :t] = k.transpose(1, 2)
+            values[:, :, :t] = v.transpose(1, 2)
+        length = attend["length"]
+        context = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [B, np, T, hn]
+            keys[:, :, :length],
+            values[:, :, :length],
+            attn_mask=attend.get("attn_mask"),
+            is_causal=attend.get("is_causal", False),
+            scale=self.scale,
+            enable_gqa=self.query_heads != self.kv_heads,
+        )
+        context = context.transpose(1, 2).reshape(b * t, 1, -1)  # [N, 1, np*hn]
+        x = _residual_add(attn.linear_proj(context), x)
+        return _residual_add(layer.mlp(layer.pre_mlp_layernorm(x)), x)
+
+    def _logits(self, x: torch.Tensor, picked_B: torch.Tensor) -> torch.Tensor:
+        """Logits of the tokens ``picked_B`` (indices into the stage's ``N`` tokens)."""
+        from megatron_gndpo.models.logprob_head import output_inputs
+
+        model = self.model
+        tied = model.share_embeddings_and_output_weights
+        weight = model.shared_embedding_or_output_weight() if tied else None
+        hidden, weight, tp_group = output_inputs(x, model.output_layer, weight)  # [N, 1, h]
+        hidden_bh = hidden[picked_B, 0]
+        if model.decoder.final_layernorm is not None:
+            hidden_bh = model.decoder.final_layernorm(hidden_bh)
+        return self.head.from_hidden(hidden_bh, weight, tp_group)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``[B, T, heads, hn]`` as megatron applies it (non-interleaved halves)."""
+    d = cos.shape[-1]
+    rotated, passed = x[..., :d], x[..., d:]
+    x1, x2 = rotated.chunk(2, dim=-1)
+    rotated = rotated * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
+
+
+def _residual_add(
+    out_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor
+) -> torch.Tensor:
+    """megatron's bias-dropout-add in eval: ``residual + (out + bias)``."""
+    out, bias = out_with_bias
+    if bias is not None:
+        out = out + bias
+    return residual + out
