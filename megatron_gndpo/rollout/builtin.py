@@ -53,11 +53,12 @@ Decoder = Literal["lean", "megatron"]
 
 @dataclasses.dataclass(frozen=True)
 class LastTokenLogits:
-    """float32 ``[b, V]`` sampling logits from final hidden states.
+    """float32 ``[b, V]`` sampling logits of the rows' last positions.
 
-    The TP vocabulary shards are gathered; embedding rows at or beyond ``vocab_size`` (padding)
-    are set to -inf so they are never sampled. Called as a GPTModel ``output_processor`` it
-    takes the last position of the chunk (megatron's static path).
+    The TP vocabulary shards are gathered (:meth:`gathered`, which the lean decoder calls with
+    its own logit shards); embedding rows at or beyond ``vocab_size`` (padding) are set to -inf
+    so they are never sampled. Called as a GPTModel ``output_processor`` (megatron's static
+    path) it takes the last position of the chunk.
     """
 
     vocab_size: int
@@ -71,12 +72,11 @@ class LastTokenLogits:
         **_: Any,
     ) -> torch.Tensor:
         hidden_states, weight, tp_group = output_inputs(hidden_states, output_layer, output_weight)
-        return self.from_hidden(hidden_states[-1], weight, tp_group)
+        return self.gathered(hidden_states[-1] @ weight.t(), tp_group)
 
-    def from_hidden(
-        self, hidden_bh: torch.Tensor, weight: torch.Tensor, tp_group: Any
-    ) -> torch.Tensor:
-        logits_bV = (hidden_bh @ weight.t()).float()  # [b, V/tp]
+    def gathered(self, logits_bv: torch.Tensor, tp_group: Any) -> torch.Tensor:
+        """This TP rank's vocabulary shard ``[b, V/tp]`` -> float32 ``[b, V]``, padding masked."""
+        logits_bV = logits_bv.float()
         if tp_group.size() > 1:
             shards = [torch.empty_like(logits_bV) for _ in range(tp_group.size())]
             dist.all_gather(shards, logits_bV.contiguous(), group=tp_group)
@@ -228,6 +228,23 @@ class MegatronGenerator:
         n_rows, total = state.tokens.shape
         capacity = min(n_rows, self.max_batch_rows or n_rows)
         cache = decoder.new_cache(capacity, total)
+        decoder.prepare(capacity)
+        try:
+            self._fill_and_decode(decoder, cache, state, params, draws)
+        finally:
+            decoder.release()
+
+    def _fill_and_decode(
+        self,
+        decoder: CachedDecoder,
+        cache: SlotCache,
+        state: _Rows,
+        params: SamplingParams,
+        draws: torch.Tensor,
+    ) -> None:
+        """Until every row is done: prefill pending rows into free slots, else decode a step."""
+        n_rows = state.tokens.shape[0]
+        capacity = cache.keys[0].shape[0] if cache.keys else n_rows
         pending = collections.deque(range(n_rows))
         live: list[int] = []  # live[s]: the row in slot s (slots 0..len-1 are full)
         while pending or live:

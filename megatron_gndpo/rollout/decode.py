@@ -37,12 +37,10 @@ from megatron_gndpo.parallel.groups import ParallelGroups
 
 
 class LogitsHead(Protocol):
-    """Turns the final hidden states of the rows' last positions into sampling logits."""
+    """Turns this TP rank's logits of the rows' last positions into sampling logits."""
 
-    def from_hidden(
-        self, hidden_bh: torch.Tensor, weight: torch.Tensor, tp_group: Any
-    ) -> torch.Tensor:
-        """float32 ``[b, V]`` logits from ``[b, h]`` hidden states and the ``[V/tp, h]`` weight."""
+    def gathered(self, logits_bv: torch.Tensor, tp_group: Any) -> torch.Tensor:
+        """float32 ``[b, V]`` logits from this rank's vocabulary shard ``[b, V/tp]``."""
         ...
 
 
@@ -86,6 +84,11 @@ def unsupported_reason(model: Any) -> str | None:
         "sequence parallelism (not verified with this decoder yet)": bool(cfg.sequence_parallel),
         "mixture of experts": bool(cfg.num_moe_experts),
         "MuP scaling": bool(getattr(cfg, "use_mup", False)),
+        "a clamped or offset GLU": getattr(cfg, "activation_func_clamp_value", None) is not None
+        or bool(getattr(cfg, "glu_linear_offset", 0.0)),
+        # megatron all-gathers the QKV projection then; its static path covers it
+        "fewer KV heads than TP ranks": (cfg.num_query_groups or cfg.num_attention_heads)
+        < cfg.tensor_model_parallel_size,
     }
     found = [name for name, present in checks.items() if present]
     if found:
@@ -103,7 +106,10 @@ def unsupported_reason(model: Any) -> str | None:
         attn, mlp = layer.self_attention, layer.mlp
         if not isinstance(attn, SelfAttention) or not isinstance(mlp, MLP):
             return "a layer is not self-attention + dense MLP"
-        if not isinstance(layer.cross_attention, IdentityOp):
+        if not all(
+            isinstance(m, IdentityOp)
+            for m in (layer.cross_attention, layer.pre_cross_attn_layernorm)
+        ):
             return "a layer has cross-attention"
         linears = (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
         if not all(isinstance(x, ColumnParallelLinear | RowParallelLinear) for x in linears):
@@ -162,6 +168,7 @@ class CachedDecoder:
         self.prev_rank = pp_ranks[stage - 1] if pp_ranks and stage > 0 else None
         self.next_rank = pp_ranks[stage + 1] if pp_ranks and stage + 1 < len(pp_ranks) else None
         self.max_length = max_length  # positions the RoPE table covers
+        self.gemm = PackedGemm()
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [max_length, d]
 
     @property
@@ -176,6 +183,22 @@ class CachedDecoder:
             keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
             values=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
         )
+
+    def prepare(self, rows: int) -> None:
+        """Before a generate of up to ``rows`` rows: pack the weights (:class:`PackedGemm`)."""
+        weights = [
+            linear.weight
+            for layer in self.layers
+            for linear in (layer.self_attention.linear_qkv, layer.self_attention.linear_proj,
+                           layer.mlp.linear_fc1, layer.mlp.linear_fc2)
+        ]  # fmt: skip
+        if self.next_rank is None:  # the last stage: the output layer too
+            weights.append(self._output_weight())
+        self.gemm.pack(weights, rows)
+
+    def release(self) -> None:
+        """After a generate: drop the packed weights."""
+        self.gemm.clear()
 
     def prefill(
         self,
@@ -219,7 +242,7 @@ class CachedDecoder:
     ) -> torch.Tensor | None:
         b, t = tokens_BT.shape
         device = self.device
-        x = self._stage_input(tokens_BT, positions_BT, embeddings_TBH)  # [N, 1, h]
+        x = self._stage_input(tokens_BT, positions_BT, embeddings_TBH)  # [N, h]
         if self.layers:
             length = int(positions_BT.max()) + 1
             positions = positions_BT.to(device)
@@ -240,19 +263,19 @@ class CachedDecoder:
         positions_BT: torch.Tensor,
         embeddings_TBH: torch.Tensor | None,
     ) -> torch.Tensor:
-        """This stage's input ``[N, 1, h]``: received, or the embeddings on the first stage."""
+        """This stage's input ``[N, h]``: received, or the embeddings on the first stage."""
         b, t = tokens_BT.shape
         n, device = b * t, self.device
         if self.prev_rank is not None:
-            x = torch.empty(n, 1, self.config.hidden_size, dtype=self.config.pipeline_dtype,
+            x = torch.empty(n, self.config.hidden_size, dtype=self.config.pipeline_dtype,
                             device=device)  # fmt: skip
             dist.recv(x, src=self.prev_rank, group=self.groups.pp)
             return x
         if embeddings_TBH is not None:
-            return embeddings_TBH.transpose(0, 1).reshape(n, 1, -1)
+            return embeddings_TBH.transpose(0, 1).reshape(n, -1)
         ids, pos = tokens_BT.reshape(1, n).to(device), positions_BT.reshape(1, n).to(device)
-        out: torch.Tensor = self.model.embedding(input_ids=ids, position_ids=pos)
-        return out
+        out: torch.Tensor = self.model.embedding(input_ids=ids, position_ids=pos)  # [N, 1, h]
+        return out.view(n, -1)
 
     def _attention_plan(self, positions_BT: torch.Tensor, length: int) -> dict[str, Any]:
         """SDPA's mask arguments: row b's query at position p sees its keys ``0..p``."""
@@ -279,7 +302,7 @@ class CachedDecoder:
     def _layer(
         self,
         layer: Any,
-        x: torch.Tensor,  # [N, 1, h]
+        x: torch.Tensor,  # [N, h]
         keys: torch.Tensor,  # [B, ng, S, hn], this chunk's slots
         values: torch.Tensor,
         positions_BT: torch.Tensor,
@@ -287,11 +310,11 @@ class CachedDecoder:
         attend: dict[str, Any],
         sizes: tuple[int, int],
     ) -> torch.Tensor:
-        """One TransformerLayer, wired as megatron wires it (pre-norm, bias-dropout-add)."""
+        """One TransformerLayer as megatron computes it in eval (pre-norm; residual + (out +
+        bias); no dropout), its linears called directly (:meth:`_linear`)."""
         b, t = sizes
         attn = layer.self_attention
-        q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(x))  # [N, 1, heads, hn]
-        q, k, v = (y.reshape(b, t, y.shape[2], y.shape[3]) for y in (q, k, v))
+        q, k, v = self._qkv(attn, self._linear(attn.linear_qkv, layer.input_layernorm(x)), b, t)
         if rope[0].numel():
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         if t == 1:  # one position per row: write each row's key at its own position
@@ -311,22 +334,67 @@ class CachedDecoder:
             scale=self.scale,
             enable_gqa=self.query_heads != self.kv_heads,
         )
-        context = context.transpose(1, 2).reshape(b * t, 1, -1)  # [N, 1, np*hn]
-        x = _residual_add(attn.linear_proj(context), x)
-        return _residual_add(layer.mlp(layer.pre_mlp_layernorm(x)), x)
+        context = context.transpose(1, 2).reshape(b * t, -1)  # [N, np*hn]
+        x = x + self._linear(attn.linear_proj, context)  # megatron's bias-dropout-add in eval
+        mlp = layer.mlp
+        hidden = self._linear(mlp.linear_fc1, layer.pre_mlp_layernorm(x))
+        if self.config.gated_linear_unit:
+            gate, linear = torch.chunk(hidden, 2, dim=-1)
+            hidden = self.config.activation_func(gate) * linear
+        else:
+            hidden = self.config.activation_func(hidden)
+        return x + self._linear(mlp.linear_fc2, hidden)
+
+    def _qkv(
+        self, attn: Any, mixed: torch.Tensor, b: int, t: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values ``[B, T, heads, hn]`` from the QKV projection ``[N, ...]``,
+        split as ``get_query_key_value_tensors`` splits it (groups of q.. k v, then q/k norms)."""
+        per_group = self.query_heads // self.kv_heads
+        hn = self.head_dim
+        mixed = mixed.view(b, t, self.kv_heads, (per_group + 2) * hn)
+        q, k, v = torch.split(mixed, [per_group * hn, hn, hn], dim=3)
+        q = q.reshape(b, t, self.query_heads, hn)
+        if attn.q_layernorm is not None:
+            q = attn.q_layernorm(q)
+        if attn.k_layernorm is not None:
+            k = attn.k_layernorm(k)
+        return q, k, v
+
+    def _tied_weight(self) -> torch.Tensor | None:
+        """The embedding the output layer shares (GPTModel.forward's ``output_weight``)."""
+        model = self.model
+        tied = model.share_embeddings_and_output_weights
+        return model.shared_embedding_or_output_weight() if tied else None
+
+    def _output_weight(self) -> torch.Tensor:
+        tied = self._tied_weight()
+        return self.model.output_layer.weight if tied is None else tied
+
+    def _linear(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        """What megatron's Column/RowParallelLinear computes in eval without sequence
+        parallelism: ``x @ W^T`` (all-reduced over TP for a row-parallel layer, as its forward
+        does), plus the bias (which megatron adds there or, with ``skip_bias_add``, in the
+        bias-dropout-add right after)."""
+        from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+        out = self.gemm(x, module.weight)
+        if isinstance(module, RowParallelLinear) and module.tp_group.size() > 1:
+            dist.all_reduce(out, group=module.tp_group)
+        return out if module.bias is None else out + module.bias
 
     def _logits(self, x: torch.Tensor, picked_B: torch.Tensor) -> torch.Tensor:
         """Logits of the tokens ``picked_B`` (indices into the stage's ``N`` tokens)."""
         from megatron_gndpo.models.logprob_head import output_inputs
 
         model = self.model
-        tied = model.share_embeddings_and_output_weights
-        weight = model.shared_embedding_or_output_weight() if tied else None
-        hidden, weight, tp_group = output_inputs(x, model.output_layer, weight)  # [N, 1, h]
-        hidden_bh = hidden[picked_B, 0]
+        hidden, weight, tp_group = output_inputs(
+            x[:, None], model.output_layer, self._tied_weight()
+        )
+        hidden_bh = hidden[picked_B, 0]  # [B, h]
         if model.decoder.final_layernorm is not None:
             hidden_bh = model.decoder.final_layernorm(hidden_bh)
-        return self.head.from_hidden(hidden_bh, weight, tp_group)
+        return self.head.gathered(self.gemm(hidden_bh, weight), tp_group)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -338,11 +406,44 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
 
 
-def _residual_add(
-    out_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor
-) -> torch.Tensor:
-    """megatron's bias-dropout-add in eval: ``residual + (out + bias)``."""
-    out, bias = out_with_bias
-    if bias is not None:
-        out = out + bias
-    return residual + out
+class PackedGemm:
+    """``x @ W^T`` for the decoder: through oneDNN with packed weights where that runs (CPU).
+
+    On the CPU torch's matmul goes to MKL, whose small-batch GEMMs were 2-3x slower than
+    oneDNN's on the 2-core AMD hosts measured (benchmarks/results/); oneDNN with weights
+    reordered for it is also what torch.compile's CPU backend and vLLM's CPU backend run.
+    :meth:`pack` reorders the weights at the start of a generate (the trainer updates them in
+    place between generates); :meth:`clear` drops the copies at its end. Anything not packed
+    (GPUs, non-fp32 weights, no oneDNN) goes through ``torch.matmul``.
+    """
+
+    def __init__(self) -> None:
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (weight, packed)
+
+    @staticmethod
+    def packable(weight: torch.Tensor) -> bool:
+        return (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and weight.dim() == 2
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        )
+
+    def pack(self, weights: list[torch.Tensor], rows: int) -> None:
+        """Reorder ``weights`` for GEMMs of about ``rows`` rows (oneDNN's blocking hint)."""
+        with torch.no_grad():
+            for w in weights:
+                if self.packable(w) and id(w) not in self._packed:
+                    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+                    self._packed[id(w)] = (w, packed)
+
+    def clear(self) -> None:
+        self._packed.clear()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        entry = self._packed.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            return torch.matmul(x, weight.t())
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, entry[1], None, "none", [], "")
+        return out

@@ -33,10 +33,8 @@ class TextLogits(LastTokenLogits):
 
     image_token_id: int = -1
 
-    def from_hidden(
-        self, hidden_bh: torch.Tensor, weight: torch.Tensor, tp_group: Any
-    ) -> torch.Tensor:
-        logits_bV = super().from_hidden(hidden_bh, weight, tp_group)
+    def gathered(self, logits_bv: torch.Tensor, tp_group: Any) -> torch.Tensor:
+        logits_bV = super().gathered(logits_bv, tp_group)
         logits_bV[:, self.image_token_id] = float("-inf")
         return logits_bV
 
