@@ -196,10 +196,11 @@ class MegatronGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
-                if decoder is None:
+            if decoder is None:
+                with torch.no_grad():
                     self._lockstep(state, params, draws)
-                else:
+            else:  # nothing made in here is kept but the host-side tokens: skip autograd's books
+                with torch.inference_mode():
                     self._continuous(decoder, state, params, draws)
         finally:
             self.model.train(was_training)

@@ -140,6 +140,21 @@ class SlotCache:
             cache.index_copy_(0, to, cache.index_select(0, frm))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What the layers of one forward share (on the model's device)."""
+
+    b: int
+    t: int
+    positions: torch.Tensor  # [B, T]
+    rows: torch.Tensor  # [B]: 0..B-1
+    cos: torch.Tensor | None  # [B, T, 1, d] (None: no RoPE)
+    sin: torch.Tensor | None
+    length: int  # keys attended: 0..length-1
+    attn_mask: torch.Tensor | None  # [B, 1, 1, length] (rows at different positions)
+    is_causal: bool  # a prefill
+
+
 class CachedDecoder:
     """Prefill and decode steps through one pipeline stage of a GPTModel (see module docstring).
 
@@ -244,14 +259,9 @@ class CachedDecoder:
         device = self.device
         x = self._stage_input(tokens_BT, positions_BT, embeddings_TBH)  # [N, h]
         if self.layers:
-            length = int(positions_BT.max()) + 1
-            positions = positions_BT.to(device)
-            attend = self._attention_plan(positions, length)
-            cos, sin = self._rotary()
-            rope = (cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))  # [B, T, 1, d]
+            step = self._step(positions_BT.to(device))
             for i, layer in enumerate(self.layers):
-                x = self._layer(layer, x, cache.keys[i][slots], cache.values[i][slots],
-                                positions, rope, attend, (b, t))  # fmt: skip
+                x = self._layer(layer, x, cache.keys[i][slots], cache.values[i][slots], step)
         if self.next_rank is not None:
             dist.send(x.contiguous(), dst=self.next_rank, group=self.groups.pp)
             return None
@@ -277,21 +287,25 @@ class CachedDecoder:
         out: torch.Tensor = self.model.embedding(input_ids=ids, position_ids=pos)  # [N, 1, h]
         return out.view(n, -1)
 
-    def _attention_plan(self, positions_BT: torch.Tensor, length: int) -> dict[str, Any]:
-        """SDPA's mask arguments: row b's query at position p sees its keys ``0..p``."""
+    def _step(self, positions_BT: torch.Tensor) -> _Step:
+        """What every layer of one forward shares: RoPE at the positions, the attention mask."""
         b, t = positions_BT.shape
+        length = int(positions_BT.max()) + 1
+        cos = sin = None
+        if self.model.position_embedding_type == "rope":
+            table_cos, table_sin = self._rotary()
+            cos, sin = table_cos[positions_BT].unsqueeze(2), table_sin[positions_BT].unsqueeze(2)
+        rows = torch.arange(b, device=positions_BT.device)
         if t > 1:  # a prefill from position 0: plain causal
-            return {"is_causal": True, "length": length}
-        if bool((positions_BT == length - 1).all()):  # every row at the same position
-            return {"length": length}
-        keys = torch.arange(length, device=positions_BT.device)
-        keep_B11L = (keys[None, :] <= positions_BT).view(b, 1, 1, length)
-        return {"attn_mask": keep_B11L, "length": length}
+            return _Step(b, t, positions_BT, rows, cos, sin, length, None, is_causal=True)
+        keep = None
+        if not bool((positions_BT == length - 1).all()):  # rows at different positions
+            keys = torch.arange(length, device=positions_BT.device)
+            keep = (keys[None, :] <= positions_BT).view(b, 1, 1, length)
+        return _Step(b, t, positions_BT, rows, cos, sin, length, keep, is_causal=False)
 
     def _rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's ``cos`` and ``sin`` per position (megatron's own frequencies), made once."""
-        if self.model.position_embedding_type != "rope":
-            return torch.empty(0), torch.empty(0)
         if self._rope is None:
             freqs = self.model.rotary_pos_emb(self.max_length).reshape(self.max_length, -1)
             dtype = self.config.params_dtype
@@ -305,32 +319,26 @@ class CachedDecoder:
         x: torch.Tensor,  # [N, h]
         keys: torch.Tensor,  # [B, ng, S, hn], this chunk's slots
         values: torch.Tensor,
-        positions_BT: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attend: dict[str, Any],
-        sizes: tuple[int, int],
+        step: _Step,
     ) -> torch.Tensor:
         """One TransformerLayer as megatron computes it in eval (pre-norm; residual + (out +
         bias); no dropout), its linears called directly (:meth:`_linear`)."""
-        b, t = sizes
+        b, t = step.b, step.t
         attn = layer.self_attention
-        q, k, v = self._qkv(attn, self._linear(attn.linear_qkv, layer.input_layernorm(x)), b, t)
-        if rope[0].numel():
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        mixed = self._linear(attn.linear_qkv, layer.input_layernorm(x))
+        q, k, v = self._rotated_qkv(attn, mixed, step)  # [B, T, heads, hn]
         if t == 1:  # one position per row: write each row's key at its own position
-            rows = torch.arange(b, device=keys.device)
-            keys[rows, :, positions_BT[:, 0]] = k[:, 0]
-            values[rows, :, positions_BT[:, 0]] = v[:, 0]
+            keys[step.rows, :, step.positions[:, 0]] = k[:, 0]
+            values[step.rows, :, step.positions[:, 0]] = v[:, 0]
         else:  # a prefill from position 0
             keys[:, :, :t] = k.transpose(1, 2)
             values[:, :, :t] = v.transpose(1, 2)
-        length = attend["length"]
         context = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # [B, np, T, hn]
-            keys[:, :, :length],
-            values[:, :, :length],
-            attn_mask=attend.get("attn_mask"),
-            is_causal=attend.get("is_causal", False),
+            keys[:, :, : step.length],
+            values[:, :, : step.length],
+            attn_mask=step.attn_mask,
+            is_causal=step.is_causal,
             scale=self.scale,
             enable_gqa=self.query_heads != self.kv_heads,
         )
@@ -345,20 +353,31 @@ class CachedDecoder:
             hidden = self.config.activation_func(hidden)
         return x + self._linear(mlp.linear_fc2, hidden)
 
-    def _qkv(
-        self, attn: Any, mixed: torch.Tensor, b: int, t: int
+    def _rotated_qkv(
+        self, attn: Any, mixed: torch.Tensor, step: _Step
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values ``[B, T, heads, hn]`` from the QKV projection ``[N, ...]``,
-        split as ``get_query_key_value_tensors`` splits it (groups of q.. k v, then q/k norms)."""
-        per_group = self.query_heads // self.kv_heads
-        hn = self.head_dim
-        mixed = mixed.view(b, t, self.kv_heads, (per_group + 2) * hn)
-        q, k, v = torch.split(mixed, [per_group * hn, hn, hn], dim=3)
-        q = q.reshape(b, t, self.query_heads, hn)
+        """Queries, keys and values ``[B, T, heads, hn]`` from the QKV projection ``[N, ...]``:
+        split as ``get_query_key_value_tensors`` splits it (per KV group: its queries, its key,
+        its value), queries and keys normed (Qwen3) and rotated. Without q/k norms the queries
+        and the key of a group are rotated in one go (they sit side by side)."""
+        per_group, hn = self.query_heads // self.kv_heads, self.head_dim
+        mixed = mixed.view(step.b, step.t, self.kv_heads, per_group + 2, hn)
+        v = mixed[:, :, :, per_group + 1]
+        normed = attn.q_layernorm is not None or attn.k_layernorm is not None
+        if not normed:
+            qk = mixed[:, :, :, : per_group + 1]
+            if step.cos is not None and step.sin is not None:
+                qk = _rotate(qk, step.cos.unsqueeze(3), step.sin.unsqueeze(3))
+            q = qk[:, :, :, :per_group].reshape(step.b, step.t, self.query_heads, hn)
+            return q, qk[:, :, :, per_group], v
+        q = mixed[:, :, :, :per_group].reshape(step.b, step.t, self.query_heads, hn)
+        k = mixed[:, :, :, per_group]
         if attn.q_layernorm is not None:
             q = attn.q_layernorm(q)
         if attn.k_layernorm is not None:
             k = attn.k_layernorm(k)
+        if step.cos is not None and step.sin is not None:
+            q, k = _rotate(q, step.cos, step.sin), _rotate(k, step.cos, step.sin)
         return q, k, v
 
     def _tied_weight(self) -> torch.Tensor | None:
