@@ -217,7 +217,14 @@ def _one_process_checks(rank: int, world: int) -> dict[str, object]:
     # equal prompt lengths: no attention mask, every decode step has the same shapes
     prompts = [[5, 6, 7], [8, 9, 10]]
     work = {n: _work_per_op(gen, prompts, n) for n in (4, 8, 12)}
-    return {"alone": alone, "together": together, "work": work}
+    # a model the lean decoder does not cover takes megatron's static path, with the same draws
+    lean = gen.generate(PROMPTS, params, seeds=[7, 8, 9])
+    model.config.apply_query_key_layer_scaling = True  # (SDPAttention ignores it)
+    fallback = MegatronGenerator(model, groups, vocab_size=VOCAB, pad_id=PAD,
+                                 max_sequence_length=48)  # fmt: skip
+    uncovered = fallback.generate(PROMPTS, params, seeds=[7, 8, 9])
+    return {"alone": alone, "together": together, "work": work, "lean": lean,
+            "uncovered": uncovered, "fallback_decoder": fallback.decoder}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +255,12 @@ def test_decode_step_work_does_not_grow_with_the_cache(one_process: dict[str, An
         for op in set(work[4]) | set(work[8]) | set(work[12])
     }
     assert {op: d for op, d in grown.items() if d[0] != d[1]} == {}
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_uncovered_model_falls_back_to_megatrons_static_path(one_process: dict[str, Any]) -> None:
+    assert one_process["fallback_decoder"] == "megatron"
+    lean, uncovered = one_process["lean"], one_process["uncovered"]
+    assert torch.equal(lean.tokens, uncovered.tokens)
+    torch.testing.assert_close(lean.sampler_logprobs, uncovered.sampler_logprobs, rtol=0, atol=1e-5)

@@ -84,6 +84,7 @@ def unsupported_reason(model: Any) -> str | None:
         "sequence parallelism (not verified with this decoder yet)": bool(cfg.sequence_parallel),
         "mixture of experts": bool(cfg.num_moe_experts),
         "MuP scaling": bool(getattr(cfg, "use_mup", False)),
+        "query-key layer scaling": bool(cfg.apply_query_key_layer_scaling),
         "a clamped or offset GLU": getattr(cfg, "activation_func_clamp_value", None) is not None
         or bool(getattr(cfg, "glu_linear_offset", 0.0)),
         # megatron all-gathers the QKV projection then; its static path covers it
@@ -259,7 +260,7 @@ class CachedDecoder:
         device = self.device
         x = self._stage_input(tokens_BT, positions_BT, embeddings_TBH)  # [N, h]
         if self.layers:
-            step = self._step(positions_BT.to(device))
+            step = self._step(positions_BT)
             for i, layer in enumerate(self.layers):
                 x = self._layer(layer, x, cache.keys[i][slots], cache.values[i][slots], step)
         if self.next_rank is not None:
@@ -288,21 +289,24 @@ class CachedDecoder:
         return out.view(n, -1)
 
     def _step(self, positions_BT: torch.Tensor) -> _Step:
-        """What every layer of one forward shares: RoPE at the positions, the attention mask."""
+        """What every layer of one forward shares: RoPE at the positions, the attention mask.
+        ``positions_BT`` is on the host: the shapes are decided there, without a device sync."""
         b, t = positions_BT.shape
         length = int(positions_BT.max()) + 1
+        same = bool((positions_BT == length - 1).all())  # every row at the same position
+        positions = positions_BT.to(self.device)
         cos = sin = None
         if self.model.position_embedding_type == "rope":
             table_cos, table_sin = self._rotary()
-            cos, sin = table_cos[positions_BT].unsqueeze(2), table_sin[positions_BT].unsqueeze(2)
-        rows = torch.arange(b, device=positions_BT.device)
+            cos, sin = table_cos[positions].unsqueeze(2), table_sin[positions].unsqueeze(2)
+        rows = torch.arange(b, device=positions.device)
         if t > 1:  # a prefill from position 0: plain causal
-            return _Step(b, t, positions_BT, rows, cos, sin, length, None, is_causal=True)
+            return _Step(b, t, positions, rows, cos, sin, length, None, is_causal=True)
         keep = None
-        if not bool((positions_BT == length - 1).all()):  # rows at different positions
-            keys = torch.arange(length, device=positions_BT.device)
-            keep = (keys[None, :] <= positions_BT).view(b, 1, 1, length)
-        return _Step(b, t, positions_BT, rows, cos, sin, length, keep, is_causal=False)
+        if not same:  # rows at different positions: each sees its own keys only
+            keys = torch.arange(length, device=positions.device)
+            keep = (keys[None, :] <= positions).view(b, 1, 1, length)
+        return _Step(b, t, positions, rows, cos, sin, length, keep, is_causal=False)
 
     def _rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's ``cos`` and ``sin`` per position (megatron's own frequencies), made once."""
