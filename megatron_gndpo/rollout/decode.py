@@ -184,12 +184,10 @@ class CachedDecoder:
         self.prev_rank = pp_ranks[stage - 1] if pp_ranks and stage > 0 else None
         self.next_rank = pp_ranks[stage + 1] if pp_ranks and stage + 1 < len(pp_ranks) else None
         self.max_length = max_length  # positions the RoPE table covers
-        self.gemm = PackedGemm()
+        self.device = next(model.parameters()).device
+        self._linears: list[_LayerLinears] | None = None  # made by prepare()
+        self._output: _Linear | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [max_length, d]
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     def new_cache(self, slots: int, length: int) -> SlotCache:
         shape = (slots, self.kv_heads, length, self.head_dim)
@@ -201,20 +199,20 @@ class CachedDecoder:
         )
 
     def prepare(self, rows: int) -> None:
-        """Before a generate of up to ``rows`` rows: pack the weights (:class:`PackedGemm`)."""
-        weights = [
-            linear.weight
+        """Before a generate of up to ``rows`` rows: this stage's linears (:class:`_Linear`)."""
+        self.device = next(self.model.parameters()).device
+        self._linears = [
+            _LayerLinears(*(_Linear.of(m, rows) for m in (layer.self_attention.linear_qkv,
+                            layer.self_attention.linear_proj, layer.mlp.linear_fc1,
+                            layer.mlp.linear_fc2)))
             for layer in self.layers
-            for linear in (layer.self_attention.linear_qkv, layer.self_attention.linear_proj,
-                           layer.mlp.linear_fc1, layer.mlp.linear_fc2)
         ]  # fmt: skip
         if self.next_rank is None:  # the last stage: the output layer too
-            weights.append(self._output_weight())
-        self.gemm.pack(weights, rows)
+            self._output = _Linear.plain(self._output_weight(), rows)
 
     def release(self) -> None:
         """After a generate: drop the packed weights."""
-        self.gemm.clear()
+        self._linears, self._output = None, None
 
     def prefill(
         self,
@@ -261,8 +259,10 @@ class CachedDecoder:
         x = self._stage_input(tokens_BT, positions_BT, embeddings_TBH)  # [N, h]
         if self.layers:
             step = self._step(positions_BT)
-            for i, layer in enumerate(self.layers):
-                x = self._layer(layer, x, cache.keys[i][slots], cache.values[i][slots], step)
+            assert self._linears is not None, "call prepare() before a generate"
+            for i, (layer, linears) in enumerate(zip(self.layers, self._linears, strict=True)):
+                keys, values = cache.keys[i][slots], cache.values[i][slots]
+                x = self._layer(layer, linears, x, keys, values, step)
         if self.next_rank is not None:
             dist.send(x.contiguous(), dst=self.next_rank, group=self.groups.pp)
             return None
@@ -320,16 +320,17 @@ class CachedDecoder:
     def _layer(
         self,
         layer: Any,
+        linears: _LayerLinears,
         x: torch.Tensor,  # [N, h]
         keys: torch.Tensor,  # [B, ng, S, hn], this chunk's slots
         values: torch.Tensor,
         step: _Step,
     ) -> torch.Tensor:
         """One TransformerLayer as megatron computes it in eval (pre-norm; residual + (out +
-        bias); no dropout), its linears called directly (:meth:`_linear`)."""
+        bias); no dropout), its linears called directly (:class:`_Linear`)."""
         b, t = step.b, step.t
         attn = layer.self_attention
-        mixed = self._linear(attn.linear_qkv, layer.input_layernorm(x))
+        mixed = linears.qkv(layer.input_layernorm(x))
         q, k, v = self._rotated_qkv(attn, mixed, step)  # [B, T, heads, hn]
         if t == 1:  # one position per row: write each row's key at its own position
             keys[step.rows, :, step.positions[:, 0]] = k[:, 0]
@@ -347,15 +348,14 @@ class CachedDecoder:
             enable_gqa=self.query_heads != self.kv_heads,
         )
         context = context.transpose(1, 2).reshape(b * t, -1)  # [N, np*hn]
-        x = x + self._linear(attn.linear_proj, context)  # megatron's bias-dropout-add in eval
-        mlp = layer.mlp
-        hidden = self._linear(mlp.linear_fc1, layer.pre_mlp_layernorm(x))
+        x = x + linears.proj(context)  # megatron's bias-dropout-add in eval
+        hidden = linears.fc1(layer.pre_mlp_layernorm(x))
         if self.config.gated_linear_unit:
             gate, linear = torch.chunk(hidden, 2, dim=-1)
             hidden = self.config.activation_func(gate) * linear
         else:
             hidden = self.config.activation_func(hidden)
-        return x + self._linear(mlp.linear_fc2, hidden)
+        return x + linears.fc2(hidden)
 
     def _rotated_qkv(
         self, attn: Any, mixed: torch.Tensor, step: _Step
@@ -394,30 +394,15 @@ class CachedDecoder:
         tied = self._tied_weight()
         return self.model.output_layer.weight if tied is None else tied
 
-    def _linear(self, module: Any, x: torch.Tensor) -> torch.Tensor:
-        """What megatron's Column/RowParallelLinear computes in eval without sequence
-        parallelism: ``x @ W^T`` (all-reduced over TP for a row-parallel layer, as its forward
-        does), plus the bias (which megatron adds there or, with ``skip_bias_add``, in the
-        bias-dropout-add right after)."""
-        from megatron.core.tensor_parallel.layers import RowParallelLinear
-
-        out = self.gemm(x, module.weight)
-        if isinstance(module, RowParallelLinear) and module.tp_group.size() > 1:
-            dist.all_reduce(out, group=module.tp_group)
-        return out if module.bias is None else out + module.bias
-
     def _logits(self, x: torch.Tensor, picked_B: torch.Tensor) -> torch.Tensor:
-        """Logits of the tokens ``picked_B`` (indices into the stage's ``N`` tokens)."""
-        from megatron_gndpo.models.logprob_head import output_inputs
-
-        model = self.model
-        hidden, weight, tp_group = output_inputs(
-            x[:, None], model.output_layer, self._tied_weight()
-        )
-        hidden_bh = hidden[picked_B, 0]  # [B, h]
-        if model.decoder.final_layernorm is not None:
-            hidden_bh = model.decoder.final_layernorm(hidden_bh)
-        return self.head.gathered(self.gemm(hidden_bh, weight), tp_group)
+        """Logits of the tokens ``picked_B`` (indices into the stage's ``N`` tokens): the final
+        norm and the output layer (or the tied embedding) on those tokens only."""
+        hidden_bh = x[picked_B]  # [B, h]
+        final_norm = self.model.decoder.final_layernorm
+        if final_norm is not None:
+            hidden_bh = final_norm(hidden_bh)
+        assert self._output is not None, "call prepare() before a generate"
+        return self.head.gathered(self._output(hidden_bh), self.model.output_layer.tp_group)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -429,44 +414,71 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
 
 
-class PackedGemm:
-    """``x @ W^T`` for the decoder: through oneDNN with packed weights where that runs (CPU).
+# torch's CPU matmul goes to MKL, whose small-batch GEMMs were 2-3x slower than oneDNN's on the
+# 2-core AMD hosts measured (benchmarks/results/); oneDNN with weights reordered for it is also
+# what torch.compile's CPU backend and vLLM's CPU backend run.
+def _onednn(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s GEMMs go through oneDNN with a packed copy (fp32 on the CPU)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
-    On the CPU torch's matmul goes to MKL, whose small-batch GEMMs were 2-3x slower than
-    oneDNN's on the 2-core AMD hosts measured (benchmarks/results/); oneDNN with weights
-    reordered for it is also what torch.compile's CPU backend and vLLM's CPU backend run.
-    :meth:`pack` reorders the weights at the start of a generate (the trainer updates them in
-    place between generates); :meth:`clear` drops the copies at its end. Anything not packed
-    (GPUs, non-fp32 weights, no oneDNN) goes through ``torch.matmul``.
-    """
 
-    def __init__(self) -> None:
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (weight, packed)
+@dataclasses.dataclass(frozen=True)
+class _Linear:
+    """One linear layer for one generate: ``x @ W^T``, all-reduced over ``reduce_group`` (a
+    row-parallel layer at TP > 1, as its forward does), plus the bias (which megatron adds
+    there or, with ``skip_bias_add``, in the bias-dropout-add right after). ``packed`` is the
+    weight reordered for oneDNN (:func:`_onednn`); it is made per generate because the
+    trainer updates the weights in place between generates."""
 
-    @staticmethod
-    def packable(weight: torch.Tensor) -> bool:
-        return (
-            weight.device.type == "cpu"
-            and weight.dtype == torch.float32
-            and weight.dim() == 2
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    reduce_group: Any
+    packed: torch.Tensor | None
+
+    @classmethod
+    def of(cls, module: Any, rows: int) -> _Linear:
+        """A megatron Column/RowParallelLinear (eval, no sequence parallelism)."""
+        from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+        row_parallel = isinstance(module, RowParallelLinear) and module.tp_group.size() > 1
+        return cls.plain(
+            module.weight, rows, module.bias, module.tp_group if row_parallel else None
         )
 
-    def pack(self, weights: list[torch.Tensor], rows: int) -> None:
-        """Reorder ``weights`` for GEMMs of about ``rows`` rows (oneDNN's blocking hint)."""
-        with torch.no_grad():
-            for w in weights:
-                if self.packable(w) and id(w) not in self._packed:
-                    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-                    self._packed[id(w)] = (w, packed)
+    @classmethod
+    def plain(
+        cls, weight: torch.Tensor, rows: int, bias: torch.Tensor | None = None, group: Any = None
+    ) -> _Linear:
+        packed = None
+        if _onednn(weight):  # ``rows``: the GEMMs' expected row count, oneDNN's blocking hint
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        return cls(weight, bias, group, packed)
 
-    def clear(self) -> None:
-        self._packed.clear()
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        entry = self._packed.get(id(weight))
-        if entry is None or entry[0] is not weight:
-            return torch.matmul(x, weight.t())
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, entry[1], None, "none", [], "")
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.bias if self.reduce_group is None else None  # the bias rides with the GEMM
+        if self.packed is not None:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.packed, fused, "none", [], ""
+            )
+        else:
+            out = torch.matmul(x, self.weight.t())
+            if fused is not None:
+                out = out + fused
+        if self.reduce_group is not None:
+            dist.all_reduce(out, group=self.reduce_group)
+            if self.bias is not None:
+                out = out + self.bias
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerLinears:
+    qkv: _Linear
+    proj: _Linear
+    fc1: _Linear
+    fc2: _Linear
