@@ -16,7 +16,9 @@ order rotates) so that load from other processes falls on all of them; the table
 of generated tokens/s and the ratios. The built-in is measured twice: the lean decoder (the
 default) and megatron's static inference path (``decoder="megatron"``, the path before it), with
 the median decode-step time early and late in each run (a step's cost should not grow with the
-cached length). Writes every sample, the host and the versions to ``--out`` (JSON).
+cached length). On a shared machine ``--wait-idle 0.9`` starts each sample only after a second
+in which the CPUs were 90% idle (or after ``--wait-max`` seconds). Writes every sample, the idle
+fraction before it, the host and the versions to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every engine")
     p.add_argument("--vllm-python", default=None, help="an interpreter with vLLM (the peer)")
     p.add_argument("--no-static", action="store_true", help="skip megatron's static path")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="before each sample, wait (up to --wait-max s) until the CPUs were at "
+        "least this idle over one second (a shared machine)",
+    )
+    p.add_argument("--wait-max", type=float, default=120.0)
     p.add_argument("--out", default="rollout.json")
     args = p.parse_args()
     if not gpu:
@@ -88,6 +99,7 @@ def main() -> None:
     prompts = {b: torch.randint(1, args.vocab, (b, args.prompt), generator=g).tolist()
                for b in batches}  # fmt: skip
     samples: dict[str, dict[int, list[float]]] = {e: {b: [] for b in batches} for e in engines}
+    idle_before: dict[str, dict[int, list[float]]] = {e: {b: [] for b in batches} for e in engines}
     step_times: dict[str, dict[int, dict[str, list[float]]]] = {}
     for b in batches:  # warm-up
         for run in engines.values():
@@ -97,6 +109,7 @@ def main() -> None:
         for b in batches:
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 steps.clear()
+                idle_before[name][b].append(_wait_for_idle(args.wait_idle, args.wait_max))
                 sync()
                 start = time.perf_counter()
                 generated = engines[name](prompts[b])
@@ -130,6 +143,11 @@ def main() -> None:
     header = ("batch", "engine", "tokens/s", "built-in / it", "decode step ms (early -> late)")
     print(table(rows, header))
     print(f"load average before {load_before}, after {load_after} (other processes share the CPU)")
+    if args.wait_idle > 0:
+        seen = [x for per in idle_before.values() for v in per.values() for x in v]
+        quiet = sum(x >= args.wait_idle for x in seen)
+        print(f"{quiet} of {len(seen)} samples started after a second at >= {args.wait_idle:.0%} "
+              f"idle CPUs (median idle before a sample {statistics.median(seen):.0%})")  # fmt: skip
     results = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -140,6 +158,7 @@ def main() -> None:
                  "load_average_before": load_before, "load_average_after": load_after},
         "shape": vars(args),
         "tokens_per_s": samples,
+        "idle_before_sample": idle_before,
         "median_tokens_per_s": medians,
         "decode_step_s": step_times,
     }  # fmt: skip
@@ -271,6 +290,34 @@ def _start_vllm(args: Any, hf_dir: Path, max_len: int, max_batch: int) -> _VLLMP
                      new=args.new)  # fmt: skip
     print(f"vLLM peer ready: {peer.info}", flush=True)
     return peer
+
+
+def _idle_fraction(seconds: float = 1.0) -> float:
+    """How idle all CPUs were over ``seconds`` (/proc/stat; 1.0 where it cannot be read)."""
+
+    def read() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    try:
+        idle0, total0 = read()
+        time.sleep(seconds)
+        idle1, total1 = read()
+    except (OSError, ValueError, IndexError):
+        return 1.0
+    return (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def _wait_for_idle(fraction: float, max_seconds: float) -> float:
+    """Wait until the CPUs were at least ``fraction`` idle over a second (at most
+    ``max_seconds``); return the last idle fraction seen."""
+    if fraction <= 0:
+        return float("nan")
+    deadline = time.monotonic() + max_seconds
+    idle = _idle_fraction()
+    while idle < fraction and time.monotonic() < deadline:
+        idle = _idle_fraction()
+    return idle
 
 
 def _git(*command: str) -> str:
