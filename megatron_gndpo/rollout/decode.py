@@ -3,21 +3,23 @@
 Why not megatron's static inference path: its ``StaticInferenceContext`` caches keys before
 RoPE and rotates the whole cache again at every step (a step's cost grows with the cached
 length), every row must sit at the same position, and each token runs the full training
-forward (schedule, block, layer and attention wrappers: ~1,200 torch ops per step for a
+forward (schedule, block, layer, attention and linear wrappers: ~1,200 torch ops per step for a
 4-layer model). Its fast decoding paths (``flash_decode``, the dynamic engine) need flash-attn,
-i.e. CUDA. This forward keeps megatron's modules for everything that holds weights or talks
-to other ranks (embedding, norms, the QKV split of ``get_query_key_value_tensors``, the output
-projection, the MLP, the final norm: so the weights and the TP collectives are megatron's
-own) and does only the attention itself:
+i.e. CUDA. This forward computes what a TransformerLayer computes in eval from the same
+parameters, with far fewer ops:
 
-- keys are rotated once, when they are written into a slot cache ``[slots, ng, S, hn]``;
-- each row sits at its own position: a prefill writes whole prompts (right-padded, causal),
-  a decode step writes one position per row and attends to that row's cached keys only;
+- megatron's own modules where they hold no wiring (the embedding, the norms, q/k norms);
+- each linear from its weight: ``x @ W^T``, the all-reduce a row-parallel layer does, the bias
+  (:class:`_Linear`; on the CPU through oneDNN with the weight packed once per generate);
+- keys rotated once, as they are written into a slot cache ``[slots, ng, S, hn]``;
+- each row at its own position: a prefill writes whole prompts (right-padded, causal), a decode
+  step writes one position per row and attends to that row's cached keys only;
 - slots are plain rows of the cache, so finished rows can be replaced (:meth:`SlotCache.move`).
 
-Tokens are laid out token-major, ``[N, 1, h]`` with ``N`` = rows x chunk positions (megatron's
-``[s, b, h]`` with one "sequence" of all tokens: every module but the attention is per token).
-Pipeline stages pass those hidden states point to point, in stage order.
+:func:`unsupported_reason` names what it does not reproduce (those models take megatron's
+static path). Tokens are laid out token-major, ``[N, h]`` with ``N`` = rows x chunk positions
+(megatron's ``[s, b, h]`` with one "sequence" of all tokens: every op but the attention is per
+token). Pipeline stages pass those hidden states point to point, in stage order.
 
 Legend: B = rows in the chunk, T = chunk positions, N = B*T tokens, S = cache length, L =
 attended length, h = hidden, np / ng = query / KV heads on this TP rank, hn = head dim,
@@ -114,9 +116,9 @@ def unsupported_reason(model: Any) -> str | None:
             return "a layer has cross-attention"
         linears = (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
         if not all(isinstance(x, ColumnParallelLinear | RowParallelLinear) for x in linears):
-            # Transformer Engine linears would very likely work (they are called as modules),
-            # but nothing has run them through this path yet: they take megatron's own.
-            return "Transformer Engine layers (not verified with this decoder yet)"
+            # Transformer Engine's linears fuse the norm in (and may compute in FP8): the
+            # decoder multiplies the weights of megatron's own linears only
+            return "Transformer Engine layers"
     return None
 
 
@@ -126,10 +128,6 @@ class SlotCache:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-
-    @property
-    def length(self) -> int:
-        return int(self.keys[0].shape[2]) if self.keys else 0
 
     def move(self, dst: list[int], src: list[int]) -> None:
         """Copy slots ``src`` into slots ``dst`` (pairwise; how finished rows are replaced)."""
