@@ -652,3 +652,89 @@ def test_vlm_student_as_internvl(mode: str, tmp_path: Path) -> None:
     assert r["gap"] < 1e-4, r
     if mode == "embeddings":
         assert r["mixed_error"] is not None and "vllm_image_input=pixels" in r["mixed_error"]
+
+
+def _save_vlm(rank: int, world: int, root: str) -> None:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+    from megatron_gndpo.checkpoint.vlm_convert import VISION_CONFIG_FILE
+    from megatron_gndpo.config import to_yaml
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    model, vision = _vlm_configs()
+    groups = build_student_groups(ParallelLayout(world), seed=1234)
+    net = build_vlm(model, vision, ParallelConfig(), groups)
+    torch.manual_seed(8)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    ckpt = Path(root) / "checkpoints"
+    save_checkpoint(ckpt, 3, net)
+    (ckpt / MODEL_CONFIG_FILE).write_text(to_yaml(dataclasses.replace(model, vision=None)))
+    (ckpt / VISION_CONFIG_FILE).write_text(to_yaml(vision))
+
+
+def _serve_vlm_export(rank: int, world: int, root: str) -> dict[str, float]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.config.schema import ParallelConfig, RolloutConfig
+    from megatron_gndpo.data.images import ImageLayout
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.models.vlm_scoring import score_multimodal
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator
+    from tests.test_vllm_multimodal import _prompts
+    from tests.test_vlm_conversion import IMAGE, VOCAB
+
+    model, vision = _vlm_configs()
+    groups = build_student_groups(ParallelLayout(world), seed=1234)
+    net = build_vlm(model, vision, ParallelConfig(), groups)
+    load_checkpoint(Path(root) / "checkpoints", net)
+    layout = ImageLayout.of(vision)
+    # the exported directory as it is, weights included (load_format=auto)
+    gen = VLLMGenerator(
+        RolloutConfig(engine="vllm", vllm_image_input="pixels"), Path(root) / "hf", pad_id=0,
+        dtype="fp32", load_format="auto", max_model_len=256, vocab_size=VOCAB,
+        model_vocab_size=VOCAB, excluded_ids=(IMAGE,), vision=VisionInput(layout, "pixels"),
+    )  # fmt: skip
+    prompts, images = _prompts(layout)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(2,), samples_per_prompt=2)
+    rollout = gen.generate(prompts, params, seeds=[21, 22, 23], images=images)
+    tiles = [None if images[int(i)] is None else images[int(i)].tiles for i in rollout.prompt_index]
+    scores = score_multimodal(
+        net, groups, rollout.tokens, rollout.lengths, tiles,
+        head=TokenLogProbs(vocab_size=VOCAB, excluded_ids=(IMAGE,)), token_budget=512,
+    )  # fmt: skip
+    assert scores is not None
+    mask = rollout.response_mask
+    return {"gap": float((scores - rollout.sampler_logprobs)[mask].abs().max()),
+            "responses": int(mask.sum())}  # fmt: skip
+
+
+def test_exported_internvl_served_by_vllm(tmp_path: Path) -> None:
+    """``convert mcore-to-hf`` of a VLM student (a tokenizer directory without processor files:
+    the export writes them from the vision config) is served by vLLM with pixel input and
+    samples what the megatron model scores."""
+    run_distributed(_save_vlm, 1, args=(str(tmp_path),), timeout_s=300)
+    _internvl_tokenizer(tmp_path / "tokenizer")
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "convert", "mcore-to-hf", "--mcore-dir",
+         str(tmp_path / "checkpoints"), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
+         "--family", "qwen2", "--tokenizer-dir", str(tmp_path / "tokenizer")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "hf" / "preprocessor_config.json").is_file()
+    (r,) = run_distributed(_serve_vlm_export, 1, args=(str(tmp_path),), timeout_s=400)
+    assert r["responses"] > 10 and r["gap"] < 1e-4, r

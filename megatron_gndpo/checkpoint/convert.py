@@ -340,12 +340,12 @@ def convert_mcore_to_hf(
     model = model if model is not None else read_model_config(base)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     source = _source_hf_config(base, tok_dir)
-    if family is None:
-        family = (source or {}).get("model_type")
+    if family is None:  # the source's config.json, else the model config's own family
+        family = (source or {}).get("model_type") or model.family
         if family is None:
             raise ValueError(
                 f"pass family (one of {', '.join(hf_mapping.FAMILIES)}): no source config.json "
-                f"beside {mcore_root} tells it"
+                f"beside {mcore_root} tells it, and its model config sets no family"
             )
     # config.json names the dtype the weights are written in
     config = hf_mapping.hf_config_from_model(dataclasses.replace(model, params_dtype=dtype), family)
