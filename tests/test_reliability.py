@@ -252,3 +252,47 @@ def test_train_under_torchrun_ends_when_a_rank_stops(tmp_path: Path) -> None:
     assert err.count("megatron-gndpo: error: no heartbeat from rank 1") == 1, err[-3000:]
     assert not any(_alive(pid) for pid in workers)
     shutil.rmtree(run, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# CI: a skip for a missing package fails when MEGATRON_GNDPO_NO_SKIPS is set
+
+_SKIPPING_TESTS = """
+import pytest
+
+def test_needs_an_absent_package():
+    pytest.importorskip("no_such_package_for_megatron_gndpo")
+
+@pytest.mark.skipif(True, reason="shellcheck is not installed")
+def test_needs_an_absent_tool():
+    pass
+
+@pytest.mark.skipif(True, reason="Transformer Engine installed")
+def test_runs_only_without_a_package():
+    pass
+
+@pytest.mark.gpu
+def test_needs_a_gpu():
+    pytest.skip("needs a CUDA device; could not import cuda things")
+"""
+
+
+@pytest.mark.parametrize("strict", ["", "1"])
+def test_missing_package_skips_fail_only_when_asked(tmp_path: Path, strict: str) -> None:
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_skips.py").write_text(_SKIPPING_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    env = dict(os.environ, MEGATRON_GNDPO_NO_SKIPS=strict)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    summary = proc.stdout.splitlines()[-1]
+    if strict:
+        # a skipif skips in the set-up phase, so it shows as an error there
+        assert "1 failed, 2 skipped, 1 error" in summary, proc.stdout
+        assert "FAILED test_skips.py::test_needs_an_absent_package" in proc.stdout
+        assert "ERROR test_skips.py::test_needs_an_absent_tool" in proc.stdout
+        assert "skipped for a missing package or tool" in proc.stdout
+    else:
+        assert "4 skipped" in summary, proc.stdout
