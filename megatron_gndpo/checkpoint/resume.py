@@ -158,7 +158,7 @@ def resume_from(
                 f"{meta['step']}), instead"
                 + (
                     f"; the corrupt one(s) are moved into {plan.save_dir}/{_ASIDE_PREFIX}<time>/"
-                    if directory.parent == plan.save_dir
+                    if directory.parent.resolve() == plan.save_dir.resolve()
                     else ""
                 )
             )
@@ -197,7 +197,9 @@ def set_aside(plan: StartPlan, resumed: Resumed, metrics: Path) -> Path | None:
     """After a successful start (rank 0 only): move away what the run will not continue, point
     ``latest`` at the resumed step. Returns the directory things were moved into, if any."""
     save_dir = plan.save_dir
-    in_save_dir = resumed.directory is not None and resumed.directory.parent == save_dir
+    in_save_dir = (
+        resumed.directory is not None and resumed.directory.parent.resolve() == save_dir.resolve()
+    )
     if plan.start_fresh or resumed.directory is None:
         moved = [step_dir(save_dir, s) for s in complete_steps(save_dir)]
         moved += [save_dir / name for name in (_LATEST, *_DESCRIPTIONS)]
