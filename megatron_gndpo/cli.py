@@ -231,11 +231,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         check_environment(cfg)
         check_paths(cfg)  # before any model is built (and before megatron-core is imported)
         cpu.enable_if_no_cuda()
-        if env.rank == 0:
-            print(f"resolved config written to {save_resolved(cfg, cfg.logging.run_dir)}")
         from megatron_gndpo.trainer import Trainer
 
-        Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        if env.rank == 0:  # only once the run has started: a failed resume keeps the old one
+            print(f"resolved config written to {save_resolved(cfg, cfg.logging.run_dir)}")
+        trainer.train()
     except UserError as err:
         report_error(str(err))  # once for the job, while the other ranks can still be asked
         if watchdog is not None:
