@@ -251,6 +251,9 @@ def test_train_under_torchrun_ends_when_a_rank_stops(tmp_path: Path) -> None:
     assert elapsed < 40, f"{elapsed:.0f} s"
     assert err.count("megatron-gndpo: error: no heartbeat from rank 1") == 1, err[-3000:]
     assert not any(_alive(pid) for pid in workers)
+    # console noise: DDP gets its parameter layout, and the deprecation shows once (rank 0)
+    assert "full_param_layout not provided" not in err
+    assert err.count("GPTModel IS DEPRECATED") == 1
     shutil.rmtree(run, ignore_errors=True)
 
 
@@ -296,3 +299,27 @@ def test_missing_package_skips_fail_only_when_asked(tmp_path: Path, strict: str)
         assert "skipped for a missing package or tool" in proc.stdout
     else:
         assert "4 skipped" in summary, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Console noise: megatron-core's per-build notices once
+
+
+def test_known_megatron_notices_show_once(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from megatron_gndpo.compat import notices
+
+    gpt = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    notices.quiet_known_notices()
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(6):  # a quick demo builds six models
+                gpt.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical fixes")
+            gpt.warning("something else entirely")
+            gpt.warning("something else entirely")
+    finally:
+        notices.restore()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("GPTModel IS DEPRECATED") for m in messages) == 1
+    assert messages.count("something else entirely") == 2  # unknown messages are not touched
