@@ -203,7 +203,7 @@ def test_checkpoints_on_a_real_run_lose_nothing(tmp_path: Path) -> None:
     # finding 2: corrupt newest -> the newest intact one, loudly; the corrupt one kept aside
     warning = out["fallback_warning"]
     assert "megatron-gndpo: warning:" in warning
-    assert "iter_0000003 is corrupt (" in warning and "__0_0.distcp" in warning
+    assert "iter_0000003 is corrupt: __0_0.distcp does not match the checksum" in warning
     assert "Resuming from the newest intact checkpoint" in warning and "iter_0000002" in warning
     assert out["resumed_at"] == 2 and out["latest_after_fallback"] == "2"
     assert out["aside"] == [f"{out['aside'][0].split('/')[0]}/iter_0000003"]

@@ -153,7 +153,7 @@ def resume_from(
             ) from err
         if skipped:
             say(
-                "; ".join(f"{d} is corrupt ({why})" for d, why in skipped)
+                "; ".join(why for _, why in skipped)  # each names its directory
                 + f". Resuming from the newest intact checkpoint, {directory} (step "
                 f"{meta['step']}), instead"
                 + (
