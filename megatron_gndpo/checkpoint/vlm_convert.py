@@ -47,6 +47,7 @@ from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
 from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, shard_for_rank
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 VISION_CONFIG_FILE = "vision_config.yaml"
@@ -176,7 +177,7 @@ def read_vision_config(mcore_root: str | Path) -> VisionConfig:
 
     path = Path(mcore_root) / VISION_CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no {VISION_CONFIG_FILE} in {mcore_root}: pass the VisionConfig the VLM was "
             "trained with"
         )
