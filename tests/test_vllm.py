@@ -16,7 +16,7 @@ What each test pins, against the engine users run:
 - sampling: temperature, top-k, top-p (the engine's log-probs are those of the distribution it
   sampled from, recomputed here from the megatron model's logits), stop tokens, several samples
   per prompt, per-row seeds;
-- weight sync at TP=2, PP=2 and TP=2 x PP=2 (4 ranks, one engine each);
+- weight sync at TP=2, PP=2 and TP=2 x PP=2 (one engine shard per rank);
 - the post-sync check catches a corrupted engine;
 - ``megatron-gndpo train rollout.engine=vllm`` end to end (sampler gap ~ 0).
 """
@@ -189,6 +189,7 @@ def _one_rank(rank: int, world: int, root: str, family: str, tied: bool) -> dict
 @pytest.mark.parametrize(("family", "tied"), FAMILIES)
 def test_engine_equals_trainer_after_every_sync(family: str, tied: bool, tmp_path: Path) -> None:
     (r,) = run_distributed(_one_rank, 1, args=(str(tmp_path), family, tied), timeout_s=300)
+    print(f"measured {family} tied={tied}:", {k: v for k, v in r.items() if "sync" in k})
     assert r["sleep_mode"] is False and r["eager"] is True  # vLLM's CPU backend
     for sync in ("sync1", "sync2"):
         s = r[sync]
@@ -292,6 +293,7 @@ def _sampling(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def test_sampling_parameters_stop_tokens_samples_and_seeds(tmp_path: Path) -> None:
     (r,) = run_distributed(_sampling, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured sampling:", r)
     for name in ("t0.7", "topk5", "topp0.8", "all"):
         s = r[name]
         assert s["rows"] == 9, name  # 3 prompts x 3 samples
@@ -302,7 +304,8 @@ def test_sampling_parameters_stop_tokens_samples_and_seeds(tmp_path: Path) -> No
 
 
 # ---------------------------------------------------------------------------------------------
-# TP=2, PP=2, TP=2 x PP=2: 4 ranks, one engine per rank (vLLM TP = the trainer's TP)
+# TP=2, PP=2 (2 ranks each), TP=2 x PP=2 (4 ranks): one engine shard per rank, vLLM's TP the
+# trainer's (vLLM forms its TP groups from consecutive ranks, as megatron's TP groups are)
 
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
@@ -343,8 +346,10 @@ def _layout(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_weight_sync_at_tp2_pp2_tp2pp2(name: str, tmp_path: Path) -> None:
-    for rank, r in enumerate(run_distributed(_layout, 4, args=(str(tmp_path), name),
+    tp, pp = LAYOUTS[name]
+    for rank, r in enumerate(run_distributed(_layout, tp * pp, args=(str(tmp_path), name),
                                              timeout_s=600)):  # fmt: skip
+        print(f"measured {name} rank {rank}:", {k: r[k] for k in ("buckets", "check", "gap")})
         assert r["buckets"] > 2, (name, rank)
         assert r["check"] < 1e-5, (name, rank, r["check"])
         assert r["engine_greedy"] == r["builtin_greedy"], (name, rank)
@@ -387,6 +392,7 @@ def _corrupted(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def test_post_sync_check_catches_a_corrupted_engine(tmp_path: Path) -> None:
     (r,) = run_distributed(_corrupted, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured corrupted:", r)
     assert r["before"] < 1e-5
     assert r["message"] is not None and "nats per token" in r["message"], r["message"]
     assert "rollout.weight_sync_check" in r["message"]
@@ -411,6 +417,8 @@ def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
+        print("measured train step", s["step"], s["sampler_gap/mean_abs"],
+              s["weight_sync/check_logprob_diff"])  # fmt: skip
         assert s["sampler_gap/mean_abs"] < 1e-5, s
         assert s["weight_sync/check_logprob_diff"] < 1e-5, s
         assert math.isfinite(s["loss"]) and s["skipped"] == 0.0, s
@@ -522,6 +530,7 @@ def test_exported_checkpoint_served_by_vllm(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (r,) = run_distributed(_serve_export, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured export:", r)
     assert r["prompt"] < 1e-5, r
     assert r["sampled"] < 1e-5, r
 
@@ -647,6 +656,7 @@ def test_vlm_student_as_internvl(mode: str, tmp_path: Path) -> None:
     one image, two images of other tile counts (pixels; with embeddings a clear error, and
     prompts of 3-tile and 1-tile images in separate engine calls), and none."""
     (r,) = run_distributed(_vlm, 1, args=(str(tmp_path), mode), timeout_s=400)
+    print(f"measured vlm {mode}:", r)
     assert r["responses"] > 10, r
     assert r["check"] < 1e-5, r
     assert r["gap"] < 1e-4, r
@@ -737,4 +747,5 @@ def test_exported_internvl_served_by_vllm(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "hf" / "preprocessor_config.json").is_file()
     (r,) = run_distributed(_serve_vlm_export, 1, args=(str(tmp_path),), timeout_s=400)
+    print("measured vlm export:", r)
     assert r["responses"] > 10 and r["gap"] < 1e-4, r
