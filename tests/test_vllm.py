@@ -77,6 +77,17 @@ def _model_cfg(family: str, *, tied: bool) -> Any:
     )  # fmt: skip
 
 
+def _student(cfg: Any, world: int, *, tp: int = 1, pp: int = 1) -> tuple[Any, Any]:
+    """(net, groups): ``cfg``'s GPT at TP x PP over ``world`` ranks, randomly initialised."""
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    groups = build_student_groups(ParallelLayout(world, tp=tp, pp=pp), seed=3)
+    net = build_teacher(cfg, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), groups)
+    return net, groups
+
+
 def _perturb(net: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
     """Move every layer parameter (norm weights start at 1, biases at 0): a skipped, swapped or
     stale tensor shows. TP ranks of a stage draw the same noise, so replicated tensors stay
@@ -148,17 +159,13 @@ def _one_rank(rank: int, world: int, root: str, family: str, tied: bool) -> dict
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
     from megatron_gndpo.weight_sync import sync_weights
     from megatron_gndpo.weight_sync.check import check_engine
 
     cfg = _model_cfg(family, tied=tied)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, groups = _student(cfg, world)
     _perturb(net, seed=11)
     builtin = MegatronGenerator(net, groups, vocab_size=VOCAB, pad_id=PAD, max_sequence_length=64)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
@@ -228,15 +235,11 @@ def _sampling(rank: int, world: int, root: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.weight_sync import sync_weights
 
     cfg = _model_cfg("qwen2", tied=True)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, groups = _student(cfg, world)
     _perturb(net, seed=5, scale=0.2)
     engine = _engine(cfg, Path(root))
     sync_weights(engine, net, groups, cfg, family="qwen2")
@@ -316,9 +319,6 @@ def _layout(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
     from megatron_gndpo.weight_sync import sync_weights
@@ -326,8 +326,7 @@ def _layout(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
 
     tp, pp = LAYOUTS[name]
     cfg = _model_cfg("llama" if name == "tp2pp2" else "qwen2", tied=name != "tp2pp2")
-    groups = build_student_groups(ParallelLayout(world, tp=tp, pp=pp), seed=3)
-    net = build_teacher(cfg, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), groups)
+    net, groups = _student(cfg, world, tp=tp, pp=pp)
     _perturb(net, seed=1000 + groups.coords["pp"])
     engine = _engine(cfg, Path(root), tp=tp)
     stats = sync_weights(engine, net, groups, cfg, family=cfg.hf_family, bucket_bytes=TINY_BUCKET)
@@ -365,15 +364,11 @@ def _corrupted(rank: int, world: int, root: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.weight_sync import iter_hf_weights, sync_weights
     from megatron_gndpo.weight_sync.check import WeightSyncError, check_engine
 
     cfg = _model_cfg("qwen2", tied=True)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, groups = _student(cfg, world)
     _perturb(net, seed=2)
     engine = _engine(cfg, Path(root))
     sync_weights(engine, net, groups, cfg, family="qwen2")
@@ -435,13 +430,9 @@ def _save_student(rank: int, world: int, root: str) -> None:
     from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
     from megatron_gndpo.checkpoint.dist import save_checkpoint
     from megatron_gndpo.config import to_yaml
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
 
     cfg = _model_cfg("qwen3", tied=True)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, _ = _student(cfg, world)
     _perturb(net, seed=21)
     save_checkpoint(Path(root) / "checkpoints", 7, net)
     (Path(root) / "checkpoints" / MODEL_CONFIG_FILE).write_text(to_yaml(cfg))
@@ -455,15 +446,11 @@ def _serve_export(rank: int, world: int, root: str) -> dict[str, float]:
     import vllm
 
     from megatron_gndpo.checkpoint.dist import load_checkpoint
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.vllm_engine import build_requests, rollout_from_outputs
 
     cfg = _model_cfg("qwen3", tied=True)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, groups = _student(cfg, world)
     load_checkpoint(Path(root) / "checkpoints", net)
     llm = vllm.LLM(
         model=str(Path(root) / "hf"), dtype="float32", skip_tokenizer_init=True,
@@ -578,6 +565,22 @@ def _vlm_configs() -> tuple[Any, Any]:
     return dataclasses.replace(model, vision=vision, family="qwen2"), vision
 
 
+def _vlm_student(world: int, seed: int) -> tuple[Any, Any, Any, Any]:
+    """(net, groups, model, vision): the tiny VLM at TP=1, every weight moved by ``seed``."""
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    model, vision = _vlm_configs()
+    groups = build_student_groups(ParallelLayout(world), seed=1234)
+    net = build_vlm(model, vision, ParallelConfig(), groups)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    return net, groups, model, vision
+
+
 def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     _vllm_env()
     from megatron_gndpo.compat import cpu
@@ -585,12 +588,11 @@ def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     cpu.enable()
     import functools
 
-    from megatron_gndpo.config.schema import ParallelConfig, RolloutConfig
+    from megatron_gndpo.config.schema import RolloutConfig
     from megatron_gndpo.data.images import ImageLayout
     from megatron_gndpo.models.logprob_head import TokenLogProbs
-    from megatron_gndpo.models.vlm import build_vlm, rollout_image_embeddings
+    from megatron_gndpo.models.vlm import rollout_image_embeddings
     from megatron_gndpo.models.vlm_scoring import score_multimodal
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator, write_engine_config
     from megatron_gndpo.weight_sync import sync_weights
@@ -598,13 +600,7 @@ def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     from tests.test_vllm_multimodal import _image, _prompt_images, _prompts
     from tests.test_vlm_conversion import IMAGE, VOCAB
 
-    model, vision = _vlm_configs()
-    groups = build_student_groups(ParallelLayout(world), seed=1234)
-    net = build_vlm(model, vision, ParallelConfig(), groups)
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn(p.shape) * 0.05)
+    net, groups, model, vision = _vlm_student(world, seed=7)
     _internvl_tokenizer(Path(root) / "tokenizer")
     engine_dir = write_engine_config(Path(root) / "engine", model, family="qwen2", dtype="fp32",
                                      tokenizer_dir=Path(root) / "tokenizer")  # fmt: skip
@@ -672,17 +668,8 @@ def _save_vlm(rank: int, world: int, root: str) -> None:
     from megatron_gndpo.checkpoint.dist import save_checkpoint
     from megatron_gndpo.checkpoint.vlm_convert import VISION_CONFIG_FILE
     from megatron_gndpo.config import to_yaml
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.vlm import build_vlm
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
 
-    model, vision = _vlm_configs()
-    groups = build_student_groups(ParallelLayout(world), seed=1234)
-    net = build_vlm(model, vision, ParallelConfig(), groups)
-    torch.manual_seed(8)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn(p.shape) * 0.05)
+    net, _, model, vision = _vlm_student(world, seed=8)
     ckpt = Path(root) / "checkpoints"
     save_checkpoint(ckpt, 3, net)
     (ckpt / MODEL_CONFIG_FILE).write_text(to_yaml(dataclasses.replace(model, vision=None)))
@@ -695,21 +682,17 @@ def _serve_vlm_export(rank: int, world: int, root: str) -> dict[str, float]:
 
     cpu.enable()
     from megatron_gndpo.checkpoint.dist import load_checkpoint
-    from megatron_gndpo.config.schema import ParallelConfig, RolloutConfig
+    from megatron_gndpo.config.schema import RolloutConfig
     from megatron_gndpo.data.images import ImageLayout
     from megatron_gndpo.models.logprob_head import TokenLogProbs
-    from megatron_gndpo.models.vlm import build_vlm
     from megatron_gndpo.models.vlm_scoring import score_multimodal
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator
     from tests.test_vllm_multimodal import _prompts
     from tests.test_vlm_conversion import IMAGE, VOCAB
 
-    model, vision = _vlm_configs()
-    groups = build_student_groups(ParallelLayout(world), seed=1234)
-    net = build_vlm(model, vision, ParallelConfig(), groups)
-    load_checkpoint(Path(root) / "checkpoints", net)
+    net, groups, _, vision = _vlm_student(world, seed=0)
+    load_checkpoint(Path(root) / "checkpoints", net)  # replaces every weight
     layout = ImageLayout.of(vision)
     # the exported directory as it is, weights included (load_format=auto)
     gen = VLLMGenerator(
