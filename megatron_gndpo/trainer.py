@@ -14,6 +14,7 @@ import dataclasses
 import math
 import signal
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -21,8 +22,9 @@ import torch.distributed as dist
 
 from megatron_gndpo.algorithms.metrics import advantage_metrics, score_metrics
 from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
-from megatron_gndpo.checkpoint.dist import latest_step, load_checkpoint, save_checkpoint
-from megatron_gndpo.config import Config, to_yaml
+from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
+from megatron_gndpo.checkpoint.resume import plan_start, resume_from, set_aside, warn
+from megatron_gndpo.config import Config, save_dir, to_yaml
 from megatron_gndpo.data.datasets import tiles_of
 from megatron_gndpo.engine.methods import (
     Scores,
@@ -34,9 +36,10 @@ from megatron_gndpo.engine.methods import (
     teacher_request,
 )
 from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
-from megatron_gndpo.engine.setup import Components, build_components
+from megatron_gndpo.engine.setup import Components, build_components, never_sampled
 from megatron_gndpo.engine.update import UpdateBatch, run_update
 from megatron_gndpo.logging import progress
+from megatron_gndpo.logging.sinks import METRICS_FILE
 from megatron_gndpo.logging.throughput import (
     attention_seq_len,
     mfu,
@@ -78,11 +81,16 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        # Where to start is decided before any model is built; nothing is written into the
+        # checkpoint directory until the resume has succeeded.
+        self._start = plan_start(cfg.checkpoint, save_dir(cfg))
         self.c: Components = build_components(cfg)
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
-        self._describe_checkpoints()
+        self._syncs = 0  # weight syncs into an external engine so far
+        self.run_id = ""
         self._resume()
+        self._describe_checkpoints()
         self._sync_engine()  # an external engine starts without the student's weights
 
     # ----------------------------------------------------------------------------------------
@@ -213,9 +221,26 @@ class Trainer:
         if hasattr(engine, "wake_up"):
             engine.wake_up()
         parts = engine.weight_parts() if hasattr(engine, "weight_parts") else None
-        return sync_weights(
+        metrics = sync_weights(
             cast(WeightReceiver, engine), self.c.student, self.c.student_groups, self.cfg.model,
             family=self.cfg.model.hf_family, vision=self.cfg.model.vision, parts=parts,
+        )  # fmt: skip
+        self._syncs += 1
+        return metrics | self._check_engine(engine)
+
+    def _check_engine(self, engine: Any) -> dict[str, float]:
+        """The engine's log-probs of a probe sequence against the student's, after a sync
+        (``rollout.weight_sync_check``): a silently corrupted engine stops the run."""
+        from megatron_gndpo.weight_sync.check import DEFAULT_TOLERANCE, check_engine
+
+        r, model = self.cfg.rollout, self.cfg.model
+        if r.weight_sync_check == "never" or (r.weight_sync_check == "first" and self._syncs > 1):
+            return {}
+        tolerance = r.weight_sync_check_tolerance or DEFAULT_TOLERANCE[model.params_dtype]
+        return check_engine(
+            engine, self.c.student, self.c.student_groups, vocab_size=model.vocab_size,
+            tolerance=tolerance, excluded_ids=never_sampled(self.cfg),
+            vision_language=model.vision is not None,
         )  # fmt: skip
 
     def _score(self, rollout: Rollout) -> tuple[Scores, Scores]:
@@ -412,6 +437,7 @@ class Trainer:
         save_checkpoint(
             self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
             extra=self._extra_state(), keep_last=self.cfg.checkpoint.keep_last,
+            run_id=self.run_id,
         )  # fmt: skip
 
     def _say(self, message: str) -> None:
@@ -419,7 +445,8 @@ class Trainer:
             print(message, flush=True)
 
     def _describe_checkpoints(self) -> None:
-        """The architecture beside the checkpoints, so ``convert mcore-to-hf`` needs no flags."""
+        """The architecture beside the checkpoints, so ``convert mcore-to-hf`` needs no flags;
+        written only once the run has started (a failed resume leaves the old one)."""
         if dist.get_rank() == 0:
             self.c.save_dir.mkdir(parents=True, exist_ok=True)
             (self.c.save_dir / MODEL_CONFIG_FILE).write_text(to_yaml(self.cfg.model))
@@ -429,15 +456,28 @@ class Trainer:
                 (self.c.save_dir / VISION_CONFIG_FILE).write_text(to_yaml(self.cfg.model.vision))
 
     def _resume(self) -> None:
-        """Continue from checkpoint.load, or from the newest checkpoint in the save directory."""
-        source = self.cfg.checkpoint.load
-        if source is None and latest_step(self.c.save_dir) is not None:
-            source = str(self.c.save_dir)
-        if source is None:
-            return
-        meta = load_checkpoint(source, self.c.ddp, optimizer=self.c.optimizer)
-        self.step_count = int(meta["step"])
-        self._say(f"resumed from {source} at step {self.step_count}")
-        self.c.sampler.load_state_dict(meta["extra"]["sampler"])
-        self.c.scheduler.load_state_dict(meta["extra"]["scheduler"])
-        self.c.logger.truncate_after(self.step_count)
+        """Continue from the newest intact checkpoint of the plan (checkpoint.load, or the save
+        directory's latest), or start at step 0; then move aside what the run will not continue
+        (see checkpoint/resume.py)."""
+        verify = self.cfg.checkpoint.verify
+        resumed = resume_from(
+            self._start,
+            lambda d: load_checkpoint(d, self.c.ddp, optimizer=self.c.optimizer, verify=verify),
+            say=self._warn,
+        )
+        self.run_id, self.step_count = resumed.run_id, resumed.step
+        if resumed.directory is not None:
+            self.c.sampler.load_state_dict(resumed.meta["extra"]["sampler"])
+            self.c.scheduler.load_state_dict(resumed.meta["extra"]["scheduler"])
+        if dist.get_rank() == 0:
+            metrics = Path(self.cfg.logging.run_dir) / METRICS_FILE
+            moved = set_aside(self._start, resumed, metrics)
+            if moved is not None:
+                self._warn(f"moved what this run does not continue into {moved}; nothing deleted")
+        if resumed.directory is not None:
+            self._say(f"resumed from {resumed.directory} at step {self.step_count}")
+            self.c.logger.truncate_after(self.step_count)
+
+    def _warn(self, message: str) -> None:
+        if dist.get_rank() == 0:
+            warn(message)

