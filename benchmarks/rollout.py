@@ -133,14 +133,28 @@ def main() -> None:
     for b in batches:
         ours = medians["built-in"][b]
         for name in engines:
-            ratio = "" if name == "built-in" else f"{ours / medians[name][b]:.2f}"
+            ratio = paired = ""
+            if name != "built-in":
+                ratio = f"{ours / medians[name][b]:.2f}"
+                # each repeat's pair ran back to back: less exposed to load that comes and goes
+                ours_and_its = zip(samples["built-in"][b], samples[name][b], strict=True)
+                pairs = [x / y for x, y in ours_and_its]
+                wins = sum(p >= 1 for p in pairs)
+                paired = f"{statistics.median(pairs):.2f} ({wins}/{len(pairs)} >= 1)"
             growth = ""
             if name in step_times:
                 early = statistics.median(step_times[name][b]["early"]) * 1e3
                 late = statistics.median(step_times[name][b]["late"]) * 1e3
                 growth = f"{early:.2f} -> {late:.2f}"
-            rows.append((str(b), name, f"{medians[name][b]:,.0f}", ratio, growth))
-    header = ("batch", "engine", "tokens/s", "built-in / it", "decode step ms (early -> late)")
+            rows.append((str(b), name, f"{medians[name][b]:,.0f}", ratio, paired, growth))
+    header = (
+        "batch",
+        "engine",
+        "tokens/s",
+        "built-in / it",
+        "per repeat",
+        "decode step ms (early -> late)",
+    )
     print(table(rows, header))
     print(f"load average before {load_before}, after {load_after} (other processes share the CPU)")
     if args.wait_idle > 0:
