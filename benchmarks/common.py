@@ -84,19 +84,25 @@ def add_shape_args(parser: Any, *, gpu: bool) -> None:
     parser.add_argument("--peer", default=None, help="path to peer_step.py")
 
 
-def build_model(args: Any, max_positions: int, *, gpu: bool):  # type: ignore[no-untyped-def]
-    """(groups, GPTModel) of the shape in ``args`` on a one-process world, on the GPU if any."""
-    from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
-    from megatron_gndpo.models.gpt import build_gpt
+def model_config(args: Any, max_positions: int, *, gpu: bool):  # type: ignore[no-untyped-def]
+    """The Qwen2-like ModelConfig of the shape in ``args`` (bf16 on a GPU, fp32 on the CPU)."""
+    from megatron_gndpo.config.schema import ModelConfig
 
-    groups = one_process_world()
-    model_cfg = ModelConfig(
+    return ModelConfig(
         num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
         num_attention_heads=args.heads, num_query_groups=args.kv_heads, vocab_size=args.vocab,
         make_vocab_size_divisible_by=128, max_position_embeddings=max_positions,
         add_qkv_bias=True, params_dtype="bf16" if gpu else "fp32",
     )  # fmt: skip
-    model = build_gpt(model_cfg, ParallelConfig(), groups)
+
+
+def build_model(args: Any, max_positions: int, *, gpu: bool):  # type: ignore[no-untyped-def]
+    """(groups, GPTModel) of the shape in ``args`` on a one-process world, on the GPU if any."""
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_gpt
+
+    groups = one_process_world()
+    model = build_gpt(model_config(args, max_positions, gpu=gpu), ParallelConfig(), groups)
     return groups, model.cuda() if gpu else model
 
 

@@ -11,6 +11,11 @@ Without ``--config`` the embedded default is used: ``plan``/``config`` start fro
 defaults with tiny models; ``train`` runs ``megatron_gndpo/configs/tiny_cpu.yaml`` (a tiny
 student and teacher on built-in prompts, CPU-friendly). Overrides are
 dotted ``section.key=value`` pairs whose values are read as YAML.
+
+One error boundary: an error the project raises on purpose (:class:`~megatron_gndpo.errors.
+UserError`: config, data, checkpoint, missing extra, distributed start-up) is printed once for the
+job as ``megatron-gndpo: error: ...`` and the command exits with status 2; any other exception is
+a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_gndpo.config import ConfigError, load_config, save_resolved, to_yaml, validate
+from megatron_gndpo.config import load_config, save_resolved, to_yaml, validate
 from megatron_gndpo.config.docs import format_fields
+from megatron_gndpo.errors import UserError
 from megatron_gndpo.version import __version__
 
 _EPILOG_HEAD = """\
@@ -214,24 +220,56 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megatron_gndpo.compat import cpu
-    from megatron_gndpo.config import check_environment
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+    from megatron_gndpo.compat import cpu, notices
+    from megatron_gndpo.config import check_environment, check_paths
+    from megatron_gndpo.parallel.distributed import (
+        Watchdog,
+        init_distributed,
+        report_error,
+        shutdown_distributed,
+    )
 
     cfg = load_config(args.config or TINY_CPU, args.overrides)  # config errors before start-up
-    env = init_distributed()
+    t = cfg.trainer
+    env = init_distributed(timeout_s=t.collective_timeout_s)
+    watchdog = None
+    if env.world_size > 1 and t.heartbeat_timeout_s > 0:
+        watchdog = Watchdog(env, t.heartbeat_timeout_s)
     try:
-        cpu.enable_if_no_cuda()
+        notices.quiet_known_notices()
         validate(cfg, env.world_size)
         check_environment(cfg)
-        if env.rank == 0:
-            print(f"resolved config written to {save_resolved(cfg, cfg.logging.run_dir)}")
+        check_paths(cfg)  # before any model is built (and before megatron-core is imported)
+        cpu.enable_if_no_cuda()
         from megatron_gndpo.trainer import Trainer
 
-        Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        if env.rank == 0:  # only once the run has started: a failed resume keeps the old one
+            print(f"resolved config written to {save_resolved(cfg, cfg.logging.run_dir)}")
+        trainer.train()
+    except UserError as err:
+        report_error(str(err))  # once for the job, while the other ranks can still be asked
+        if watchdog is not None:
+            watchdog.stop(failed=True)  # the ranks still waiting for this one end too
+        return 2
+    except BaseException:
+        if watchdog is not None:
+            watchdog.stop(failed=True)
+        raise
+    else:
+        if watchdog is not None:
+            watchdog.stop()
+            _barrier()  # no rank exits (maybe taking the store along) before all have stopped
     finally:
         shutdown_distributed()
     return 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -248,6 +286,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from megatron_gndpo.compat import notices
+
+    notices.quiet_known_notices()  # before megatron-core is imported: some notices come then
     from megatron_gndpo.demo.report import summary_numbers, summary_table, verdict
     from megatron_gndpo.demo.run import SEED, run_demo
 
@@ -291,29 +332,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     # argparse fills a positional list only once: overrides after an option (`config validate
     # -n 8 a.b=1`, `plan a.b=1 -n 8 c.d=2`) come back unparsed. They are overrides all the same.
     args, extra = parser.parse_known_args(argv)
-    if args.command == "convert":  # its options belong to the conversion's own parser
-        args.rest = [*args.rest, *extra]
-        return _cmd_convert(args)
-    unknown = [arg for arg in extra if arg.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command == "demo":  # it takes no config overrides
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        if args.stability and (args.methods or args.multimodal or args.seed is not None):
-            parser.error(
-                "demo --stability runs its own methods and seeds on the text task: leave out "
-                "--methods, --multimodal and --seed"
-            )
-        return _cmd_demo(args)
-    args.overrides = [*args.overrides, *extra]
     handlers = {
         "plan": _cmd_plan, "config": _cmd_config, "train": _cmd_train, "demo": _cmd_demo,
+        "convert": _cmd_convert,
     }  # fmt: skip
+    if args.command == "convert":  # its options belong to the conversion's own parser
+        args.rest = [*args.rest, *extra]
+    else:
+        unknown = [arg for arg in extra if arg.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if args.command == "demo":  # it takes no config overrides
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            if args.stability and (args.methods or args.multimodal or args.seed is not None):
+                parser.error(
+                    "demo --stability runs its own methods and seeds on the text task: leave "
+                    "out --methods, --multimodal and --seed"
+                )
+        else:
+            args.overrides = [*args.overrides, *extra]
     try:
         return handlers[args.command](args)
-    except ConfigError as err:
-        print(f"megatron-gndpo: error: {err}", file=sys.stderr)
+    except UserError as err:
+        from megatron_gndpo.parallel.distributed import report_error
+
+        report_error(str(err))
         return 2
     except BrokenPipeError:  # `megatron-gndpo plan ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

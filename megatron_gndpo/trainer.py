@@ -14,6 +14,7 @@ import dataclasses
 import math
 import signal
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -21,8 +22,9 @@ import torch.distributed as dist
 
 from megatron_gndpo.algorithms.metrics import StabilityMonitor, advantage_metrics, score_metrics
 from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
-from megatron_gndpo.checkpoint.dist import latest_step, load_checkpoint, save_checkpoint
-from megatron_gndpo.config import Config, to_yaml
+from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
+from megatron_gndpo.checkpoint.resume import plan_start, resume_from, set_aside, warn
+from megatron_gndpo.config import Config, save_dir, to_yaml
 from megatron_gndpo.data.datasets import tiles_of
 from megatron_gndpo.engine.methods import (
     Scores,
@@ -37,6 +39,7 @@ from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_
 from megatron_gndpo.engine.setup import Components, build_components, never_sampled
 from megatron_gndpo.engine.update import UpdateBatch, run_update
 from megatron_gndpo.logging import progress
+from megatron_gndpo.logging.sinks import METRICS_FILE
 from megatron_gndpo.logging.throughput import (
     attention_seq_len,
     mfu,
@@ -79,13 +82,17 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        # Where to start is decided before any model is built; nothing is written into the
+        # checkpoint directory until the resume has succeeded.
+        self._start = plan_start(cfg.checkpoint, save_dir(cfg))
         self.c: Components = build_components(cfg)
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
         self._syncs = 0  # weight syncs into an external engine so far
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
-        self._describe_checkpoints()
+        self.run_id = ""
         self._resume()
+        self._describe_checkpoints()
         self._sync_engine()  # an external engine starts without the student's weights
 
     # ----------------------------------------------------------------------------------------
@@ -446,6 +453,7 @@ class Trainer:
         save_checkpoint(
             self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
             extra=self._extra_state(), keep_last=self.cfg.checkpoint.keep_last,
+            run_id=self.run_id,
         )  # fmt: skip
 
     def _say(self, message: str) -> None:
@@ -453,7 +461,8 @@ class Trainer:
             print(message, flush=True)
 
     def _describe_checkpoints(self) -> None:
-        """The architecture beside the checkpoints, so ``convert mcore-to-hf`` needs no flags."""
+        """The architecture beside the checkpoints, so ``convert mcore-to-hf`` needs no flags;
+        written only once the run has started (a failed resume leaves the old one)."""
         if dist.get_rank() == 0:
             self.c.save_dir.mkdir(parents=True, exist_ok=True)
             (self.c.save_dir / MODEL_CONFIG_FILE).write_text(to_yaml(self.cfg.model))
@@ -463,19 +472,33 @@ class Trainer:
                 (self.c.save_dir / VISION_CONFIG_FILE).write_text(to_yaml(self.cfg.model.vision))
 
     def _resume(self) -> None:
-        """Continue from checkpoint.load, or from the newest checkpoint in the save directory."""
-        source = self.cfg.checkpoint.load
-        if source is None and latest_step(self.c.save_dir) is not None:
-            source = str(self.c.save_dir)
-        if source is None:
-            return
-        meta = load_checkpoint(source, self.c.ddp, optimizer=self.c.optimizer)
-        self.step_count = int(meta["step"])
-        self._say(f"resumed from {source} at step {self.step_count}")
-        self.c.sampler.load_state_dict(meta["extra"]["sampler"])
-        self.c.scheduler.load_state_dict(meta["extra"]["scheduler"])
-        if "stability" in meta["extra"]:  # checkpoints before the diagnostics start them afresh
-            self.stability.load_state_dict(meta["extra"]["stability"])
-        if self.c.outlier_sampler is not None and "outlier_sampler" in meta["extra"]:
-            self.c.outlier_sampler.load_state_dict(meta["extra"]["outlier_sampler"])
-        self.c.logger.truncate_after(self.step_count)
+        """Continue from the newest intact checkpoint of the plan (checkpoint.load, or the save
+        directory's latest), or start at step 0; then move aside what the run will not continue
+        (see checkpoint/resume.py)."""
+        verify = self.cfg.checkpoint.verify
+        resumed = resume_from(
+            self._start,
+            lambda d: load_checkpoint(d, self.c.ddp, optimizer=self.c.optimizer, verify=verify),
+            say=self._warn,
+        )
+        self.run_id, self.step_count = resumed.run_id, resumed.step
+        if resumed.directory is not None:
+            self.c.sampler.load_state_dict(resumed.meta["extra"]["sampler"])
+            self.c.scheduler.load_state_dict(resumed.meta["extra"]["scheduler"])
+            extra = resumed.meta["extra"]
+            if "stability" in extra:  # checkpoints before the diagnostics start them afresh
+                self.stability.load_state_dict(extra["stability"])
+            if self.c.outlier_sampler is not None and "outlier_sampler" in extra:
+                self.c.outlier_sampler.load_state_dict(extra["outlier_sampler"])
+        if dist.get_rank() == 0:
+            metrics = Path(self.cfg.logging.run_dir) / METRICS_FILE
+            moved = set_aside(self._start, resumed, metrics)
+            if moved is not None:
+                self._warn(f"moved what this run does not continue into {moved}; nothing deleted")
+        if resumed.directory is not None:
+            self._say(f"resumed from {resumed.directory} at step {self.step_count}")
+            self.c.logger.truncate_after(self.step_count)
+
+    def _warn(self, message: str) -> None:
+        if dist.get_rank() == 0:
+            warn(message)

@@ -133,6 +133,22 @@ def install() -> types.ModuleType:
     return fakes["vllm"]
 
 
+def pil_image_processor() -> type:
+    """transformers' PIL InternVL image processor, the one vLLM builds with ``use_fast=False``
+    (as ``rollout/vllm_engine.py`` asks): ``GotOcr2ImageProcessorPil`` in transformers 5, where
+    ``GotOcr2ImageProcessor`` is the torchvision backend when torchvision is installed (it resizes
+    differently: up to 0.0175 per pixel), and ``GotOcr2ImageProcessor`` in 4."""
+    try:
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+            GotOcr2ImageProcessorPil,
+        )
+    except ImportError:
+        from transformers import GotOcr2ImageProcessor
+
+        return GotOcr2ImageProcessor
+    return GotOcr2ImageProcessorPil
+
+
 class InternVLEngineDouble(FakeLLM):
     """``vllm.LLM`` serving a VLM as vLLM's InternVL does, on transformers' own InternVL.
 
@@ -168,12 +184,10 @@ class InternVLEngineDouble(FakeLLM):
         self.processor: Any = None
         pre = root / "preprocessor_config.json"
         if pre.is_file():
-            from transformers import GotOcr2ImageProcessor
-
             settings = json.loads(pre.read_text())
             settings.pop("image_processor_type", None)
             settings.pop("processor_class", None)
-            self.processor = GotOcr2ImageProcessor(**settings)
+            self.processor = pil_image_processor()(**settings)
         self.image_token_id = int(config.image_token_id)
         model = types.SimpleNamespace(load_weights=self._load)
         self.worker = types.SimpleNamespace(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,217 @@ def test_latest_and_resolve_errors_name_the_fix(tmp_path: Path) -> None:
     assert latest_step(tmp_path) == 7
     assert resolve(tmp_path) == done
     assert resolve(done) == done
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity, lineage and where a run starts (issue 15): file-system checks, no model needed
+
+
+def _fake_step(
+    root: Path, step: int, *, run_id: str | None = "run-a", manifest: bool = True
+) -> Path:
+    """A step directory as save_checkpoint leaves it, with made-up tensor files."""
+    from megatron_gndpo.checkpoint.dist import _manifest
+
+    directory = step_dir(root, step)
+    directory.mkdir(parents=True)
+    (directory / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    (directory / ".metadata").write_bytes(b"metadata of step %d" % step)
+    meta = {"step": step, "run_id": run_id, "has_optimizer": True, "extra": {}}
+    if manifest:
+        meta["files"] = _manifest(directory)
+    (directory / "megatron_gndpo.json").write_text(json.dumps(meta))
+    return directory
+
+
+def test_verify_step_names_each_damaged_file(tmp_path: Path) -> None:
+    from megatron_gndpo.checkpoint.dist import CorruptCheckpointError, verify_step
+
+    good = _fake_step(tmp_path, 1)
+    assert verify_step(good) is True
+    assert verify_step(_fake_step(tmp_path, 2, manifest=False)) is False  # older: nothing to check
+    bad = _fake_step(tmp_path, 3)
+    data = bytearray((bad / "__0_0.distcp").read_bytes())
+    data[100:108] = b"\xff" * 8  # a few floats overwritten, same size
+    (bad / "__0_0.distcp").write_bytes(bytes(data))
+    (bad / ".metadata").unlink()
+    with pytest.raises(CorruptCheckpointError) as err:
+        verify_step(bad)
+    msg = str(err.value)
+    assert f"{bad} is corrupt" in msg
+    assert "__0_0.distcp does not match the checksum saved with it" in msg
+    assert ".metadata is missing" in msg
+    truncated = _fake_step(tmp_path, 4)
+    (truncated / "__0_0.distcp").write_bytes(b"short")
+    with pytest.raises(
+        CorruptCheckpointError, match=r"__0_0\.distcp has 5 bytes, 16384 were saved"
+    ):
+        verify_step(truncated)
+
+
+class _Optimizer:
+    """What nonfinite() reads of a megatron optimizer: the torch optimizer inside."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.optimizer = torch.optim.Adam(params)
+
+
+def test_nonfinite_names_weights_and_optimizer_state() -> None:
+    from megatron_gndpo.checkpoint.dist import nonfinite
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = _Optimizer(list(model.parameters()))
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.optimizer.step()
+    assert nonfinite(model, optimizer) == []
+    state = optimizer.optimizer.state[model.bias]
+    state["exp_avg_sq"][0] = math.inf
+    assert nonfinite(model, optimizer) == ["optimizer exp_avg_sq"]
+    with torch.no_grad():
+        model.weight[0, 0] = math.nan
+    assert nonfinite(model, optimizer) == [
+        "optimizer exp_avg_sq",
+        "optimizer master weights",
+        "weight",
+    ]
+
+
+def test_save_refuses_non_finite_weights_and_writes_nothing(tmp_path: Path) -> None:
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+
+    _fake_step(tmp_path, 2)
+    (tmp_path / "latest").write_text("2\n")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.bias[1] = math.nan
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(tmp_path, 3, model, run_id="run-a")
+    msg = str(err.value)
+    assert "refusing to save step 3: non-finite values (NaN or inf) in bias" in msg
+    assert f"Nothing was written; the newest checkpoint, {step_dir(tmp_path, 2)}, is intact" in msg
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_save_refuses_to_overwrite_another_runs_step(tmp_path: Path) -> None:
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+
+    _fake_step(tmp_path, 5, run_id="run-a")
+    with pytest.raises(CheckpointError, match=r"belongs to another run \(run id run-a\)"):
+        save_checkpoint(tmp_path, 5, torch.nn.Linear(2, 2), run_id="run-b")
+
+
+def test_prune_keeps_other_runs_and_older_versions_steps(tmp_path: Path) -> None:
+    from megatron_gndpo.checkpoint.dist import _prune, complete_steps
+
+    for step, run in ((1, "run-a"), (2, "run-b"), (3, "run-a"), (4, None), (5, "run-a")):
+        _fake_step(tmp_path, step, run_id=run)
+    (tmp_path / "iter_0000006.tmp").mkdir()
+    _prune(tmp_path, 1, "run-a")
+    assert complete_steps(tmp_path) == [2, 4, 5]  # run-a's 1 and 3 only
+    assert not (tmp_path / "iter_0000006.tmp").exists()
+
+
+def test_latest_errors_point_at_a_complete_step_not_at_deleting(tmp_path: Path) -> None:
+    _fake_step(tmp_path, 3)
+    (tmp_path / "latest").write_text("garbage")
+    with pytest.raises(CheckpointError) as err:
+        latest_step(tmp_path)
+    msg = str(err.value)
+    assert "delete" not in msg  # deleting `latest` used to start over on top of the iterations
+    assert f"echo 3 > {tmp_path / 'latest'}" in msg and "checkpoint.start_fresh=true" in msg
+    (tmp_path / "latest").write_text("9\n")
+    with pytest.raises(CheckpointError, match=rf"echo 3 > {re.escape(str(tmp_path))}/latest"):
+        latest_step(tmp_path)
+
+
+def test_plan_start_refuses_a_silent_fresh_start_over_iterations(tmp_path: Path) -> None:
+    from megatron_gndpo.checkpoint.resume import plan_start
+    from megatron_gndpo.config.schema import CheckpointConfig
+
+    save = tmp_path / "ckpt"
+    assert plan_start(CheckpointConfig(), save).candidates == ()  # nothing there: step 0
+    for step in (1, 2):
+        _fake_step(save, step)
+    with pytest.raises(CheckpointError) as err:  # `latest` deleted, iterations remain
+        plan_start(CheckpointConfig(), save)
+    msg = str(err.value)
+    assert "holds 2 iteration(s) (steps 1, 2) but no 'latest' file" in msg
+    assert f"checkpoint.load={step_dir(save, 2)}" in msg and "checkpoint.start_fresh=true" in msg
+    fresh = plan_start(CheckpointConfig(start_fresh=True), save)
+    assert fresh.start_fresh and fresh.candidates == ()
+    (save / "latest").write_text("2\n")
+    assert plan_start(CheckpointConfig(), save).candidates == (step_dir(save, 2), step_dir(save, 1))
+    rollback = plan_start(CheckpointConfig(load=str(step_dir(save, 1))), save)
+    assert rollback.candidates == (step_dir(save, 1),) and rollback.explicit
+    other = tmp_path / "other"
+    _fake_step(other, 7)
+    with pytest.raises(CheckpointError, match=r"outside the save directory .* already holds"):
+        plan_start(CheckpointConfig(load=str(step_dir(other, 7))), save)
+    empty = tmp_path / "empty"
+    assert plan_start(CheckpointConfig(load=str(other / "iter_0000007")), empty).candidates == (
+        step_dir(other, 7),
+    )
+
+
+def test_resume_falls_back_loudly_past_corrupt_steps_only(tmp_path: Path) -> None:
+    from megatron_gndpo.checkpoint.dist import CorruptCheckpointError
+    from megatron_gndpo.checkpoint.resume import StartPlan, resume_from
+
+    steps = [_fake_step(tmp_path, s) for s in (3, 2, 1)]
+    plan = StartPlan(tmp_path, tuple(steps), explicit=False, start_fresh=False)  # newest first
+    said: list[str] = []
+
+    def load(directory: Path) -> dict[str, object]:
+        if directory.name in ("iter_0000003", "iter_0000002"):
+            raise CorruptCheckpointError(f"{directory} is corrupt: __0_0.distcp is missing")
+        return {"step": 1, "run_id": "run-a", "verified": True, "extra": {}}
+
+    resumed = resume_from(plan, load, say=said.append)
+    assert (resumed.step, resumed.run_id, resumed.directory) == (1, "run-a", step_dir(tmp_path, 1))
+    assert len(said) == 1
+    assert "iter_0000003 is corrupt" in said[0] and "iter_0000002 is corrupt" in said[0]
+    assert (
+        f"Resuming from the newest intact checkpoint, {step_dir(tmp_path, 1)} (step 1)" in said[0]
+    )
+
+    def all_corrupt(directory: Path) -> dict[str, object]:
+        raise CorruptCheckpointError(f"{directory} is corrupt: it is")
+
+    with pytest.raises(CheckpointError, match="no intact checkpoint to resume from"):
+        resume_from(plan, all_corrupt, say=said.append)
+
+    def mismatch(directory: Path) -> dict[str, object]:  # another architecture: no fallback
+        raise CheckpointError(f"could not load {directory}: Global shape mismatch")
+
+    with pytest.raises(CheckpointError, match="Global shape mismatch") as err:
+        resume_from(plan, mismatch, say=said.append)
+    assert "saved without checksums" not in str(err.value)
+
+
+def test_set_aside_moves_what_the_run_does_not_continue(tmp_path: Path) -> None:
+    from megatron_gndpo.checkpoint.resume import Resumed, StartPlan, set_aside
+
+    save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    for step in (1, 2, 3):
+        _fake_step(save, step)
+    (save / "latest").write_text("3\n")
+    metrics.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    plan = StartPlan(save, (step_dir(save, 3),), explicit=False, start_fresh=False)
+    # resumed at step 1 (2 and 3 corrupt, or a rollback): they move aside with the metrics
+    aside = set_aside(plan, Resumed(1, "run-a", step_dir(save, 1)), metrics)
+    assert aside is not None and aside.parent == save and aside.name.startswith("previous-")
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "iter_0000002",
+        "iter_0000003",
+        "metrics.jsonl",
+    ]
+    assert (save / "latest").read_text().strip() == "1" and metrics.exists()
+    # a fresh start moves everything, metrics included
+    fresh = StartPlan(save, (), explicit=False, start_fresh=True)
+    aside = set_aside(fresh, Resumed(0, "run-b", None), metrics)
+    assert aside is not None
+    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000001", "latest", "metrics.jsonl"]
+    assert sorted(p.name for p in save.iterdir()) == sorted(p.name for p in save.glob("previous-*"))
+    assert not metrics.exists()
+    assert set_aside(fresh, Resumed(0, "run-c", None), metrics) is None  # nothing left to move

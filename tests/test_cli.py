@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -216,3 +217,89 @@ def test_installed_console_script() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "plan for 8 ranks" in proc.stdout
     assert "student: TP=1 PP=1 CP=1 DP=8 (world 8)" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# One error boundary (issue 15): errors raised on purpose print once, exit 2, no traceback
+
+
+def _train(tmp_path: Path, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "train", f"logging.run_dir={tmp_path / 'run'}",
+         *overrides],
+        capture_output=True, text=True, timeout=timeout, check=False, env=env, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def test_train_checks_every_path_before_building_anything(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a directory")
+    proc = _train(
+        tmp_path, "data.train=/nonexistent/p.jsonl", "teacher.load=/nonexistent/teacher",
+        "checkpoint.init=/nonexistent/init", "data.tokenizer=/nonexistent/tok.model",
+        f"checkpoint.save={tmp_path / 'afile' / 'ckpt'}", timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("megatron-gndpo: error:") == 1
+    for expected in (
+        "data.train: prompt file /nonexistent/p.jsonl does not exist",
+        "teacher.load: no checkpoint at /nonexistent/teacher",
+        "checkpoint.init: no checkpoint at /nonexistent/init",
+        "data.tokenizer: tokenizer /nonexistent/tok.model does not exist",
+        f"checkpoint.save: {tmp_path / 'afile' / 'ckpt'} cannot be created: "
+        f"{tmp_path / 'afile'} is a file",
+    ):
+        assert expected in proc.stderr, expected
+    assert "GPTModel" not in proc.stderr  # nothing was built
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.megatron
+def test_a_malformed_prompt_file_is_one_message_not_a_traceback(tmp_path: Path) -> None:
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=?", "answer": "2"}\n{"prompt": "2+2=",\n')
+    proc = _train(tmp_path, f"data.train={data}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "[rank0]:" not in proc.stderr.replace(
+        "[rank0]:W", ""
+    )  # torch's own start-up notice is prefixed [rank0]:W...
+    assert proc.stderr.count("megatron-gndpo: error:") == 1
+    assert f"megatron-gndpo: error: {data}:2: invalid JSON" in proc.stderr
+    assert "GPTModel" not in proc.stderr  # the data is read before the models are built
+
+
+def test_unexpected_exceptions_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import megatron_gndpo.cli as cli
+
+    def broken(args: object) -> int:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(cli, "_cmd_plan", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        main(["plan"])
+
+
+def test_a_user_error_from_any_command_exits_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import megatron_gndpo.cli as cli
+    from megatron_gndpo.errors import MissingFileError
+
+    def missing(args: object) -> int:
+        raise MissingFileError("prompt file x.jsonl does not exist; fix data.train")
+
+    monkeypatch.setattr(cli, "_cmd_plan", missing)
+    code, out, err = run(capsys, "plan")
+    assert (code, out) == (2, "")
+    assert err == "megatron-gndpo: error: prompt file x.jsonl does not exist; fix data.train\n"
+
+
+def test_new_reliability_keys_are_validated(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(
+        capsys, "config", "validate", "trainer.heartbeat_timeout_s=700",
+        "checkpoint.start_fresh=true", "checkpoint.load=/somewhere",
+    )  # fmt: skip
+    assert code == 2
+    assert "trainer.heartbeat_timeout_s (700.0) must be below trainer.collective_timeout_s" in err
+    assert "checkpoint.start_fresh=true starts at step 1 but checkpoint.load names" in err

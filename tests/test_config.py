@@ -282,8 +282,11 @@ def test_missing_file(tmp_path: Path) -> None:
     assert "does not exist" in msg
 
 
-def test_empty_file_is_the_default(tmp_path: Path) -> None:
-    assert load_config(write(tmp_path, "# nothing set\n")) == Config()
+def test_empty_file_is_an_error_and_braces_are_the_default(tmp_path: Path) -> None:
+    # An empty file is almost always the wrong file (issue 15), not "every default".
+    with pytest.raises(ConfigError, match=r"run\.yaml is empty .*`\{\}` to mean every default"):
+        load_config(write(tmp_path, "# nothing set\n"))
+    assert load_config(write(tmp_path, "{}  # every default\n")) == Config()
 
 
 # --------------------------------------------------------------------------------------------

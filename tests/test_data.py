@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -514,3 +515,65 @@ def test_sampler_state_mismatch_is_an_error() -> None:
         _sampler().load_state_dict({k: v for k, v in state.items() if k != "position"})
     with pytest.raises(ValueError, match="invalid sampler state"):
         _sampler().load_state_dict({**state, "position": 10})
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs that used to pass silently or as bare tracebacks (issue 15)
+
+
+def test_a_byte_that_is_not_utf8_names_file_line_and_column(tmp_path: Path) -> None:
+    from megatron_gndpo.errors import DataError
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "1+1="}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError) as err:
+        load_prompts(str(path))
+    assert str(err.value).startswith(f"{path}:2: byte 0xe9 at column 16 is not UTF-8")
+    assert "save the file as UTF-8" in str(err.value)
+
+
+def test_characters_the_builtin_tokenizer_lacks_are_an_error_naming_the_record(
+    tmp_path: Path,
+) -> None:
+    from megatron_gndpo.errors import DataError
+
+    spec = _write_jsonl(
+        tmp_path / "p.jsonl",
+        ['{"prompt": "1+1=?", "answer": "2"}', '{"prompt": "1+1=? réponse", "answer": "2"}'],
+    )
+    with pytest.raises(DataError) as err:
+        encode_prompts(load_prompts(spec), CharTokenizer(), max_prompt_length=64)
+    msg = str(err.value)
+    assert msg.startswith(f"{tmp_path / 'p.jsonl'}:2: the prompt has characters")
+    assert "'é'" in msg and "<unk>" in msg and "data.tokenizer" in msg
+    answer = [PromptExample("2+2=?", "quatre ½", 0)]
+    with pytest.raises(DataError, match=r"prompt 0: the answer has characters .*'½'"):
+        encode_prompts(answer, CharTokenizer(), max_prompt_length=64)
+    assert CharTokenizer().unknown_characters("aéb½é") == ["é", "½"]
+
+
+def test_data_errors_are_user_errors_with_the_message_the_user_sees(tmp_path: Path) -> None:
+    from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError, UserError
+
+    with pytest.raises(MissingFileError) as missing:
+        load_prompts(str(tmp_path / "absent.jsonl"))
+    assert isinstance(missing.value, UserError) and isinstance(missing.value, FileNotFoundError)
+    assert str(missing.value) == (
+        f"prompt file {tmp_path / 'absent.jsonl'} does not exist; fix data.train / data.eval, "
+        "or use builtin:arithmetic for the built-in task"
+    )
+    spec = _write_jsonl(tmp_path / "p.jsonl", ['{"prompt": "a"', '{"prompt": "b"}'])
+    with pytest.raises(DataError) as bad:
+        load_prompts(spec)
+    assert str(bad.value).startswith(f"{tmp_path / 'p.jsonl'}:1: invalid JSON")
+    assert issubclass(MissingPackageError, UserError) and issubclass(DataError, ValueError)
+
+
+def test_a_parquet_file_pyarrow_cannot_read_is_a_data_error(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow.parquet")
+    from megatron_gndpo.errors import DataError
+
+    path = tmp_path / "p.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=rf"cannot read {re.escape(str(path))} as Parquet: "):
+        load_prompts(str(path))

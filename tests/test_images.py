@@ -350,3 +350,16 @@ def test_load_image_puts_transparency_on_white() -> None:
         image = img.load_image(source)
         assert image.mode == "RGB"
         assert image.getpixel((1, 1)) == (255, 255, 255) and image.getpixel((0, 0)) == (10, 20, 30)
+
+
+def test_image_paths_must_stay_inside_the_prompt_files_directory(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    inside = img._image_source("sub/../a.png", "p.jsonl:1", data)
+    assert inside == str(data / "a.png")
+    for item in ("../secret.png", "sub/../../x.png", "/etc/hostname"):
+        with pytest.raises(ValueError, match=r"p\.jsonl:3: image .* is outside the prompt file"):
+            img._image_source(item, "p.jsonl:3", data)
+    (data / "rows.jsonl").write_text(json.dumps({"prompt": "<image>?", "images": "../../x"}))
+    with pytest.raises(ValueError, match=r"rows\.jsonl:1: image '\.\./\.\./x' is outside"):
+        img.load_multimodal_prompts(str(data / "rows.jsonl"))

@@ -163,7 +163,13 @@ def _node() -> str:
     return socket.gethostname().split(".")[0]
 
 
-def _sbatch(run_dir: Path, *options: str, steps: int, save_interval: int = SAVE_INTERVAL) -> Job:
+def _sbatch(
+    run_dir: Path,
+    *options: str,
+    steps: int,
+    save_interval: int = SAVE_INTERVAL,
+    overrides: tuple[str, ...] = (),
+) -> Job:
     """``sbatch scripts/slurm/gndpo.sbatch`` for the tiny config on this CPU node."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_env = _slurm_env() | {
@@ -177,6 +183,7 @@ def _sbatch(run_dir: Path, *options: str, steps: int, save_interval: int = SAVE_
         "sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
         f"--chdir={run_dir}", f"--output={run_dir}/job-%j.out", *options,
         str(SBATCH), f"trainer.steps={steps}", f"checkpoint.save_interval={save_interval}",
+        *overrides,
     ]  # fmt: skip
     result = subprocess.run(
         command, env=job_env, capture_output=True, text=True, timeout=30, check=False
@@ -196,9 +203,14 @@ def submit(cluster: None) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
     def _submit(
-        run_dir: Path, *options: str, steps: int, save_interval: int = SAVE_INTERVAL
+        run_dir: Path,
+        *options: str,
+        steps: int,
+        save_interval: int = SAVE_INTERVAL,
+        overrides: tuple[str, ...] = (),
     ) -> Job:
-        jobs.append(_sbatch(run_dir, *options, steps=steps, save_interval=save_interval))
+        jobs.append(_sbatch(run_dir, *options, steps=steps, save_interval=save_interval,
+                            overrides=overrides))  # fmt: skip
         return jobs[-1]
 
     yield _submit
@@ -304,20 +316,30 @@ def test_time_limit_warning_saves_requeues_and_resumes(
     the trainer before it is done.
     """
     run_dir = tmp_path / "run"
-    # The warning lead (120 s) is long, the limit first longer still (5 min); once the trainer is
-    # in its loop the limit is cut to 75-135 s from now, so that slurmctld's next check (every
-    # 30 s) sends the warning while the trainer still has steps to go.
-    job = submit(run_dir, "--time=5", "--signal=B:USR1@120", steps=REFERENCE_STEPS, save_interval=0)
-    # (A warning in a run's first 30 s means a limit shorter than the lead: the script refuses
-    # to requeue then, so the limit is cut only after that.)
-    job.wait(
-        lambda: job.steps_logged() >= 2 and _seconds(job.info()["RunTime"]) >= 35,
-        "the first training steps",
-        JOB_TIMEOUT_S,
-    )
-    elapsed_s = _seconds(job.info()["RunTime"])
-    _set_time_limit(job, math.ceil((elapsed_s + 75) / 60))
-    job.wait(lambda: "time limit near" in job.output(), "the time-limit warning", 60)
+    # The warning lead (120 s) is long, the limit first longer still (5 min). Once the trainer is
+    # in its loop, both ranks are paused (SIGSTOP), as if a step took minutes: on an idle machine
+    # the tiny run ends in about 20 s, sooner than Slurm can warn (it checks every 30 s). Paused,
+    # the limit is cut to 75-135 s from now, so that slurmctld's next check sends the warning;
+    # then the ranks go on and find it pending. (The heartbeat watchdog, made to end a job with a
+    # stopped rank, is off for this job; it does not change the training.)
+    job = submit(run_dir, "--time=5", "--signal=B:USR1@120", steps=REFERENCE_STEPS,
+                 save_interval=0, overrides=("trainer.heartbeat_timeout_s=0",))  # fmt: skip
+    job.wait(lambda: job.steps_logged() >= 2, "the first training steps", JOB_TIMEOUT_S)
+    found = [_worker_pid(job.id, rank) for rank in (0, 1)]
+    pids = [pid for pid in found if pid is not None]
+    assert len(pids) == 2, f"the trainer processes were not found: {found}\n" + job.describe()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        # (A warning in a run's first 30 s means a limit shorter than the lead: the script
+        # refuses to requeue then, so the limit is cut only after that.)
+        job.wait(lambda: _seconds(job.info()["RunTime"]) >= 35, "35 s of run time", 60)
+        elapsed_s = _seconds(job.info()["RunTime"])
+        _set_time_limit(job, math.ceil((elapsed_s + 75) / 60))
+        job.wait(lambda: "time limit near" in job.output(), "the time-limit warning", 90)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     job.wait(lambda: job.info().get("Restarts") == "1", "the requeue", 60)
     _set_time_limit(job, 10)  # the requeued run: time enough to finish without another warning
     final = job.wait_ended()

@@ -16,7 +16,7 @@ What each test pins, against the engine users run:
 - sampling: temperature, top-k, top-p (the engine's log-probs are those of the distribution it
   sampled from, recomputed here from the megatron model's logits), stop tokens, several samples
   per prompt, per-row seeds;
-- weight sync at TP=2, PP=2 and TP=2 x PP=2 (4 ranks, one engine each);
+- weight sync at TP=2, PP=2 and TP=2 x PP=2 (one engine shard per rank);
 - the post-sync check catches a corrupted engine;
 - ``megatron-gndpo train rollout.engine=vllm`` end to end (sampler gap ~ 0).
 """
@@ -75,6 +75,17 @@ def _model_cfg(family: str, *, tied: bool) -> Any:
         qk_layernorm=family == "qwen3", tie_embeddings=tied,
         rotary_base=1e6 if family != "llama" else 5e5, family=family,
     )  # fmt: skip
+
+
+def _student(cfg: Any, world: int, *, tp: int = 1, pp: int = 1) -> tuple[Any, Any]:
+    """(net, groups): ``cfg``'s GPT at TP x PP over ``world`` ranks, randomly initialised."""
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    groups = build_student_groups(ParallelLayout(world, tp=tp, pp=pp), seed=3)
+    net = build_teacher(cfg, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), groups)
+    return net, groups
 
 
 def _perturb(net: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
@@ -148,17 +159,13 @@ def _one_rank(rank: int, world: int, root: str, family: str, tied: bool) -> dict
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
     from megatron_gndpo.weight_sync import sync_weights
     from megatron_gndpo.weight_sync.check import check_engine
 
     cfg = _model_cfg(family, tied=tied)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, groups = _student(cfg, world)
     _perturb(net, seed=11)
     builtin = MegatronGenerator(net, groups, vocab_size=VOCAB, pad_id=PAD, max_sequence_length=64)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
@@ -189,6 +196,7 @@ def _one_rank(rank: int, world: int, root: str, family: str, tied: bool) -> dict
 @pytest.mark.parametrize(("family", "tied"), FAMILIES)
 def test_engine_equals_trainer_after_every_sync(family: str, tied: bool, tmp_path: Path) -> None:
     (r,) = run_distributed(_one_rank, 1, args=(str(tmp_path), family, tied), timeout_s=300)
+    print(f"measured {family} tied={tied}:", {k: v for k, v in r.items() if "sync" in k})
     assert r["sleep_mode"] is False and r["eager"] is True  # vLLM's CPU backend
     for sync in ("sync1", "sync2"):
         s = r[sync]
@@ -227,15 +235,11 @@ def _sampling(rank: int, world: int, root: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.weight_sync import sync_weights
 
     cfg = _model_cfg("qwen2", tied=True)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, groups = _student(cfg, world)
     _perturb(net, seed=5, scale=0.2)
     engine = _engine(cfg, Path(root))
     sync_weights(engine, net, groups, cfg, family="qwen2")
@@ -292,6 +296,7 @@ def _sampling(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def test_sampling_parameters_stop_tokens_samples_and_seeds(tmp_path: Path) -> None:
     (r,) = run_distributed(_sampling, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured sampling:", r)
     for name in ("t0.7", "topk5", "topp0.8", "all"):
         s = r[name]
         assert s["rows"] == 9, name  # 3 prompts x 3 samples
@@ -302,7 +307,8 @@ def test_sampling_parameters_stop_tokens_samples_and_seeds(tmp_path: Path) -> No
 
 
 # ---------------------------------------------------------------------------------------------
-# TP=2, PP=2, TP=2 x PP=2: 4 ranks, one engine per rank (vLLM TP = the trainer's TP)
+# TP=2, PP=2 (2 ranks each), TP=2 x PP=2 (4 ranks): one engine shard per rank, vLLM's TP the
+# trainer's (vLLM forms its TP groups from consecutive ranks, as megatron's TP groups are)
 
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
@@ -313,9 +319,6 @@ def _layout(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
     from megatron_gndpo.weight_sync import sync_weights
@@ -323,8 +326,7 @@ def _layout(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
 
     tp, pp = LAYOUTS[name]
     cfg = _model_cfg("llama" if name == "tp2pp2" else "qwen2", tied=name != "tp2pp2")
-    groups = build_student_groups(ParallelLayout(world, tp=tp, pp=pp), seed=3)
-    net = build_teacher(cfg, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), groups)
+    net, groups = _student(cfg, world, tp=tp, pp=pp)
     _perturb(net, seed=1000 + groups.coords["pp"])
     engine = _engine(cfg, Path(root), tp=tp)
     stats = sync_weights(engine, net, groups, cfg, family=cfg.hf_family, bucket_bytes=TINY_BUCKET)
@@ -343,8 +345,10 @@ def _layout(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_weight_sync_at_tp2_pp2_tp2pp2(name: str, tmp_path: Path) -> None:
-    for rank, r in enumerate(run_distributed(_layout, 4, args=(str(tmp_path), name),
+    tp, pp = LAYOUTS[name]
+    for rank, r in enumerate(run_distributed(_layout, tp * pp, args=(str(tmp_path), name),
                                              timeout_s=600)):  # fmt: skip
+        print(f"measured {name} rank {rank}:", {k: r[k] for k in ("buckets", "check", "gap")})
         assert r["buckets"] > 2, (name, rank)
         assert r["check"] < 1e-5, (name, rank, r["check"])
         assert r["engine_greedy"] == r["builtin_greedy"], (name, rank)
@@ -360,15 +364,11 @@ def _corrupted(rank: int, world: int, root: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.weight_sync import iter_hf_weights, sync_weights
     from megatron_gndpo.weight_sync.check import WeightSyncError, check_engine
 
     cfg = _model_cfg("qwen2", tied=True)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, groups = _student(cfg, world)
     _perturb(net, seed=2)
     engine = _engine(cfg, Path(root))
     sync_weights(engine, net, groups, cfg, family="qwen2")
@@ -387,6 +387,7 @@ def _corrupted(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def test_post_sync_check_catches_a_corrupted_engine(tmp_path: Path) -> None:
     (r,) = run_distributed(_corrupted, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured corrupted:", r)
     assert r["before"] < 1e-5
     assert r["message"] is not None and "nats per token" in r["message"], r["message"]
     assert "rollout.weight_sync_check" in r["message"]
@@ -411,6 +412,8 @@ def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
+        print("measured train step", s["step"], s["sampler_gap/mean_abs"],
+              s["weight_sync/check_logprob_diff"])  # fmt: skip
         assert s["sampler_gap/mean_abs"] < 1e-5, s
         assert s["weight_sync/check_logprob_diff"] < 1e-5, s
         assert math.isfinite(s["loss"]) and s["skipped"] == 0.0, s
@@ -427,13 +430,9 @@ def _save_student(rank: int, world: int, root: str) -> None:
     from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
     from megatron_gndpo.checkpoint.dist import save_checkpoint
     from megatron_gndpo.config import to_yaml
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
 
     cfg = _model_cfg("qwen3", tied=True)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, _ = _student(cfg, world)
     _perturb(net, seed=21)
     save_checkpoint(Path(root) / "checkpoints", 7, net)
     (Path(root) / "checkpoints" / MODEL_CONFIG_FILE).write_text(to_yaml(cfg))
@@ -447,15 +446,11 @@ def _serve_export(rank: int, world: int, root: str) -> dict[str, float]:
     import vllm
 
     from megatron_gndpo.checkpoint.dist import load_checkpoint
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.gpt import build_teacher
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.vllm_engine import build_requests, rollout_from_outputs
 
     cfg = _model_cfg("qwen3", tied=True)
-    groups = build_student_groups(ParallelLayout(world), seed=3)
-    net = build_teacher(cfg, ParallelConfig(), groups)
+    net, groups = _student(cfg, world)
     load_checkpoint(Path(root) / "checkpoints", net)
     llm = vllm.LLM(
         model=str(Path(root) / "hf"), dtype="float32", skip_tokenizer_init=True,
@@ -522,6 +517,7 @@ def test_exported_checkpoint_served_by_vllm(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (r,) = run_distributed(_serve_export, 1, args=(str(tmp_path),), timeout_s=300)
+    print("measured export:", r)
     assert r["prompt"] < 1e-5, r
     assert r["sampled"] < 1e-5, r
 
@@ -569,6 +565,22 @@ def _vlm_configs() -> tuple[Any, Any]:
     return dataclasses.replace(model, vision=vision, family="qwen2"), vision
 
 
+def _vlm_student(world: int, seed: int) -> tuple[Any, Any, Any, Any]:
+    """(net, groups, model, vision): the tiny VLM at TP=1, every weight moved by ``seed``."""
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    model, vision = _vlm_configs()
+    groups = build_student_groups(ParallelLayout(world), seed=1234)
+    net = build_vlm(model, vision, ParallelConfig(), groups)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    return net, groups, model, vision
+
+
 def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     _vllm_env()
     from megatron_gndpo.compat import cpu
@@ -576,12 +588,11 @@ def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     cpu.enable()
     import functools
 
-    from megatron_gndpo.config.schema import ParallelConfig, RolloutConfig
+    from megatron_gndpo.config.schema import RolloutConfig
     from megatron_gndpo.data.images import ImageLayout
     from megatron_gndpo.models.logprob_head import TokenLogProbs
-    from megatron_gndpo.models.vlm import build_vlm, rollout_image_embeddings
+    from megatron_gndpo.models.vlm import rollout_image_embeddings
     from megatron_gndpo.models.vlm_scoring import score_multimodal
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator, write_engine_config
     from megatron_gndpo.weight_sync import sync_weights
@@ -589,13 +600,7 @@ def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     from tests.test_vllm_multimodal import _image, _prompt_images, _prompts
     from tests.test_vlm_conversion import IMAGE, VOCAB
 
-    model, vision = _vlm_configs()
-    groups = build_student_groups(ParallelLayout(world), seed=1234)
-    net = build_vlm(model, vision, ParallelConfig(), groups)
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.add_(torch.randn(p.shape) * 0.05)
+    net, groups, model, vision = _vlm_student(world, seed=7)
     _internvl_tokenizer(Path(root) / "tokenizer")
     engine_dir = write_engine_config(Path(root) / "engine", model, family="qwen2", dtype="fp32",
                                      tokenizer_dir=Path(root) / "tokenizer")  # fmt: skip
@@ -647,8 +652,83 @@ def test_vlm_student_as_internvl(mode: str, tmp_path: Path) -> None:
     one image, two images of other tile counts (pixels; with embeddings a clear error, and
     prompts of 3-tile and 1-tile images in separate engine calls), and none."""
     (r,) = run_distributed(_vlm, 1, args=(str(tmp_path), mode), timeout_s=400)
+    print(f"measured vlm {mode}:", r)
     assert r["responses"] > 10, r
     assert r["check"] < 1e-5, r
     assert r["gap"] < 1e-4, r
     if mode == "embeddings":
         assert r["mixed_error"] is not None and "vllm_image_input=pixels" in r["mixed_error"]
+
+
+def _save_vlm(rank: int, world: int, root: str) -> None:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+    from megatron_gndpo.checkpoint.vlm_convert import VISION_CONFIG_FILE
+    from megatron_gndpo.config import to_yaml
+
+    net, _, model, vision = _vlm_student(world, seed=8)
+    ckpt = Path(root) / "checkpoints"
+    save_checkpoint(ckpt, 3, net)
+    (ckpt / MODEL_CONFIG_FILE).write_text(to_yaml(dataclasses.replace(model, vision=None)))
+    (ckpt / VISION_CONFIG_FILE).write_text(to_yaml(vision))
+
+
+def _serve_vlm_export(rank: int, world: int, root: str) -> dict[str, float]:
+    _vllm_env()
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.config.schema import RolloutConfig
+    from megatron_gndpo.data.images import ImageLayout
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.models.vlm_scoring import score_multimodal
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator
+    from tests.test_vllm_multimodal import _prompts
+    from tests.test_vlm_conversion import IMAGE, VOCAB
+
+    net, groups, _, vision = _vlm_student(world, seed=0)
+    load_checkpoint(Path(root) / "checkpoints", net)  # replaces every weight
+    layout = ImageLayout.of(vision)
+    # the exported directory as it is, weights included (load_format=auto)
+    gen = VLLMGenerator(
+        RolloutConfig(engine="vllm", vllm_image_input="pixels"), Path(root) / "hf", pad_id=0,
+        dtype="fp32", load_format="auto", max_model_len=256, vocab_size=VOCAB,
+        model_vocab_size=VOCAB, excluded_ids=(IMAGE,), vision=VisionInput(layout, "pixels"),
+    )  # fmt: skip
+    prompts, images = _prompts(layout)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(2,), samples_per_prompt=2)
+    rollout = gen.generate(prompts, params, seeds=[21, 22, 23], images=images)
+    tiles = [None if images[int(i)] is None else images[int(i)].tiles for i in rollout.prompt_index]
+    scores = score_multimodal(
+        net, groups, rollout.tokens, rollout.lengths, tiles,
+        head=TokenLogProbs(vocab_size=VOCAB, excluded_ids=(IMAGE,)), token_budget=512,
+    )  # fmt: skip
+    assert scores is not None
+    mask = rollout.response_mask
+    return {"gap": float((scores - rollout.sampler_logprobs)[mask].abs().max()),
+            "responses": int(mask.sum())}  # fmt: skip
+
+
+def test_exported_internvl_served_by_vllm(tmp_path: Path) -> None:
+    """``convert mcore-to-hf`` of a VLM student (a tokenizer directory without processor files:
+    the export writes them from the vision config) is served by vLLM with pixel input and
+    samples what the megatron model scores."""
+    run_distributed(_save_vlm, 1, args=(str(tmp_path),), timeout_s=300)
+    _internvl_tokenizer(tmp_path / "tokenizer")
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "convert", "mcore-to-hf", "--mcore-dir",
+         str(tmp_path / "checkpoints"), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
+         "--family", "qwen2", "--tokenizer-dir", str(tmp_path / "tokenizer")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "hf" / "preprocessor_config.json").is_file()
+    (r,) = run_distributed(_serve_vlm_export, 1, args=(str(tmp_path),), timeout_s=400)
+    print("measured vlm export:", r)
+    assert r["responses"] > 10 and r["gap"] < 1e-4, r

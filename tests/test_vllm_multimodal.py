@@ -44,7 +44,13 @@ from megatron_gndpo.rollout.vllm_engine import (
     rollout_from_outputs,
     write_engine_config,
 )
-from tests.fake_vllm import FakeCompletion, FakeLogprob, FakeRequestOutput, internvl_modules
+from tests.fake_vllm import (
+    FakeCompletion,
+    FakeLogprob,
+    FakeRequestOutput,
+    internvl_modules,
+    pil_image_processor,
+)
 from tests.harness import run_distributed
 from tests.test_vlm_conversion import IMAGE, TOKENS_PER_TILE, VOCAB, _hf_config
 
@@ -226,7 +232,7 @@ def _tokenizer_dir(root: Path) -> Path:
 
 
 def test_engine_directory_for_a_vlm(tmp_path: Path) -> None:
-    from transformers import GotOcr2ImageProcessor, InternVLConfig
+    from transformers import InternVLConfig
 
     model, vision = _configs()
     with pytest.raises(ValueError, match="needs the Hugging Face tokenizer"):
@@ -244,7 +250,7 @@ def test_engine_directory_for_a_vlm(tmp_path: Path) -> None:
     settings = json.loads((out / "preprocessor_config.json").read_text())
     assert settings["max_patches"] == MAX_TILES and settings["crop_to_patches"]
     del settings["image_processor_type"], settings["processor_class"]
-    processor = GotOcr2ImageProcessor(**settings)
+    processor = pil_image_processor()(**settings)
     layout = ImageLayout.of(vision)
     for size in ((70, 30), (28, 28), (30, 90), (200, 120)):
         image = _image(*size, seed=sum(size))

@@ -325,19 +325,23 @@ def _generate_with_images(rank: int, world: int) -> dict[str, object]:
     model = build_vlm(MODEL, vision, ParallelConfig(), groups)
     n = vision.tokens_per_tile
     g = torch.Generator().manual_seed(1)
-    # the prefill (the shortest prompt: 4 positions) holds half of the first image; the rest
-    # of it, and all of the second, are fed during lock-step steps, one placeholder per forward
+    # megatron's lock-step path: the prefill (the shortest prompt: 4 positions) holds half of
+    # the first image; the rest of it, and all of the second, are fed one placeholder a forward
     prompts = [
         [5, 6] + [IMAGE] * n + [7],
         [8, 9, 10, 11, 12, 13, 14] + [IMAGE] * n + [15],
         [16] * 4,
     ]
     images = [torch.randn(1, 3, 28, 28, generator=g), torch.randn(1, 3, 28, 28, generator=g), None]
-    generator = MultimodalGenerator(
-        model, groups, vocab_size=VOCAB, pad_id=0, max_sequence_length=MODEL.max_position_embeddings
-    )
     params = SamplingParams(max_new_tokens=6, samples_per_prompt=2)
-    rollout = generator.generate(prompts, params, seeds=[1, 2, 3], images=images)
+    rollouts = {
+        decoder: MultimodalGenerator(
+            model, groups, vocab_size=VOCAB, pad_id=0,
+            max_sequence_length=MODEL.max_position_embeddings, decoder=decoder,
+        ).generate(prompts, params, seeds=[1, 2, 3], images=images)
+        for decoder in ("lean", "megatron")
+    }  # fmt: skip
+    rollout = rollouts["lean"]
     expected = torch.zeros(rollout.tokens.shape, dtype=torch.float64)
     with torch.no_grad():
         model.eval()
@@ -363,7 +367,12 @@ def _generate_with_images(rank: int, world: int) -> dict[str, object]:
         scored[name] = score_multimodal(
             model, groups, rollout.tokens, rollout.lengths, row_images, head=head, token_budget=256
         )
-    return {"rollout": rollout, "expected": expected, "scored": scored}
+    return {
+        "rollout": rollout,
+        "expected": expected,
+        "scored": scored,
+        "static": rollouts["megatron"],
+    }
 
 
 @pytest.mark.distributed
@@ -371,6 +380,13 @@ def _generate_with_images(rank: int, world: int) -> dict[str, object]:
 def test_generation_with_images_matches_full_recompute() -> None:
     result = run_distributed(_generate_with_images, 1, timeout_s=200)[0]
     rollout, expected = result["rollout"], result["expected"]
+    # the lean decoder (whole prompts prefilled) and megatron's lock-step path (the shortest
+    # prompt's prefill holds half of the first image) sample the same rows
+    static = result["static"]
+    assert torch.equal(static.tokens, rollout.tokens) and torch.equal(
+        static.lengths, rollout.lengths
+    )
+    torch.testing.assert_close(static.sampler_logprobs, rollout.sampler_logprobs, rtol=0, atol=1e-5)
     mask = rollout.response_mask
     assert bool(mask.any()) and not bool((rollout.tokens[mask] == IMAGE).any())
     torch.testing.assert_close(

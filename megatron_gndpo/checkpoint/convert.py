@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
+from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 MODEL_CONFIG_FILE = "model_config.yaml"
@@ -51,7 +52,7 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no config.json in {hf_dir}: point --hf-dir at a Hugging Face model directory "
             "(the one save_pretrained / huggingface-cli download wrote)"
         )
@@ -86,7 +87,7 @@ class HFCheckpoint:
                 if found
                 else ""
             )
-            raise FileNotFoundError(f"no {_SAFETENSORS} or {_INDEX} in {self.dir}{hint}")
+            raise MissingFileError(f"no {_SAFETENSORS} or {_INDEX} in {self.dir}{hint}")
         self._stack = ExitStack()
         self._open: dict[str, Any] = {}
 
@@ -105,7 +106,7 @@ class HFCheckpoint:
 
             path = self.dir / file
             if not path.is_file():
-                raise FileNotFoundError(f"{path} (named in {_INDEX} for {name!r}) is missing")
+                raise MissingFileError(f"{path} (named in {_INDEX} for {name!r}) is missing")
             self._open[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
         tensor: torch.Tensor = self._open[file].get_tensor(name)
         return tensor
@@ -233,7 +234,7 @@ def read_model_config(mcore_root: str | Path) -> ModelConfig:
 
     path = Path(mcore_root) / MODEL_CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no {MODEL_CONFIG_FILE} in {mcore_root}: pass the ModelConfig the checkpoint was "
             "trained with (the model section of the run's config.yaml)"
         )
@@ -340,12 +341,12 @@ def convert_mcore_to_hf(
     model = model if model is not None else read_model_config(base)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     source = _source_hf_config(base, tok_dir)
-    if family is None:
-        family = (source or {}).get("model_type")
+    if family is None:  # the source's config.json, else the model config's own family
+        family = (source or {}).get("model_type") or model.family
         if family is None:
             raise ValueError(
                 f"pass family (one of {', '.join(hf_mapping.FAMILIES)}): no source config.json "
-                f"beside {mcore_root} tells it"
+                f"beside {mcore_root} tells it, and its model config sets no family"
             )
     # config.json names the dtype the weights are written in
     config = hf_mapping.hf_config_from_model(dataclasses.replace(model, params_dtype=dtype), family)

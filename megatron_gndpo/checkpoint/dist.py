@@ -1,74 +1,263 @@
-"""Checkpoints through megatron-core dist-checkpointing: atomic, resharding on load.
+"""Checkpoints through megatron-core dist-checkpointing: atomic, verified, resharding on load.
 
 Layout of a checkpoint root::
 
     ROOT/
       iter_0000100/              one step, written by every rank together
         <dist-checkpointing files>
-        megatron_gndpo.json      step, layout it was saved at, extra state (data position, ...)
+        megatron_gndpo.json      step, run id, extra state (data position, ...), and the size and
+                                 SHA-256 of every other file of the step
       latest                     text: the newest complete step ("100")
 
 A step is written into ``iter_XXXXXXX.tmp`` and renamed by rank 0 only after every rank has
-finished, then ``latest`` is replaced atomically: a run killed mid-save leaves the previous
-checkpoint as ``latest``, and the half-written ``.tmp`` directory is ignored (and removed by the
-next save). Loading works at any TP/PP: dist-checkpointing reshards the saved tensors onto the
-model it is given. Only the model is needed to load a teacher; the student also saves its
-optimizer state.
+finished and the checksums are written, then ``latest`` is replaced atomically: a run killed
+mid-save leaves the previous checkpoint as ``latest``, and the half-written ``.tmp`` directory is
+ignored (and removed by the next save). Nothing is saved when the student's weights or optimizer
+state hold a NaN or an infinity. A load first checks every file against its checksum (the ranks
+share the reading) and refuses a step that does not match, naming the file; after loading, the
+weights are checked to be finite. Loading works at any TP/PP: dist-checkpointing reshards the
+saved tensors onto the model it is given. Only the model is needed to load a teacher; the student
+also saves its optimizer state.
+
+Pruning (``keep_last``) only removes steps written by the same run (``run_id``, kept across
+resumes), never another run's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.errors import UserError
+
 _LATEST = "latest"
 _META = "megatron_gndpo.json"
+_STEP_NAME = re.compile(r"iter_(\d{7})")
+_READ_CHUNK = 8 << 20  # bytes hashed at a time (hashlib releases the GIL for large updates)
 # Optimizer sharding that reloads at another data-parallel size; "fully_reshardable" failed to
 # load in megatron-core 0.19 (KeyError: 'step').
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A step's files differ from the checksums saved with it, or its values are not finite."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"iter_{step:07d}"
 
 
+def complete_steps(root: str | Path) -> list[int]:
+    """Steps under ``root`` whose directory is complete (renamed, with its metadata), oldest
+    first; ``.tmp`` and other directories are not steps."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for path in root.iterdir():
+        match = _STEP_NAME.fullmatch(path.name)
+        if match and (path / _META).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
 def latest_step(root: str | Path) -> int | None:
-    """The newest complete step under ``root``, or None when there is none."""
+    """The newest complete step under ``root`` (its ``latest`` file), or None when there is none."""
     marker = Path(root) / _LATEST
     if not marker.is_file():
         return None
     text = marker.read_text().strip()
+    steps = complete_steps(root)
     if not text.isdigit():
+        newest = f"; the newest complete step is {steps[-1]}" if steps else ""
         raise CheckpointError(
-            f"{marker} is corrupt (holds {text!r}, expected a step number); delete it to start "
-            "fresh or write the step of a complete iter_* directory into it"
+            f"{marker} is corrupt (holds {text!r}, expected a step number){newest}. Write the "
+            f"step of a complete iter_* directory into it (echo {steps[-1] if steps else 'N'} > "
+            f"{marker}), or set checkpoint.start_fresh=true to move the existing iterations "
+            "aside and start at step 1"
         )
     step = int(text)
-    if not (step_dir(root, step) / _META).is_file():
+    if step not in steps:
+        older = [s for s in steps if s < step]
+        fix = (
+            f"point it at the newest older complete step (echo {older[-1]} > {marker})"
+            if older
+            else "set checkpoint.start_fresh=true to move what is there aside and start at step 1"
+        )
         raise CheckpointError(
             f"{marker} names step {step} but {step_dir(root, step)} is incomplete or missing; "
-            "restore it or point latest at an older complete step"
+            f"restore that directory, or {fix}"
         )
     return step
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    """The ``megatron_gndpo.json`` of a step directory."""
+    path = Path(directory) / _META
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpointError(f"{path} is unreadable ({err})") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise CorruptCheckpointError(f"{path} is not a checkpoint description (no step)")
+    return meta
+
+
+def run_of(directory: str | Path) -> str | None:
+    """The id of the run that saved a step (None: saved before run ids, or unreadable)."""
+    try:
+        run_id = read_meta(directory).get("run_id")
+    except CorruptCheckpointError:
+        return None
+    return run_id if isinstance(run_id, str) else None
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank (CPU objects)."""
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank: one decision that every rank acts on."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity: checksums of every file, finite values
+
+
+def _files(directory: Path) -> list[str]:
+    """Every file of a step directory (relative paths), its metadata file aside."""
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != _META
+    )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    """``{file: {"bytes", "sha256"}}`` of a step, the files shared out over the ranks."""
+    names = _from_rank0(_files(directory) if _rank() == 0 else None)
+    mine = {
+        name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+        for name in names[_rank() :: _world()]
+    }
+    return {name: entry for part in _gather(mine) for name, entry in part.items()}
+
+
+def _file_problem(directory: Path, name: str, entry: dict[str, Any]) -> str | None:
+    path = directory / name
+    if not path.is_file():
+        return f"{name} is missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"{name} has {size} bytes, {entry['bytes']} were saved"
+    if _sha256(path) != entry["sha256"]:
+        return f"{name} does not match the checksum saved with it (its contents changed)"
+    return None
+
+
+def verify_step(directory: str | Path) -> bool:
+    """Check every file of a step against its saved checksum; the ranks share the reading.
+
+    Raises :class:`CorruptCheckpointError` naming each bad file. Returns False for a step saved
+    before checksums were written (nothing to check against), True when all files match.
+    """
+    directory = Path(directory)
+    files = read_meta(directory).get("files")
+    if files is None:
+        return False
+    names = sorted(files)
+    mine = [_file_problem(directory, n, files[n]) for n in names[_rank() :: _world()]]
+    problems = [p for part in _gather(mine) for p in part if p is not None]
+    if problems:
+        raise CorruptCheckpointError(f"{directory} is corrupt: {'; '.join(problems)}")
+    return True
+
+
+def _optimizer_tensors(optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's own tensors on this rank: fp32 master weights and its state (moments)."""
+    out = []
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            out += [("master weights", p) for p in group["params"]]
+        for state in inner.state.values():
+            out += [(key, v) for key, v in state.items() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def nonfinite(model: Any, optimizer: Any = None) -> list[str]:
+    """Names of the tensors holding a NaN or an infinity, over every rank (collective)."""
+    inner = getattr(model, "module", model)
+    bad = [
+        name
+        for name, p in inner.named_parameters()
+        if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())
+    ]
+    if optimizer is not None:
+        tensors = _optimizer_tensors(optimizer)
+        bad += sorted(
+            {
+                f"optimizer {key}"
+                for key, t in tensors
+                if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+            }
+        )
+    return sorted({name for part in _gather(bad) for name in part})
+
+
+def _shown(names: Sequence[str], limit: int = 4) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
 
 
 def _model_state(model: Any) -> dict[str, Any]:
@@ -82,6 +271,31 @@ def _model_state(model: Any) -> dict[str, Any]:
     return inner.sharded_state_dict()
 
 
+def _save_refusal(root: Path, step: int, model: Any, optimizer: Any, run_id: str | None) -> str:
+    """Why ``step`` must not be saved (empty when it may); the same answer on every rank."""
+    bad = nonfinite(model, optimizer)
+    steps = complete_steps(root)
+    intact = f"; the newest checkpoint, {step_dir(root, steps[-1])}, is intact" if steps else ""
+    if bad:
+        return (
+            f"refusing to save step {step}: non-finite values (NaN or inf) in {_shown(bad)}. "
+            f"Nothing was written{intact}; a restart resumes from it. Lower optimizer.lr or "
+            "check the data and the initial checkpoint"
+        )
+    final = step_dir(root, step)
+    other = None
+    if _rank() == 0 and (final / _META).is_file():
+        theirs = run_of(final)
+        other = theirs if theirs != run_id else None
+    other = _from_rank0(other)
+    if other is not None:
+        return (
+            f"refusing to save step {step}: {final} belongs to another run (run id {other}) and "
+            "would be overwritten; give this run its own checkpoint.save directory"
+        )
+    return ""
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -90,12 +304,19 @@ def save_checkpoint(
     optimizer: Any = None,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) at ``step`` under ``root`` on every rank; atomic.
 
-    ``extra`` (JSON-serialisable: data position, RNG seeds, metrics) is stored beside the tensors.
-    Returns the final step directory.
+    ``extra`` (JSON-serialisable: data position, RNG seeds, metrics) is stored beside the tensors;
+    ``run_id`` names the run, whose own older steps beyond ``keep_last`` are then deleted.
+    Raises :class:`CheckpointError`, writing nothing, when a weight or optimizer value is not
+    finite or ``root`` holds this step from another run. Returns the final step directory.
     """
+    root = Path(root)
+    refusal = _save_refusal(root, step, model, optimizer, run_id)
+    if refusal:
+        raise CheckpointError(refusal)
     from megatron.core import dist_checkpointing
 
     final = step_dir(root, step)
@@ -111,32 +332,37 @@ def save_checkpoint(
         )
     dist_checkpointing.save(sharded, str(tmp))
     _barrier()
+    files = _manifest(tmp)
     if _rank() == 0:
-        meta = {"step": step, "has_optimizer": optimizer is not None, "extra": extra or {}}
+        meta = {
+            "step": step, "run_id": run_id, "has_optimizer": optimizer is not None,
+            "extra": extra or {}, "files": files,
+        }  # fmt: skip
         (tmp / _META).write_text(json.dumps(meta, indent=2))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        _write_latest(Path(root), step)
+        write_latest(root, step)
         if keep_last:
-            _prune(Path(root), keep_last)
+            _prune(root, keep_last, run_id)
     _barrier()
     return final
 
 
-def _write_latest(root: Path, step: int) -> None:
-    tmp = root / (_LATEST + ".tmp")
+def write_latest(root: str | Path, step: int) -> None:
+    """Point ``latest`` at ``step`` atomically (rank 0 only)."""
+    tmp = Path(root) / (_LATEST + ".tmp")
     tmp.write_text(f"{step}\n")
-    os.replace(tmp, root / _LATEST)
+    os.replace(tmp, Path(root) / _LATEST)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(
-        int(p.name.removeprefix("iter_"))
-        for p in root.glob("iter_*")
-        if p.is_dir() and not p.name.endswith(".tmp") and (p / _META).is_file()
-    )
-    for old in steps[:-keep_last]:
+def _prune(root: Path, keep_last: int, run_id: str | None) -> None:
+    """Delete this run's steps beyond the newest ``keep_last``; another run's are never touched
+    (steps saved before run ids were written have none, and are kept)."""
+    if not run_id:
+        return
+    ours = [s for s in complete_steps(root) if run_of(step_dir(root, s)) == run_id]
+    for old in ours[:-keep_last]:
         shutil.rmtree(step_dir(root, old), ignore_errors=True)
     for stale in root.glob("iter_*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -196,22 +422,29 @@ def resolve(path: str | Path) -> Path:
     return step_dir(path, step)
 
 
-def load_checkpoint(path: str | Path, model: Any, *, optimizer: Any = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, model: Any, *, optimizer: Any = None, verify: bool = True
+) -> dict[str, Any]:
     """Load ``model`` (and ``optimizer``) from a root or step directory, at any TP/PP.
 
-    Returns the stored metadata (``step``, ``extra``). Missing or mismatched tensors are a
-    :class:`CheckpointError` naming the checkpoint.
+    With ``verify`` every file is first checked against the checksums saved with it. Returns the
+    stored metadata (``step``, ``extra``, ``run_id``, and ``verified``: whether checksums were
+    checked). A file that does not match, or a loaded weight that is not finite, is a
+    :class:`CorruptCheckpointError`; missing or mismatched tensors are a
+    :class:`CheckpointError`; both name the checkpoint.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
 
     directory = resolve(path)
-    meta = json.loads((directory / _META).read_text())
+    meta = read_meta(directory)
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(
             f"{directory} holds no optimizer state (a model-only checkpoint, e.g. converted from "
             "Hugging Face); load it as initial weights, not as a resume point"
         )
+    meta["verified"] = verify_step(directory) if verify else False
     sharded = {"model": _model_state(model)}
     if optimizer is not None:
         _init_empty_optimizer_state(optimizer)
@@ -230,10 +463,11 @@ def load_checkpoint(path: str | Path, model: Any, *, optimizer: Any = None) -> d
                 # A tensor the model needs but the checkpoint lacks is an error up front.
                 strict=StrictHandling.RAISE_UNEXPECTED,
             )
-    except Exception as err:
+    # torch's CheckpointException derives from BaseException, not Exception
+    except (Exception, CheckpointException) as err:
         raise CheckpointError(
-            f"could not load {directory}: {err}. Check that the checkpoint was written for this "
-            "architecture (layers, hidden size, heads, vocabulary)"
+            f"could not load {directory}: {_reason(err)}. Check that the checkpoint was written "
+            "for this architecture (layers, hidden size, heads, vocabulary)"
         ) from err
     inner = getattr(model, "module", model)
     # no_grad: with fp32 parameters the distributed optimizer copies its dp_reshardable state
@@ -243,4 +477,19 @@ def load_checkpoint(path: str | Path, model: Any, *, optimizer: Any = None) -> d
         if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
             _restore_torch_adam_step(optimizer, state["optimizer"])
+    bad = nonfinite(model, optimizer)
+    if bad:
+        raise CorruptCheckpointError(
+            f"{directory} holds non-finite values (NaN or inf) in {_shown(bad)}"
+        )
     return meta
+
+
+def _reason(err: BaseException) -> str:
+    """One line on why a load failed: the first rank's own error for torch's
+    CheckpointException (its text is every rank's traceback)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = sorted(failures.items())[0][1][0]
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")

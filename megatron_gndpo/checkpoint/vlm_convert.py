@@ -47,6 +47,7 @@ from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
 from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, shard_for_rank
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 VISION_CONFIG_FILE = "vision_config.yaml"
@@ -176,22 +177,24 @@ def read_vision_config(mcore_root: str | Path) -> VisionConfig:
 
     path = Path(mcore_root) / VISION_CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no {VISION_CONFIG_FILE} in {mcore_root}: pass the VisionConfig the VLM was "
             "trained with"
         )
     return build(VisionConfig, read_yaml(path), prefix="vision.")
 
 
-def _lm_family(source: dict[str, Any] | None, family: str | None, where: Path) -> str:
+def _lm_family(
+    source: dict[str, Any] | None, family: str | None, where: Path, model: ModelConfig
+) -> str:
     if family is not None:
         return family
     text = (source or {}).get("text_config") or {}
-    found = text.get("model_type")
+    found = text.get("model_type") or model.family
     if found is None:
         raise ValueError(
             f"pass family (the language model's: one of {', '.join(FAMILIES)}): no source "
-            f"config.json beside {where} tells it"
+            f"config.json beside {where} tells it, and its model config sets no family"
         )
     return str(found)
 
@@ -225,7 +228,7 @@ def convert_vlm_mcore_to_hf(
     vision = vision if vision is not None else read_vision_config(base)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     source = _source_hf_config(base, tok_dir)
-    family = _lm_family(source, family, base)
+    family = _lm_family(source, family, base, model)
     # config.json names the dtype the weights are written in
     out_model = dataclasses.replace(model, params_dtype=dtype)
     config = vlm_mapping.hf_config_from_vlm(out_model, vision, family)

@@ -8,6 +8,7 @@ from megatron_gndpo.config.loader import (
     to_dict,
     to_yaml,
 )
+from megatron_gndpo.config.paths import check_paths, save_dir
 from megatron_gndpo.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -44,10 +45,12 @@ __all__ = [
     "TeacherConfig",
     "TrainerConfig",
     "check_environment",
+    "check_paths",
     "layout_of",
     "load_config",
     "parse_overrides",
     "require_package",
+    "save_dir",
     "save_resolved",
     "to_dict",
     "to_yaml",

@@ -21,9 +21,10 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from megatron_gndpo.config.schema import Config
+from megatron_gndpo.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem; the message names the key and how to fix it."""
 
 
@@ -62,8 +63,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             data = yaml.load(stream, Loader=_StrictLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from err
-    if data is None:
-        return {}
+    if data is None:  # nothing but comments: almost always the wrong file, not "all defaults"
+        raise ConfigError(
+            f"{path} is empty (no sections): write the sections to change (megatron-gndpo "
+            "config show prints every one), `{}` to mean every default, or leave out --config "
+            "for the embedded default"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return data

@@ -343,6 +343,16 @@ class TrainerConfig:
     """Tokens per forward-only micro-batch when the teacher and the student score a rollout."""
     pack_sequences: bool = False
     """Pack several rollouts into one row (block-diagonal attention) when scoring."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective (all-reduce, barrier, checkpoint exchange) waits for the other ranks
+    before the job fails (torch.distributed's timeout, for every process group). Raise it when
+    ranks legitimately drift apart for longer (very long rollouts, a slow checkpoint file
+    system)."""
+    heartbeat_timeout_s: float = 60.0
+    """Every rank publishes a heartbeat (a background thread, through the rendezvous store); a
+    rank not heard from for this many seconds (stopped, frozen, cut off) ends the job with an
+    error naming it, instead of leaving the others waiting. 0 disables the watchdog; otherwise
+    below collective_timeout_s."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,7 +399,16 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every this many steps; 0 saves only at the end."""
     keep_last: int = 2
-    """Older checkpoints beyond this many are deleted after a successful save."""
+    """Older checkpoints of this run beyond this many are deleted after a successful save
+    (another run's are never deleted)."""
+    start_fresh: bool = False
+    """Start at step 1 although the save directory holds checkpoints: its iterations, latest and
+    the run's metrics.jsonl are first moved into SAVE/previous-<time>/ (nothing is deleted).
+    false resumes from the save directory's latest, and refuses to start over in a directory
+    that holds iterations but no latest."""
+    verify: bool = True
+    """Check every file of a checkpoint against the checksums saved with it before loading it
+    (resume, checkpoint.init, teacher.load); false skips the extra read."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -320,6 +320,20 @@ def _other_problems(cfg: Config) -> list[str]:
     _positive(p, "checkpoint.save_interval", cfg.checkpoint.save_interval, strict=False)
     _positive(p, "checkpoint.keep_last", cfg.checkpoint.keep_last)
     _positive(p, "logging.log_interval", cfg.logging.log_interval)
+    t = cfg.trainer
+    _positive(p, "trainer.collective_timeout_s", t.collective_timeout_s)
+    _positive(p, "trainer.heartbeat_timeout_s", t.heartbeat_timeout_s, strict=False)
+    if t.heartbeat_timeout_s >= t.collective_timeout_s > 0:
+        p.append(
+            f"trainer.heartbeat_timeout_s ({t.heartbeat_timeout_s}) must be below "
+            f"trainer.collective_timeout_s ({t.collective_timeout_s}), or the collective fails "
+            "first without naming the silent rank; lower it (or 0 to disable the watchdog)"
+        )
+    if cfg.checkpoint.start_fresh and cfg.checkpoint.load is not None:
+        p.append(
+            "checkpoint.start_fresh=true starts at step 1 but checkpoint.load names a checkpoint "
+            "to resume from; keep one of them"
+        )
     vocab = cfg.data.vocab_size if cfg.data.vocab_size is not None else cfg.model.vocab_size
     _positive(p, "data.vocab_size", vocab)
     if vocab > cfg.model.vocab_size:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from megatron_gndpo.data.tasks import arithmetic, chains
-from megatron_gndpo.data.tokenizer import Tokenizer
+from megatron_gndpo.data.tokenizer import CharTokenizer, Tokenizer
+from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -28,6 +29,8 @@ class PromptExample:
     prompt: str
     answer: str | None
     index: int
+    where: str = dataclasses.field(default="", compare=False)
+    """Where the record came from (``FILE:LINE``, ``FILE row N``), for error messages."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +126,12 @@ def load_prompts(
         return _load_builtin(spec[len(BUILTIN_PREFIX) :])
     path = Path(spec)
     if path.suffix not in (".jsonl", ".parquet"):
-        raise ValueError(
+        raise DataError(
             f"cannot read prompts from {spec!r}: use a .jsonl file (one JSON object per line), "
             f"a .parquet file, or builtin:NAME with NAME in {sorted(BUILTIN_DATASETS)}"
         )
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"prompt file {path} does not exist; fix data.train / data.eval, or use "
             "builtin:arithmetic for the built-in task"
         )
@@ -138,13 +141,13 @@ def load_prompts(
         for index, (where, record) in enumerate(records)
     ]
     if not examples:
-        raise ValueError(f"prompt file {path} contains no records; it needs at least one prompt")
+        raise DataError(f"prompt file {path} contains no records; it needs at least one prompt")
     return examples
 
 
 def _load_builtin(name: str) -> list[PromptExample]:
     if name not in BUILTIN_DATASETS:
-        raise ValueError(
+        raise DataError(
             f"unknown built-in prompt set 'builtin:{name}'; available: "
             + ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_DATASETS))
         )
@@ -154,24 +157,37 @@ def _load_builtin(name: str) -> list[PromptExample]:
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """``(location, record)`` for each non-blank line; location is ``"FILE:LINE"``."""
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
+    for line_number, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
+                "prompt file must be one JSON object"
+            ) from None
+        if not isinstance(record, dict):
+            raise DataError(
+                f"{where}: expected a JSON object, got {type(record).__name__}; each line of "
+                "a .jsonl prompt file must be one JSON object"
+            )
+        yield where, record
+
+
+def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each line; a byte that is not UTF-8 is a DataError naming the
+    file, line and column."""
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
-                    "prompt file must be one JSON object"
+                yield line_number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{line_number}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is "
+                    "not UTF-8; save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
                 ) from None
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f"{where}: expected a JSON object, got {type(record).__name__}; each line of "
-                    "a .jsonl prompt file must be one JSON object"
-                )
-            yield where, record
 
 
 def _parquet_records(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
@@ -179,11 +195,14 @@ def _parquet_records(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(
+        raise MissingPackageError(
             f"cannot read {path}: install pyarrow to read Parquet (pip install pyarrow), or "
             "convert the prompts to .jsonl"
         ) from None
-    rows = pq.read_table(path).to_pylist()
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError) say what is wrong
+        raise DataError(f"cannot read {path} as Parquet: {e}") from None
     return ((f"{path} row {i}", row) for i, row in enumerate(rows))
 
 
@@ -191,19 +210,20 @@ def _example(
     record: Mapping[str, Any], where: str, *, prompt_key: str, answer_key: str, index: int
 ) -> PromptExample:
     if prompt_key not in record:
-        raise ValueError(
+        raise DataError(
             f"{where}: no {prompt_key!r} field; the record has {sorted(record)}. Set "
             "data.prompt_key to the field that holds the prompt"
         )
     prompt = record[prompt_key]
     if not isinstance(prompt, str):
-        raise ValueError(
+        raise DataError(
             f"{where}: field {prompt_key!r} is a {type(prompt).__name__}, not a string; the "
             "prompt must be text (chat-message lists are not supported yet)"
         )
     if not prompt.strip():
-        raise ValueError(f"{where}: the prompt ({prompt_key!r}) is empty; remove the record")
-    return PromptExample(prompt=prompt, answer=_answer(record.get(answer_key)), index=index)
+        raise DataError(f"{where}: the prompt ({prompt_key!r}) is empty; remove the record")
+    answer = _answer(record.get(answer_key))
+    return PromptExample(prompt=prompt, answer=answer, index=index, where=where)
 
 
 def _answer(value: Any) -> str | None:
@@ -233,14 +253,32 @@ def encode_prompts(
     encoded: list[EncodedPrompt] = []
     shortest = None
     for example in examples:
+        check_characters(example, tokenizer)
         ids = tokenizer.apply_chat_template(example.prompt)
         shortest = len(ids) if shortest is None else min(shortest, len(ids))
         if len(ids) <= max_prompt_length:
             encoded.append(EncodedPrompt(example=example, ids=ids))
     skipped = len(examples) - len(encoded)
     if examples and not encoded:
-        raise ValueError(
+        raise DataError(
             f"all {len(examples)} prompts are longer than max_prompt_length={max_prompt_length} "
             f"tokens (the shortest has {shortest}); raise rollout.max_prompt_length"
         )
     return encoded, skipped
+
+
+def check_characters(example: PromptExample, tokenizer: Tokenizer) -> None:
+    """The built-in character tokenizer reads a character it lacks as ``<unk>``: a prompt (or an
+    answer) with one would train on a different question, so it is an error naming the record."""
+    if not isinstance(tokenizer, CharTokenizer):
+        return  # SentencePiece and Hugging Face tokenizers cover their text (byte fallback)
+    for field, text in (("prompt", example.prompt), ("answer", example.answer or "")):
+        unknown = tokenizer.unknown_characters(text)
+        if unknown:
+            where = example.where or f"prompt {example.index}"
+            raise DataError(
+                f"{where}: the {field} has characters the built-in tokenizer cannot encode "
+                f"({''.join(unknown)!r}; it knows printable ASCII and newlines and would read "
+                "them as <unk>); use a SentencePiece or Hugging Face tokenizer (data.tokenizer), "
+                "or remove those characters"
+            )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.data.datasets import PromptExample, check_characters, utf8_lines
 from megatron_gndpo.data.tasks import visual
 from megatron_gndpo.data.tokenizer import Tokenizer
+from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -103,7 +106,7 @@ def check_same_image_layout(student: VisionConfig, teacher: VisionConfig) -> Non
         if getattr(ours, field) != getattr(theirs, field)
     ]
     if problems:
-        raise ValueError(
+        raise DataError(
             "the student's and the teacher's image-token layouts differ, so the teacher cannot "
             "score the student's rows:\n  - " + "\n  - ".join(problems)
         )
@@ -141,7 +144,7 @@ def load_image(source: Any, base: Path | None = None) -> Image.Image:
     if base is not None and not path.is_absolute():
         path = base / path
     if not path.is_file():
-        raise FileNotFoundError(f"image {path} does not exist (paths are relative to the JSONL)")
+        raise MissingFileError(f"image {path} does not exist (paths are relative to the JSONL)")
     with Image.open(path) as image:
         image.load()
         return to_rgb(image).copy()
@@ -250,9 +253,9 @@ def expand_markers(
     """``ids`` with the i-th occurrence of ``marker_ids`` replaced by image i's placeholders
     (:meth:`ImageLayout.image_ids`)."""
     if not marker_ids:
-        raise ValueError("the image marker encodes to no tokens; use a marker the tokenizer keeps")
+        raise DataError("the image marker encodes to no tokens; use a marker the tokenizer keeps")
     if layout.image_token_id in ids:
-        raise ValueError(
+        raise DataError(
             f"the prompt's text already contains the image placeholder id "
             f"{layout.image_token_id}; choose a placeholder id the tokenizer never produces"
         )
@@ -261,7 +264,7 @@ def expand_markers(
     while t < len(ids):
         if list(ids[t : t + m]) == list(marker_ids):
             if k == len(tiles_per_image):
-                raise ValueError(
+                raise DataError(
                     f"the prompt has more {IMAGE_MARKER} markers than its {len(tiles_per_image)} "
                     "image(s); give one image per marker"
                 )
@@ -271,7 +274,7 @@ def expand_markers(
             out.append(int(ids[t]))
             t += 1
     if k != len(tiles_per_image):
-        raise ValueError(
+        raise DataError(
             f"the prompt has {k} {IMAGE_MARKER} marker(s) but {len(tiles_per_image)} image(s); "
             f"put one {IMAGE_MARKER} in the prompt where each image goes"
         )
@@ -287,6 +290,7 @@ def encode_multimodal(
     marker: str = IMAGE_MARKER,
 ) -> MultimodalRow:
     """The row's expanded, chat-templated ids and its normalised tiles (see the module doc)."""
+    check_characters(PromptExample(example.prompt, example.answer, example.index), tokenizer)
     tiles: list[Image.Image] = []
     tiles_per_image = []
     for source in example.images:
@@ -319,7 +323,7 @@ def check_row(ids: Sequence[int], tiles_per_image: Sequence[int], layout: ImageL
     expected = [n * layout.tokens_per_tile for n in tiles_per_image]
     # adjacent images merge into one run; compare totals and the run boundaries they allow
     if sum(runs) != sum(expected) or any(r % layout.tokens_per_tile for r in runs):
-        raise ValueError(
+        raise DataError(
             f"the row's image placeholders (id {layout.image_token_id}) form runs {runs}, but "
             f"its images need {expected} ({layout.tokens_per_tile} per tile): the ids were "
             "expanded for another image-token layout (check_same_image_layout)"
@@ -346,47 +350,49 @@ def load_multimodal_prompts(
         return BUILTIN_VISUAL[spec.removeprefix("builtin:")]()
     path = Path(spec)
     if path.suffix not in (".jsonl", ".parquet"):
-        raise ValueError(
+        raise DataError(
             f"cannot read multimodal prompts from {spec!r}: use a .jsonl file (image paths), a "
             f".parquet file (image bytes) or one of "
             + ", ".join(f"builtin:{n}" for n in BUILTIN_VISUAL)
         )
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+        raise MissingFileError(f"prompt file {path} does not exist")
     records = _jsonl(path) if path.suffix == ".jsonl" else _parquet(path)
     examples = [
         _example(record, where, index, prompt_key, answer_key, image_key, base=path.parent)
         for index, (where, record) in enumerate(records)
     ]
     if not examples:
-        raise ValueError(f"prompt file {path} contains no records")
+        raise DataError(f"prompt file {path} contains no records")
     return examples
 
 
 def _jsonl(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if line.strip():
-                where = f"{path}:{line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-                if not isinstance(record, dict):
-                    raise ValueError(f"{where}: expected a JSON object per line")
-                yield where, record
+    for line_number, line in utf8_lines(path):
+        if line.strip():
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: expected a JSON object per line")
+            yield where, record
 
 
 def _parquet(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(
+        raise MissingPackageError(
             f"cannot read {path}: Parquet needs pyarrow, which is not installed; "
             "`pip install 'megatron-gndpo[parquet]'` (or pyarrow), or convert the rows to .jsonl "
             "with image paths"
         ) from None
-    rows = pq.read_table(path).to_pylist()
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError) say what is wrong
+        raise DataError(f"cannot read {path} as Parquet: {e}") from None
     return ((f"{path} row {i}", row) for i, row in enumerate(rows))
 
 
@@ -402,14 +408,14 @@ def _example(
 ) -> MultimodalExample:
     prompt = record.get(prompt_key)
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(
+        raise DataError(
             f"{where}: {prompt_key!r} must be a non-empty string; the record has {sorted(record)}"
         )
     raw = record.get(image_key)
     items = [] if raw is None else raw if isinstance(raw, list) else [raw]
     images = tuple(_image_source(item, where, base) for item in items)
     if prompt.count(IMAGE_MARKER) != len(images):
-        raise ValueError(
+        raise DataError(
             f"{where}: the prompt has {prompt.count(IMAGE_MARKER)} {IMAGE_MARKER} marker(s) but "
             f"the record has {len(images)} image(s) in {image_key!r}; put one marker per image"
         )
@@ -424,12 +430,26 @@ def _image_source(item: Any, where: str, base: Path) -> str | bytes:
     if isinstance(item, bytes | bytearray):
         return bytes(item)
     if isinstance(item, str) and item:
-        path = Path(item) if Path(item).is_absolute() else base / item
-        return str(path)
-    raise ValueError(
+        return str(_inside(base, item, where))
+    raise DataError(
         f"{where}: an image must be a path, bytes or a {{'bytes', 'path'}} struct; got "
         f"{type(item).__name__}"
     )
+
+
+def _inside(base: Path, item: str, where: str) -> Path:
+    """``base / item``, refused when it leaves ``base`` (an absolute path, or ``..`` past it):
+    a prompt file may only name images in its own directory tree. Checked on the names, not
+    on resolved links, so a symbolic link inside the directory may point anywhere."""
+    path = Path(os.path.normpath(base / item))
+    root = Path(os.path.normpath(base))
+    if Path(item).is_absolute() or not path.is_relative_to(root):
+        raise DataError(
+            f"{where}: image {item!r} is outside the prompt file's directory {root}; image paths "
+            "are relative to the prompt file and must stay inside its directory: move the "
+            "images there (or link them into it)"
+        )
+    return path
 
 
 def _builtin_visual(seed: int, n: int) -> list[MultimodalExample]:

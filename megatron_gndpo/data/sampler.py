@@ -18,6 +18,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from megatron_gndpo.errors import DataError
+
 
 class PromptSampler:
     """Yields, step after step, the prompt indices of this data-parallel rank."""
@@ -43,7 +45,7 @@ class PromptSampler:
                 f"dp_rank must be in [0, dp_size), got dp_rank={dp_rank}, dp_size={dp_size}"
             )
         if prompts_per_step % dp_size:
-            raise ValueError(
+            raise DataError(
                 f"rollout.prompts_per_step={prompts_per_step} is not divisible by the "
                 f"data-parallel size {dp_size}; make prompts_per_step a multiple of {dp_size}"
             )
@@ -123,7 +125,7 @@ class PromptSampler:
         """Continue from ``state``; the data set, seed and shuffling must match the saved ones."""
         missing = {"epoch", "position", "seed", "num_examples", "shuffle"} - set(state)
         if missing:
-            raise ValueError(
+            raise DataError(
                 f"sampler state is missing {sorted(missing)}; it is not a PromptSampler state"
             )
         for key, current in (
@@ -132,14 +134,14 @@ class PromptSampler:
             ("shuffle", self.shuffle),
         ):
             if state[key] != current:
-                raise ValueError(
+                raise DataError(
                     f"the checkpoint's prompt sampler has {key}={state[key]!r} but this run has "
                     f"{key}={current!r}, so the data order would not continue; resume with the "
                     "same data set, trainer.seed and data.shuffle"
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.num_examples:
-            raise ValueError(
+            raise DataError(
                 f"invalid sampler state epoch={epoch}, position={position} for "
                 f"{self.num_examples} prompts"
             )

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from megatron_gndpo.errors import DataError, MissingFileError
+
 BUILTIN_CHAR = "builtin:char"
 
 # The prompt wrapper of the tokenizers that have no chat template of their own.
@@ -125,6 +127,10 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self._char_to_id.get(c, self.UNK_ID) for c in text]
 
+    def unknown_characters(self, text: str) -> list[str]:
+        """The distinct characters of ``text`` that would encode to ``<unk>``, in order."""
+        return list(dict.fromkeys(c for c in text if c not in self._char_to_id))
+
     def decode(self, ids: Sequence[int]) -> str:
         pieces = []
         for i in ids:
@@ -169,14 +175,14 @@ class SentencePieceTokenizer:
 
         path = Path(model_file)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"SentencePiece model {path} does not exist; set data.tokenizer to an existing "
                 ".model file"
             )
         self._path = path
         self._sp = spm.SentencePieceProcessor(model_file=str(path))
         if self._sp.eos_id() < 0:
-            raise ValueError(
+            raise DataError(
                 f"SentencePiece model {path} defines no EOS piece (eos_id = -1), so responses "
                 "could never end; retrain it with eos_id >= 0"
             )
@@ -237,19 +243,19 @@ class HFTokenizer:
 
         path = Path(directory)
         if not path.is_dir():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"Hugging Face tokenizer directory {path} does not exist; set data.tokenizer to "
                 "a directory holding tokenizer.json / tokenizer_config.json"
             )
         if not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"{path} holds none of {', '.join(_HF_TOKENIZER_FILES)}; point data.tokenizer "
                 "at the directory where the tokenizer was saved (tokenizer.save_pretrained)"
             )
         self._path = path
         self._tok: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if self._tok.eos_token_id is None:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer in {path} has no eos_token, so responses could never end; set "
                 '"eos_token" in its tokenizer_config.json'
             )
@@ -312,13 +318,13 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
         "'.model' file, or a Hugging Face tokenizer directory"
     )
     if spec.startswith("builtin:"):
-        raise ValueError(f"unknown built-in tokenizer {spec!r}; data.tokenizer accepts {accepted}")
+        raise DataError(f"unknown built-in tokenizer {spec!r}; data.tokenizer accepts {accepted}")
     if spec.endswith(".model"):
         return SentencePieceTokenizer(spec)
     if Path(spec).is_dir():
         return HFTokenizer(spec)
     if not Path(spec).exists():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"tokenizer {spec!r} does not exist; data.tokenizer accepts {accepted}"
         )
-    raise ValueError(f"cannot tell which tokenizer {spec!r} is; data.tokenizer accepts {accepted}")
+    raise DataError(f"cannot tell which tokenizer {spec!r} is; data.tokenizer accepts {accepted}")

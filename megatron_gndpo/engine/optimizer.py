@@ -42,18 +42,38 @@ def wrap_ddp(model: Any, *, use_distributed_optimizer: bool) -> Any:
     )
 
     _require_student_state()
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
     ddp = DistributedDataParallel(
         config=model.config,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=use_distributed_optimizer,
-        ),
+        ddp_config=ddp_config,
         module=model,
+        full_param_layout=_param_layout(model, ddp_config),
     )
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = ddp.no_sync
     return ddp
+
+
+def _param_layout(model: Any, ddp_config: Any) -> Any:
+    """The distributed optimizer's parameter layout, precomputed as megatron-core asks its
+    callers to (DDP otherwise computes the same itself and warns on every build). None without
+    the distributed optimizer."""
+    if not ddp_config.use_distributed_optimizer:
+        return None
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer.compute_full_param_layout(
+        [p for p in model.parameters() if p.requires_grad],
+        None,  # one bucket: no overlapped gradient reduction
+        parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        ddp_config,
+        expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size(),
+    )
 
 
 def build_optimizer(ddp_model: Any, cfg: OptimizerConfig) -> Any:

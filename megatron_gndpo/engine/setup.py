@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.checkpoint.dist import load_checkpoint
-from megatron_gndpo.config import Config, ConfigError, layout_of, to_dict
+from megatron_gndpo.config import Config, ConfigError, layout_of, save_dir, to_dict
 from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
 from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample, PromptImages
 from megatron_gndpo.data.tokenizer import Tokenizer
@@ -266,19 +266,28 @@ def build_components(cfg: Config) -> Components:
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.tokenizer), cfg)
     vocab = scoring_vocab(cfg, tokenizer)
     check_top_k(cfg, vocab)
+    # The data before the models: a malformed prompt file fails in seconds, not after a build.
+    prompts, skipped = _prompts(cfg, cfg.data.train, tokenizer)
+    eval_prompts: list[EncodedPrompt] = []
+    if cfg.data.eval is not None:
+        eval_prompts, _ = _prompts(cfg, cfg.data.eval, tokenizer)
+    outlier_prompts: list[EncodedPrompt] = []
+    if cfg.data.outlier_train is not None:
+        outlier_prompts, _ = _prompts(cfg, cfg.data.outlier_train, tokenizer)
 
     # Weights are initialised on the CPU generator (use_cpu_initialization): seed each model on
     # its own so a randomly initialised teacher does not depend on the student's layout.
     torch.manual_seed(cfg.trainer.seed)
     student = _build_student(cfg, student_groups)
+    verify = cfg.checkpoint.verify
     if cfg.checkpoint.init is not None:
-        load_checkpoint(cfg.checkpoint.init, student)
+        load_checkpoint(cfg.checkpoint.init, student, verify=verify)
     ddp = wrap_ddp(student, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optimizer)
     torch.manual_seed(cfg.trainer.seed + 1)
     teacher_model = _build_teacher(cfg, teacher_groups)
     if cfg.teacher.load is not None:
-        load_checkpoint(cfg.teacher.load, teacher_model)
+        load_checkpoint(cfg.teacher.load, teacher_model, verify=verify)
 
     # A VLM's image placeholder is never sampled: neither model gives it probability mass, so
     # the student trains the distribution it samples from (and the teacher scores that support)
@@ -288,13 +297,6 @@ def build_components(cfg: Config) -> Components:
         vocab_size=vocab, temperature=cfg.teacher.temperature, excluded_ids=never
     )
     t = cfg.trainer
-    prompts, skipped = _prompts(cfg, cfg.data.train, tokenizer)
-    eval_prompts: list[EncodedPrompt] = []
-    if cfg.data.eval is not None:
-        eval_prompts, _ = _prompts(cfg, cfg.data.eval, tokenizer)
-    outlier_prompts: list[EncodedPrompt] = []
-    if cfg.data.outlier_train is not None:
-        outlier_prompts, _ = _prompts(cfg, cfg.data.outlier_train, tokenizer)
     logs_here = dist.get_rank() == 0
     return Components(
         cfg=cfg,
@@ -324,7 +326,7 @@ def build_components(cfg: Config) -> Components:
         logger=build_logger(cfg.logging, enabled=logs_here, config_dict=to_dict(cfg)),
         # CUDA runs asynchronously: stage times are only true after a synchronise
         timer=StageTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None),
-        save_dir=Path(cfg.checkpoint.save or Path(cfg.logging.run_dir) / "checkpoints"),
+        save_dir=save_dir(cfg),
         outlier_prompts=outlier_prompts,
         outlier_sampler=_sampler(cfg, len(outlier_prompts), student_groups)
         if cfg.data.outlier_train is not None

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from megatron_gndpo.parallel.distributed import collective_timeout
+
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -187,7 +189,7 @@ def _check_world(layout: ParallelLayout) -> int:
 
 def _new_groups(layout: ParallelLayout, rank: int, dims: tuple[str, ...]) -> Any:
     # Collective: every rank enumerates every group of these dims in the same order.
-    mine, _ = dist.new_subgroups_by_enumeration(layout.groups(dims))
+    mine, _ = dist.new_subgroups_by_enumeration(layout.groups(dims), timeout=collective_timeout())
     return mine
 
 
@@ -197,8 +199,8 @@ def _stage_groups(layout: ParallelLayout, rank: int) -> tuple[Any, Any]:
     for pipeline in layout.groups(("pp",)):
         first, last = pipeline[0], pipeline[-1]
         embd_ranks = [first, last] if first != last else [first]
-        embd = dist.new_group(embd_ranks)
-        pos = dist.new_group([first])
+        embd = dist.new_group(embd_ranks, timeout=collective_timeout())
+        pos = dist.new_group([first], timeout=collective_timeout())
         if rank in embd_ranks:
             embd_mine = embd
         if rank == first:
@@ -252,6 +254,7 @@ def build_student_groups(layout: ParallelLayout, *, seed: int | None = None) -> 
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         order="tp-cp-ep-dp-pp",
+        distributed_timeout_minutes=collective_timeout().total_seconds() / 60,
     )
     ps = parallel_state
     groups = ParallelGroups(

@@ -100,7 +100,11 @@ def text_only(images: Sequence[PromptImages | None] | None, engine: str) -> None
 
 
 class RowStreams:
-    """One independent random stream per row: sample k of prompt i is seeded by (seeds[i], k)."""
+    """One independent random stream per row: sample k of prompt i is seeded by (seeds[i], k).
+
+    A row's ``j``-th draw decides its ``j``-th response token, whatever the other rows do, so
+    a row's sample depends on its seed alone (not on the batch, its slot or the layout).
+    """
 
     def __init__(self, seeds: Sequence[int], samples_per_prompt: int) -> None:
         self.generators = [
@@ -115,6 +119,13 @@ class RowStreams:
             [torch.rand((), generator=g, dtype=torch.float64) for g in self.generators]
         )
 
+    def draws(self, count: int) -> torch.Tensor:
+        """Each row's next ``count`` draws at once, ``[B, count]`` float64 (column j is what
+        the j-th call of :meth:`uniform` would give: a batch of draws is the same stream)."""
+        return torch.stack(
+            [torch.rand(count, generator=g, dtype=torch.float64) for g in self.generators]
+        )
+
 
 def sample_next(
     logits_BV: torch.Tensor, params: SamplingParams, uniform_B: torch.Tensor
@@ -122,15 +133,17 @@ def sample_next(
     """One sampling step: ``(token ids [B], their log-probs under the sampling distribution)``.
 
     Temperature, then top-k, then top-p (nucleus) truncation; greedy for temperature 0. The
-    token is drawn by inverting the cumulative distribution at ``uniform_B`` (one draw per row
-    from :class:`RowStreams`). The log-prob is that of the distribution actually sampled from
-    (what an engine reports).
+    token is drawn by inverting the cumulative distribution (float64) at ``uniform_B`` (one draw
+    per row from :class:`RowStreams`). The log-prob is that of the distribution actually
+    sampled from (what an engine reports). Runs on the logits' device (``uniform_B`` is moved
+    there): only the ids and log-probs need to leave it.
     """
     logits = logits_BV.float()
     if params.temperature == 0:
         ids = logits.argmax(-1)
         return ids, torch.zeros_like(ids, dtype=torch.float32)
-    logits = logits / params.temperature
+    if params.temperature != 1.0:  # x / 1.0 == x: skip a pass over [B, V]
+        logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -142,8 +155,9 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     logprobs = logits.log_softmax(-1)
-    cdf = logprobs.double().exp().cumsum(-1)
-    u = (uniform_B.double() * cdf[:, -1]).unsqueeze(-1)  # scale: the cdf may end at 1 - 1e-16
+    cdf = logprobs.double().exp_().cumsum_(-1)
+    uniform = uniform_B.to(device=cdf.device, dtype=torch.float64)
+    u = (uniform * cdf[:, -1]).unsqueeze(-1)  # scale: the cdf may end at 1 - 1e-16
     ids = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     # a zero-probability token is never chosen: step back to the last token with mass
     ids = torch.where(torch.isinf(logprobs.gather(-1, ids[:, None]).squeeze(-1)),

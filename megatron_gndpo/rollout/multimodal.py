@@ -1,13 +1,14 @@
 """Built-in rollouts for a VLM student: images prefilled into the KV cache, then text decoding.
 
 :class:`MultimodalGenerator` is the built-in :class:`~megatron_gndpo.rollout.builtin.
-MegatronGenerator` (lock-step rows, static KV cache, any TP/PP) on a
+MegatronGenerator` (KV cache, any TP/PP) on a
 :class:`~megatron_gndpo.models.vlm.VisionLanguageModel`. Prompts carry expanded image
 placeholders (``data/images.py``); each prompt's image embeddings are computed once, on the first
-pipeline stage, before decoding starts. Every forward chunk then receives the embeddings of the
-placeholders it holds, in order, so an image that straddles the prefill of a shorter row and the
-lock-step steps of a longer one is still fed position by position. The placeholder id is never
-sampled.
+pipeline stage, before decoding starts. The lean decoder prefills each prompt whole, its text
+and image embeddings combined as the model combines them; megatron's lock-step path instead
+gives every forward chunk the embeddings of the placeholders it holds, in order (an image may
+straddle the prefill of a shorter row and the lock-step steps of a longer one). Decoding then
+runs on the language model alone. The placeholder id is never sampled.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from megatron_gndpo.data.datasets import PromptImages, tiles_of
 from megatron_gndpo.models.vlm import rollout_image_embeddings
 from megatron_gndpo.parallel.groups import ParallelGroups
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
-from megatron_gndpo.rollout.builtin import LastTokenLogits, MegatronGenerator
+from megatron_gndpo.rollout.builtin import Decoder, LastTokenLogits, MegatronGenerator
+from megatron_gndpo.rollout.decode import inner_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +33,8 @@ class TextLogits(LastTokenLogits):
 
     image_token_id: int = -1
 
-    def __call__(self, **kwargs: Any) -> torch.Tensor:
-        logits_bV = super().__call__(**kwargs)
+    def gathered(self, logits_bv: torch.Tensor, tp_group: Any) -> torch.Tensor:
+        logits_bV = super().gathered(logits_bv, tp_group)
         logits_bV[:, self.image_token_id] = float("-inf")
         return logits_bV
 
@@ -48,6 +50,8 @@ class MultimodalGenerator(MegatronGenerator):
         vocab_size: int,
         pad_id: int,
         max_sequence_length: int,
+        max_batch_rows: int | None = None,
+        decoder: Decoder = "lean",
     ) -> None:
         super().__init__(
             model,
@@ -55,6 +59,8 @@ class MultimodalGenerator(MegatronGenerator):
             vocab_size=vocab_size,
             pad_id=pad_id,
             max_sequence_length=max_sequence_length,
+            max_batch_rows=max_batch_rows,
+            decoder=decoder,
         )
         self.image_token_id = int(model.image_token_index)
         if pad_id == self.image_token_id:
@@ -129,6 +135,19 @@ class MultimodalGenerator(MegatronGenerator):
         )
         return out
 
-    def _width(self) -> int:
-        inner = getattr(self.model, "module", self.model)
-        return int(inner.language_model.vocab_size)
+    def _language_model(self) -> Any:
+        return inner_model(self.model).language_model
+
+    def _prefill_embeddings(self, rows: list[int], tokens_RT: torch.Tensor) -> torch.Tensor | None:
+        """Text and image embeddings of the prompts (first stage; rows right-padded)."""
+        if not self.groups.is_first_stage:
+            return None
+        assert self._row_embeddings is not None
+        parts = [self._row_embeddings[r] for r in rows if self._row_embeddings[r].numel()]
+        device = next(self.model.parameters()).device
+        tokens_RT = tokens_RT.to(device)
+        positions_RT = torch.arange(tokens_RT.shape[1], device=device).expand_as(tokens_RT)
+        embeddings: torch.Tensor = inner_model(self.model)._combined_embeddings(
+            None, tokens_RT, positions_RT, torch.cat(parts) if parts else None
+        )
+        return embeddings  # [T, R, h]

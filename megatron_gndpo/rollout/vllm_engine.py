@@ -660,7 +660,7 @@ class VLLMGenerator:
                 continue
             counts = set(x.tiles_per_image)
             if len(counts) > 1:
-                raise ValueError(
+                raise ConfigError(
                     f"prompt {i} holds images of {sorted(counts)} tiles: vLLM's InternVL takes "
                     "image embeddings of one size per engine step (vLLM 0.32), so set "
                     "rollout.vllm_image_input=pixels, or model.vision.max_tiles=1 (every image "

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.errors import UserError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 # Long enough that every layer and a spread of vocabulary rows take part, short enough to cost
@@ -33,7 +34,7 @@ PROBE_LENGTH = 24
 DEFAULT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.05}
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(UserError, RuntimeError):
     """The engine's log-probs after a sync are not the trainer's: its weights are wrong."""
 
 

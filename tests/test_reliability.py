@@ -1,0 +1,325 @@
+"""Nothing lost, every failure explained (issue 15): real torchrun jobs and a real trainer.
+
+- a stopped rank ends the job within the heartbeat bound, named; workers die with torchrun;
+  an error every rank raises is printed once (tests/dist_job.py, no megatron-core: seconds);
+- the trainer on real checkpoints: a corrupt newest iteration is skipped loudly for the newest
+  intact one (and kept), a failed resume writes nothing, non-finite weights are never saved,
+  a missing ``latest`` is not a silent fresh start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny_cpu.yaml"
+
+
+def _torchrun(*args: str, out: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _wait_for(paths: list[Path], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"not written within {timeout_s} s: {paths}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "zombie" not in status.lower()
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.distributed
+def test_workers_die_with_their_launcher(tmp_path: Path) -> None:
+    proc = _torchrun("-m", "tests.dist_job", "wait", str(tmp_path), out=tmp_path)
+    try:
+        _wait_for([tmp_path / "pid.0", tmp_path / "pid.1"], 60)
+        workers = [int((tmp_path / f"pid.{r}").read_text()) for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGKILL)  # torchrun itself, which cannot clean up now
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        orphans = [pid for pid in workers if _alive(pid)]
+    finally:
+        _kill_group(proc)
+    assert not orphans, f"workers {orphans} outlived their launcher"
+
+
+@pytest.mark.distributed
+def test_an_error_every_rank_raises_is_printed_once_with_exit_code_2(tmp_path: Path) -> None:
+    proc = _torchrun("-m", "tests.dist_job", "error", str(tmp_path), out=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _kill_group(proc)
+    text = out + err
+    assert text.count("megatron-gndpo: error:") == 1, text[-3000:]
+    assert "megatron-gndpo: error: the same problem on every rank; the fix" in text
+    assert re.search(r"exitcode\s*:\s*2", err), err[-3000:]  # torchrun's summary of its workers
+    assert "[rank0]:" not in err and "[rank1]:" not in err  # no worker traceback
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer on real checkpoints (one process)
+
+
+def _trainer(run_dir: str, *overrides: str):  # type: ignore[no-untyped-def]
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.config import load_config, validate
+    from megatron_gndpo.trainer import Trainer
+
+    cfg = load_config(TINY, [f"logging.run_dir={run_dir}", *overrides])
+    validate(cfg, torch.distributed.get_world_size())
+    return Trainer(cfg)
+
+
+def _reset() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def _corrupt_floats(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = b"\xff" * 64  # NaN bit patterns inside the weights
+    path.write_bytes(bytes(data))
+
+
+def _attempt(fn, *args):  # type: ignore[no-untyped-def]
+    """``(result or None, error text or None, stderr)`` of ``fn(*args)``; the parallel state is
+    reset either way."""
+    from megatron_gndpo.errors import UserError
+
+    err = io.StringIO()
+    result = error = None
+    with contextlib.redirect_stderr(err):
+        try:
+            result = fn(*args)
+        except UserError as e:
+            error = f"{type(e).__name__}: {e}"
+    _reset()
+    return result, error, err.getvalue()
+
+
+def _checkpoint_story(rank: int, world: int, root: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    run = Path(root) / "run"
+    ckpt = run / "checkpoints"
+    args = ("trainer.steps=3", "checkpoint.save_interval=1", "checkpoint.keep_last=2")
+
+    trainer = _trainer(str(run), *args)
+    trainer.train()  # iterations 2 and 3 kept, latest 3
+    trainer.c.logger.close()
+    _reset()
+
+    # A resume with another architecture fails and leaves model_config.yaml as it was.
+    before = (ckpt / "model_config.yaml").read_text()
+    _, out["mismatch_error"], _ = _attempt(
+        _trainer, str(run), *args, "model.hidden_size=128", "model.ffn_hidden_size=256"
+    )
+    out["model_config_kept"] = (ckpt / "model_config.yaml").read_text() == before
+
+    # Corrupt floats in the newest iteration: the run resumes from the previous one, loudly.
+    _corrupt_floats(ckpt / "iter_0000003" / "__0_0.distcp")
+    trainer, error, out["fallback_warning"] = _attempt(_trainer, str(run), *args)
+    assert trainer is not None, error
+    out["resumed_at"] = trainer.step_count
+    out["latest_after_fallback"] = (ckpt / "latest").read_text().strip()
+    out["aside"] = sorted(
+        str(p.relative_to(ckpt)) for p in ckpt.glob("previous-*/*") if p.name != "metrics.jsonl"
+    )
+    # non-finite weights are never saved: nothing is written, the newest stays intact
+    from megatron_gndpo.checkpoint.dist import CheckpointError
+
+    with torch.no_grad():
+        next(trainer.c.student.parameters())[0] = math.nan
+    try:
+        trainer._save()
+        out["nan_save"] = None
+    except CheckpointError as e:
+        out["nan_save"] = str(e)
+    out["after_nan_save"] = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("prev"))
+    trainer.c.logger.close()
+    _reset()
+
+    # Without `latest`, iterations are not silently overwritten by a fresh start ...
+    (ckpt / "latest").unlink()
+    _, out["no_latest_error"], _ = _attempt(_trainer, str(run), *args)
+    # ... unless the user asks for it; the old iterations are moved aside, not deleted.
+    trainer, _, out["fresh_warning"] = _attempt(
+        _trainer, str(run), *args, "checkpoint.start_fresh=true"
+    )
+    out["fresh_step"] = trainer.step_count
+    out["fresh_left"] = sorted(p.name for p in ckpt.iterdir() if not p.name.startswith("prev"))
+    out["fresh_aside"] = sorted(p.name for p in ckpt.glob("previous-*/*"))
+    out["metrics_after_fresh"] = (run / "metrics.jsonl").exists()
+    trainer.c.logger.close()
+    _reset()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_checkpoints_on_a_real_run_lose_nothing(tmp_path: Path) -> None:
+    out = run_distributed(_checkpoint_story, 1, args=(str(tmp_path),), timeout_s=400)[0]
+    # finding 3
+    assert out["mismatch_error"] and "could not load" in out["mismatch_error"]
+    assert "Global shape mismatch" in out["mismatch_error"]
+    assert out["model_config_kept"]
+    # finding 2: corrupt newest -> the newest intact one, loudly; the corrupt one kept aside
+    warning = out["fallback_warning"]
+    assert "megatron-gndpo: warning:" in warning
+    assert "iter_0000003 is corrupt: __0_0.distcp does not match the checksum" in warning
+    assert "Resuming from the newest intact checkpoint" in warning and "iter_0000002" in warning
+    assert out["resumed_at"] == 2 and out["latest_after_fallback"] == "2"
+    assert out["aside"] == [f"{out['aside'][0].split('/')[0]}/iter_0000003"]
+    assert "refusing to save step 2: non-finite values" in out["nan_save"]
+    assert "decoder" in out["nan_save"] or "embedding" in out["nan_save"]
+    assert out["after_nan_save"] == ["iter_0000002", "latest", "model_config.yaml"]
+    # finding 1
+    assert "no 'latest' file" in out["no_latest_error"]
+    assert "checkpoint.load=" in out["no_latest_error"]
+    assert "checkpoint.start_fresh=true" in out["no_latest_error"]
+    assert out["fresh_step"] == 0
+    assert out["fresh_left"] == ["model_config.yaml"]
+    assert "iter_0000002" in out["fresh_aside"] and "metrics.jsonl" in out["fresh_aside"]
+    assert not out["metrics_after_fresh"]
+    assert "moved what this run does not continue into" in out["fresh_warning"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI under torchrun: a stopped rank during training
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_train_under_torchrun_ends_when_a_rank_stops(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _torchrun(
+        "-m", "megatron_gndpo.cli", "train", "-c", str(TINY), f"logging.run_dir={run}",
+        "trainer.steps=1000", "trainer.heartbeat_timeout_s=4", "trainer.collective_timeout_s=60",
+        out=tmp_path,
+    )  # fmt: skip
+    try:
+        _wait_for([run / "metrics.jsonl"], 240)
+        workers = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(proc.pid)]).split()]
+        rank_of = {}
+        for pid in workers:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank_of[int(next(v for v in environ if v.startswith(b"RANK="))[5:])] = pid
+        os.kill(rank_of[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - stopped
+    finally:
+        _kill_group(proc)
+    assert proc.returncode != 0
+    assert elapsed < 40, f"{elapsed:.0f} s"
+    assert err.count("megatron-gndpo: error: no heartbeat from rank 1") == 1, err[-3000:]
+    assert not any(_alive(pid) for pid in workers)
+    # console noise: DDP gets its parameter layout, and the deprecation shows once (rank 0)
+    assert "full_param_layout not provided" not in err
+    assert err.count("GPTModel IS DEPRECATED") == 1
+    shutil.rmtree(run, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# CI: a skip for a missing package fails when MEGATRON_GNDPO_NO_SKIPS is set
+
+_SKIPPING_TESTS = """
+import pytest
+
+def test_needs_an_absent_package():
+    pytest.importorskip("no_such_package_for_megatron_gndpo")
+
+@pytest.mark.skipif(True, reason="shellcheck is not installed")
+def test_needs_an_absent_tool():
+    pass
+
+@pytest.mark.skipif(True, reason="Transformer Engine installed")
+def test_runs_only_without_a_package():
+    pass
+
+@pytest.mark.gpu
+def test_needs_a_gpu():
+    pytest.skip("needs a CUDA device; could not import cuda things")
+"""
+
+
+@pytest.mark.parametrize("strict", ["", "1"])
+def test_missing_package_skips_fail_only_when_asked(tmp_path: Path, strict: str) -> None:
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_skips.py").write_text(_SKIPPING_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    env = dict(os.environ, MEGATRON_GNDPO_NO_SKIPS=strict)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    summary = proc.stdout.splitlines()[-1]
+    if strict:
+        # a skipif skips in the set-up phase, so it shows as an error there
+        assert "1 failed, 2 skipped, 1 error" in summary, proc.stdout
+        assert "FAILED test_skips.py::test_needs_an_absent_package" in proc.stdout
+        assert "ERROR test_skips.py::test_needs_an_absent_tool" in proc.stdout
+        assert "skipped for a missing package or tool" in proc.stdout
+    else:
+        assert "4 skipped" in summary, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Console noise: megatron-core's per-build notices once
+
+
+def test_known_megatron_notices_show_once(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from megatron_gndpo.compat import notices
+
+    gpt = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    notices.quiet_known_notices()
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(6):  # a quick demo builds six models
+                gpt.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical fixes")
+            gpt.warning("something else entirely")
+            gpt.warning("something else entirely")
+    finally:
+        notices.restore()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("GPTModel IS DEPRECATED") for m in messages) == 1
+    assert messages.count("something else entirely") == 2  # unknown messages are not touched
