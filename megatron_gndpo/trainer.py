@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.algorithms.metrics import advantage_metrics, score_metrics
+from megatron_gndpo.algorithms.metrics import StabilityMonitor, advantage_metrics, score_metrics
 from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
 from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
 from megatron_gndpo.checkpoint.resume import plan_start, resume_from, set_aside, warn
@@ -48,6 +48,7 @@ from megatron_gndpo.logging.throughput import (
 )
 from megatron_gndpo.rewards.verifiable import reward
 from megatron_gndpo.rollout.base import Rollout, SamplingParams, with_teacher_prefix
+from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
 _LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac", "guidance/kl_mean")
@@ -88,6 +89,7 @@ class Trainer:
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
         self._syncs = 0  # weight syncs into an external engine so far
+        self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
         self.run_id = ""
         self._resume()
         self._describe_checkpoints()
@@ -109,6 +111,8 @@ class Trainer:
             targets, metrics = self._targets(rollout, teacher, student, rewards)
         with timer.time("update"):
             metrics |= self._update(rollout, student["logprobs"], targets, teacher["logprobs"])
+        # before the checkpoint, whose state must include this step
+        metrics |= self.stability.observe(metrics.get("grad_norm", math.nan), metrics["score/rms"])
         with timer.time("weight_sync"):
             metrics |= self._sync_engine()
         self.step_count += 1
@@ -159,6 +163,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def _next_prompts(self) -> list[Any]:
+        outliers = self.c.outlier_sampler
+        if outliers is not None and is_outlier_step(self.cfg.rollout, self.step_count + 1):
+            return [self.c.outlier_prompts[i] for i in outliers.next_step()]  # data.outlier_train
         return [self.c.prompts[i] for i in self.c.sampler.next_step()]
 
     def _seeds(self, prompts: list[Any]) -> list[int]:
@@ -187,8 +194,10 @@ class Trainer:
     def _sample(self, prompts: list[Any]) -> Rollout:
         """The step's rollout: on-policy, or continued from teacher-written prefixes (TrOPD)."""
         share = prefix_share(self.cfg.algorithm, self.step_count + 1)
+        temperature = temperature_at(self.cfg.rollout, self.step_count + 1)
+        params = dataclasses.replace(self.params, temperature=temperature)
         if share == 0.0:
-            return self._rollout(prompts)
+            return self._rollout(prompts, params)
         # The teacher answers each prompt once (its own random streams), the first `share` of
         # each answer is kept, and the student samples its continuations from there.
         seeds = self._seeds(prompts)
@@ -202,7 +211,7 @@ class Trainer:
         room = self.params.max_new_tokens - min(len(x) for x in prefixes)
         continued = self._generate(
             prompts, [[*p.ids, *x] for p, x in zip(prompts, prefixes, strict=True)],
-            dataclasses.replace(self.params, max_new_tokens=room), seeds,
+            dataclasses.replace(params, max_new_tokens=room), seeds,
         )  # fmt: skip
         rollout = with_teacher_prefix(
             continued, [len(x) for x in prefixes], self.params.max_new_tokens
@@ -383,6 +392,7 @@ class Trainer:
             "finished/frac": finished / rows,
             "tokens/step": total,  # generated tokens of the whole step (all DP ranks)
             "prompts/skipped_too_long": float(self.c.skipped_prompts),
+            "rollout/temperature": temperature_at(self.cfg.rollout, self.step_count),
         }
         if rewards is not None:
             out["reward/mean"] = reward_sum / rows
@@ -426,7 +436,13 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
-        return {"sampler": self.c.sampler.state_dict(), "scheduler": self.c.scheduler.state_dict()}
+        state = {
+            "sampler": self.c.sampler.state_dict(), "scheduler": self.c.scheduler.state_dict(),
+            "stability": self.stability.state_dict(),
+        }  # fmt: skip
+        if self.c.outlier_sampler is not None:
+            state["outlier_sampler"] = self.c.outlier_sampler.state_dict()
+        return state
 
     def _maybe_save(self) -> None:
         interval = self.cfg.checkpoint.save_interval
@@ -469,6 +485,11 @@ class Trainer:
         if resumed.directory is not None:
             self.c.sampler.load_state_dict(resumed.meta["extra"]["sampler"])
             self.c.scheduler.load_state_dict(resumed.meta["extra"]["scheduler"])
+            extra = resumed.meta["extra"]
+            if "stability" in extra:  # checkpoints before the diagnostics start them afresh
+                self.stability.load_state_dict(extra["stability"])
+            if self.c.outlier_sampler is not None and "outlier_sampler" in extra:
+                self.c.outlier_sampler.load_state_dict(extra["outlier_sampler"])
         if dist.get_rank() == 0:
             metrics = Path(self.cfg.logging.run_dir) / METRICS_FILE
             moved = set_aside(self._start, resumed, metrics)

@@ -6,7 +6,9 @@ implementation. Shapes: [B, T] = [batch, response length].
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -119,6 +121,28 @@ def test_opd_and_gndpo_match_reference(seed):
     gndpo = alg.gndpo_advantages(b["teacher"], b["old"], b["mask"], kl_clip=5.0)
     assert gndpo.dtype == torch.float32
     close(gndpo, ref_whiten(c, b["mask"].tolist()))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gndpo_halves_baseline_only_and_scale_only(seed):
+    """The ablations: baseline only m·(c − mu), scale only m·c/σ; both off is OPD."""
+    b = random_batch(seed)
+    c = ref_scores(b, 5.0)
+    valid = [x for row, mrow in zip(c, b["mask"].tolist(), strict=True)
+             for x, m in zip(row, mrow, strict=True) if m]  # fmt: skip
+    n = len(valid)
+    mu = sum(valid) / (n + 1e-8)
+    sigma = math.sqrt(sum((x - mu) ** 2 for x in valid) / (n + 1e-8) * n / (n - 1) + 1e-8)
+    mask = b["mask"].tolist()
+
+    def ref(f):
+        return [[f(x) if m else 0.0 for x, m in zip(row, mrow, strict=True)]
+                for row, mrow in zip(c, mask, strict=True)]  # fmt: skip
+
+    args = (b["teacher"], b["old"], b["mask"])
+    close(alg.gndpo_advantages(*args, divide_std=False), ref(lambda x: x - mu))
+    close(alg.gndpo_advantages(*args, subtract_mean=False), ref(lambda x: x / sigma))
+    close(alg.gndpo_advantages(*args, subtract_mean=False, divide_std=False), c)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -388,6 +412,7 @@ def test_metrics_match_reference(seed):
     got = alg.score_metrics(b["teacher"], b["old"], b["mask"], kl_clip=5.0)
     assert got["score/mean"] == pytest.approx(mean, rel=1e-5)
     assert got["score/std"] == pytest.approx(std, rel=1e-5)
+    assert got["score/rms"] == pytest.approx(math.sqrt(sum(c * c for c in cs) / n), rel=1e-6)
     assert got["score/clamp_frac"] == pytest.approx(sum(abs(d) > 5 for d, _ in valid) / n)
     assert 0 < got["score/clamp_frac"] < 1
 
@@ -418,6 +443,86 @@ def test_metrics_with_no_tokens_are_zero():
         alg.advantage_metrics(torch.zeros(0, 3), torch.zeros(0, 3)),
     ):
         assert all(v == 0.0 for v in got.values()), got
+
+
+# ---------------------------------------------------------------- stability diagnostics
+
+
+def _norm_series() -> list[float]:
+    """60 steps of pre-clip norms with a known number of spikes (3x the trailing median).
+
+    Normal steps 1.0-1.4; every 10th step 6.0 (a spike: its trailing median is ~1.2); step 15
+    2.9 (below 3x); a 9.0 at step 3 (too early: fewer than 5 previous steps); a zero-gradient
+    step and a skipped (NaN) step, neither part of any median.
+    """
+    norms = [1.0 + 0.1 * ((7 * i) % 5) for i in range(60)]
+    for i in range(9, 60, 10):
+        norms[i] = 6.0
+    norms[2], norms[14], norms[22], norms[33] = 9.0, 2.9, 0.0, math.nan
+    return norms
+
+
+def test_spike_count_and_trailing_median_of_a_constructed_series():
+    norms = _norm_series()
+    medians = alg.trailing_medians(norms)
+    assert medians[:5] == [None] * 5  # fewer than 5 previous steps
+    assert medians[5] == pytest.approx(statistics.median(norms[:5]))
+    # the median of the 20 usable norms before step 40 (index 39): 38 steps minus the 0 and NaN
+    usable = [x for x in norms[:39] if math.isfinite(x) and x > 0][-20:]
+    assert medians[39] == pytest.approx(statistics.median(usable))
+    flags = alg.spike_flags(norms)
+    assert [i for i, f in enumerate(flags) if f] == [9, 19, 29, 39, 49, 59]
+    assert sum(alg.spike_flags(norms, factor=2.0)) == 7  # 2.9 is above 2x
+
+
+def test_log_log_slope_of_known_laws():
+    rms = [0.5 * 1.1**i for i in range(30)]
+    proportional = alg.log_log_slope(rms, [2.0 * r for r in rms])  # OPD-like: norm ∝ RMS
+    assert proportional["slope"] == pytest.approx(1.0) and proportional["slope_se"] < 1e-6
+    assert proportional["n"] == 30
+    flat = alg.log_log_slope(rms, [3.0] * 30)  # GNDPO-like: norm independent of RMS
+    assert flat["slope"] == pytest.approx(0.0, abs=1e-9)
+    half = alg.log_log_slope(rms, [3.0 * r**0.5 for r in rms])
+    assert half["slope"] == pytest.approx(0.5)
+    noisy = alg.log_log_slope(rms, [r * (1.3 if i % 2 else 0.7) for i, r in enumerate(rms)])
+    assert 0.8 < noisy["slope"] < 1.2 and noisy["slope_se"] > 0.01
+    # unusable pairs are left out; no spread in the RMS leaves the slope undetermined
+    assert alg.log_log_slope([1.0, 0.0, 2.0, 4.0], [1.0, 5.0, math.nan, 4.0])["n"] == 2
+    assert math.isnan(alg.log_log_slope([2.0] * 5, [1.0, 2.0, 3.0, 4.0, 5.0])["slope"])
+    with pytest.raises(ValueError, match="one scale per norm"):
+        alg.log_log_slope([1.0], [1.0, 2.0])
+
+
+def test_stability_monitor_streams_the_series_and_resumes_exactly():
+    norms = _norm_series()
+    rms = [0.5 + 0.01 * i + (1.0 if i % 10 == 9 else 0.0) for i in range(60)]
+    monitor = alg.StabilityMonitor(clip=2.0)
+    full = [monitor.observe(n, r) for n, r in zip(norms, rms, strict=True)]
+    flags = alg.spike_flags(norms)
+    assert [s["grad_norm/spike"] for s in full] == [float(f) for f in flags]
+    assert full[-1]["grad_norm/spikes"] == 6.0
+    clipped = [alg.clip_active(n, 2.0) for n in norms]
+    assert [s["grad_norm/clip_active"] for s in full] == [float(c) for c in clipped]
+    assert full[-1]["grad_norm/clip_active_frac"] == pytest.approx(sum(clipped) / 59)  # no NaN
+    assert "grad_norm/trailing_median" not in full[4]
+    assert full[39]["grad_norm/trailing_median"] == alg.trailing_medians(norms)[39]
+    fit = alg.log_log_slope(rms, norms)
+    assert full[-1]["grad_norm/score_rms_slope"] == pytest.approx(fit["slope"])
+    assert full[-1]["grad_norm/score_rms_slope_se"] == pytest.approx(fit["slope_se"])
+
+    first = alg.StabilityMonitor(clip=2.0)
+    for n, r in zip(norms[:25], rms[:25], strict=True):
+        first.observe(n, r)
+    resumed = alg.StabilityMonitor(clip=2.0)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # via the checkpoint
+    rest = [resumed.observe(n, r) for n, r in zip(norms[25:], rms[25:], strict=True)]
+    assert rest == full[25:]
+
+
+def test_clip_active():
+    assert [alg.clip_active(x, 1.0) for x in (0.5, 1.0, 1.5, math.nan, math.inf)] == [
+        False, False, True, False, False,
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------- edge cases and errors

@@ -611,3 +611,26 @@ def test_missing_header_line_fails(tmp_path: Path) -> None:
     path = write(tmp_path, "# an example without its plan line\nmodel:\n  num_layers: 2\n")
     with pytest.raises(AssertionError, match="lacks the header line"):
         example_world_size(path)
+
+
+def test_outlier_steps_and_gndpo_halves() -> None:
+    """rollout.outlier_* (an outlier source for stability studies) and the GNDPO ablations."""
+    validate(load_config(None, ["rollout.outlier_interval=10", "rollout.outlier_temperature=2"]))
+    msg = validation_error(None, "rollout.outlier_interval=1")
+    assert "makes every step an outlier step; set rollout.temperature or data.train" in msg
+    msg = validation_error(None, "rollout.outlier_interval=10")
+    assert "needs what makes those steps outliers: set rollout.outlier_temperature" in msg
+    msg = validation_error(None, "data.outlier_train=builtin:chains")
+    assert "data.outlier_train applies to outlier steps only: set rollout.outlier_interval" in msg
+    validate(load_config(None, ["rollout.outlier_interval=4", "data.outlier_train=x.jsonl"]))
+    msg = validation_error(None, "rollout.outlier_interval=-3")
+    assert "rollout.outlier_interval must be >= 0, got -3" in msg
+    msg = validation_error(None, "rollout.outlier_interval=5", "rollout.outlier_temperature=0")
+    assert "rollout.outlier_temperature must be > 0" in msg
+    validate(load_config(None, ["algorithm.gndpo_divide_std=false"]))
+    msg = validation_error(None, "algorithm.estimator=opd", "algorithm.gndpo_subtract_mean=false")
+    assert "algorithm.gndpo_subtract_mean=false applies to the gndpo estimator only" in msg
+    msg = validation_error(
+        None, "algorithm.gndpo_subtract_mean=false", "algorithm.gndpo_divide_std=false"
+    )
+    assert "is OPD: use algorithm.estimator=opd" in msg

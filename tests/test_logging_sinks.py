@@ -168,6 +168,9 @@ FULL_STEP = {
     "advantage/std": 1.0,
     "score/std": 0.8731,
     "score/mean": -0.41,
+    "grad_norm/spikes": 2.0,
+    "grad_norm/clip_active_frac": 0.25,
+    "score/rms": 1.912,
     "grad_norm": 1.53,
     "loss": 0.123456,
     "ratio/mean": 1.0001,  # not a console key
@@ -177,12 +180,14 @@ FULL_STEP = {
 def test_console_line_has_key_numbers_in_fixed_order() -> None:
     line = format_console_line(12, FULL_STEP)
     assert line == (
-        "step 12 | loss 0.1235 | grad_norm 1.53 | score/mean -0.41 | score/std 0.8731 | "
+        "step 12 | loss 0.1235 | grad_norm 1.53 | score/rms 1.912 | "
+        "grad_norm/clip_active_frac 0.25 | grad_norm/spikes 2 | score/mean -0.41 | "
+        "score/std 0.8731 | "
         "advantage/std 1 | clip/frac 0.0123 | response_length/mean 812.5 | tokens/s 12346 | "
         "mfu 41.2% | time/step 3.21s"
     )
     assert format_console_line(3, {"loss": math.nan, "tokens/global": 7}) == "step 3 | loss nan"
-    assert len(CONSOLE_KEYS) == 10
+    assert len(CONSOLE_KEYS) == 13
 
 
 def test_console_sink_prints_every_n_steps(capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 TINY = Path(__file__).parents[1] / "examples" / "tiny_cpu.yaml"
 GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_steps.json"
 GOLDEN_KEYS = ("grad_norm", "score/mean", "score/std", "response_length/mean")
+# Running diagnostics (algorithms/metrics.py): a resumed run continues their series exactly.
+STABILITY_KEYS = ("score/rms", "grad_norm/clip_active_frac", "grad_norm/spikes",
+                  "grad_norm/score_rms_slope")  # fmt: skip
 
 
 def _trainer(run_dir: str, *overrides: str):  # type: ignore[no-untyped-def]
@@ -200,7 +203,8 @@ def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
     full, resumed = r["full"], r["resumed"]
     assert r["resumed_from"] == 3 and len(full) == 6 and len(resumed) == 3
     for expected, got in zip(full[3:], resumed, strict=True):
-        for key in ("loss", "grad_norm", "score/mean", "advantage/std", "tokens/step"):
+        for key in ("loss", "grad_norm", "score/mean", "advantage/std", "tokens/step",
+                    *STABILITY_KEYS):  # fmt: skip
             assert got[key] == expected[key], key  # exactly: the resumed run is the same run
 
     import transformers
@@ -266,3 +270,49 @@ def test_vllm_engine_wiring_with_a_stand_in(tmp_path: Path) -> None:
         assert events[-1] == "reset_prefix_cache" or "wake_up" in events[events.index("sleep1") :]
         m = r["metrics"]
         assert m["weight_sync/tensors"] == len(r["names"]) and m["skipped"] == 0.0
+
+
+def _outlier_steps(rank: int, world: int, root: str) -> dict[str, object]:
+    """Outlier steps (every 2nd) draw data.outlier_train at rollout.outlier_temperature; a run
+    killed after step 3 and resumed draws the same outlier prompts as the straight run."""
+    from megatron_gndpo.rollout.schedule import is_outlier_step
+
+    outliers = (
+        "rollout.outlier_interval=2", "data.outlier_train=builtin:chains",
+        "rollout.outlier_temperature=1.5", "trainer.steps=6", "checkpoint.save_interval=3",
+    )  # fmt: skip
+    trainer = _trainer(f"{root}/full", *outliers)
+    drawn = []
+    next_prompts = trainer._next_prompts
+
+    def recording() -> list:  # type: ignore[type-arg]
+        prompts = next_prompts()
+        drawn.append([p.example.prompt for p in prompts])
+        return prompts
+
+    trainer._next_prompts = recording  # type: ignore[method-assign]
+    out: dict[str, object] = {"full": trainer.train(), "drawn": drawn}
+    out["outlier_steps"] = [s for s in range(1, 7) if is_outlier_step(trainer.cfg.rollout, s)]
+    _reset()
+    trainer = _trainer(f"{root}/killed", *outliers)
+    for _ in range(3):
+        trainer.step()
+    trainer.c.logger.close()
+    del trainer
+    _reset()
+    trainer = _trainer(f"{root}/killed", *outliers)
+    out["resumed"] = trainer.train()
+    _reset()
+    return out
+
+
+def test_outlier_steps_draw_their_own_prompts_hotter_and_resume_exactly(tmp_path: Path) -> None:
+    r = run_distributed(_outlier_steps, 1, args=(str(tmp_path),), timeout_s=400)[0]
+    assert r["outlier_steps"] == [2, 4, 6]
+    for step, prompts in enumerate(r["drawn"], start=1):
+        chains = all(" = ?" in p for p in prompts)  # builtin:chains; arithmetic has no "= ?"
+        assert chains == (step % 2 == 0), (step, prompts)
+    assert [m["rollout/temperature"] for m in r["full"]] == [1.0, 1.5] * 3
+    for expected, got in zip(r["full"][3:], r["resumed"], strict=True):
+        for key in ("loss", "grad_norm", "score/mean", "tokens/step", *STABILITY_KEYS):
+            assert got[key] == expected[key], key

@@ -25,7 +25,16 @@ from megatron_gndpo.algorithms.losses import (
     importance_sampled_pg_loss,
     ppo_clip_loss,
 )
-from megatron_gndpo.algorithms.metrics import advantage_metrics, policy_metrics, score_metrics
+from megatron_gndpo.algorithms.metrics import (
+    StabilityMonitor,
+    advantage_metrics,
+    clip_active,
+    log_log_slope,
+    policy_metrics,
+    score_metrics,
+    spike_flags,
+    trailing_medians,
+)
 from megatron_gndpo.algorithms.scores import distillation_scores, raw_scores
 from megatron_gndpo.algorithms.stats import global_sum, masked_moments, masked_whiten
 
@@ -33,8 +42,10 @@ __all__ = [
     "AGGREGATIONS",
     "ESTIMATORS",
     "POLICY_LOSSES",
+    "StabilityMonitor",
     "advantage_metrics",
     "aggregate_loss",
+    "clip_active",
     "discounted_returns",
     "distillation_scores",
     "global_count",
@@ -43,6 +54,7 @@ __all__ = [
     "grpo_advantages",
     "gspo_token_loss",
     "importance_sampled_pg_loss",
+    "log_log_slope",
     "masked_moments",
     "masked_whiten",
     "mix_advantages",
@@ -53,7 +65,9 @@ __all__ = [
     "raw_scores",
     "reinforce_pp_advantages",
     "score_metrics",
+    "spike_flags",
     "token_kl_full",
     "token_kl_topk",
+    "trailing_medians",
     "vopd_advantages",
 ]

@@ -50,6 +50,8 @@ def gndpo_advantages(
     *,
     kl_clip: float = 5.0,
     group: dist.ProcessGroup | None = None,
+    subtract_mean: bool = True,
+    divide_std: bool = True,
 ) -> torch.Tensor:
     """GNDPO: the clamped score whitened over every valid token of the whole step batch.
 
@@ -58,11 +60,16 @@ def gndpo_advantages(
 
     Inputs ``[B, T]``; output float32 ``[B, T]``. ``group`` is the DP × CP group (never the TP
     group, never per micro-batch); every rank calls this, even one with no tokens.
+    ``subtract_mean=False`` gives ``m · c / sqrt(var + 1e-8)`` (the rescaling alone),
+    ``divide_std=False`` gives ``m · (c − mu)`` (the batch baseline alone): ablations that
+    separate GNDPO's two effects (docs/methods/gndpo.md); both false is OPD.
     Raises ValueError when the whole batch has fewer than two valid tokens.
     Source: GNDPO (arXiv 2606.09091), ALGORITHMS.md §2.
     """
     c_BT = distillation_scores(teacher_logprobs, old_logprobs, response_mask, kl_clip=kl_clip)
-    return masked_whiten(c_BT, response_mask, group=group)
+    return masked_whiten(
+        c_BT, response_mask, group=group, subtract_mean=subtract_mean, divide_std=divide_std
+    )
 
 
 def discounted_returns(

@@ -97,6 +97,8 @@ def masked_whiten(
     group: dist.ProcessGroup | None = None,
     eps: float = 1e-8,
     unbiased: bool = True,
+    subtract_mean: bool = True,
+    divide_std: bool = True,
 ) -> torch.Tensor:
     """Whiten ``values`` over every valid token of the group; float32 ``[B, T]``, 0 where masked.
 
@@ -104,6 +106,9 @@ def masked_whiten(
         mu  = Σ m·x / (n + 1e-8)
         var = [Σ m·(x − mu)² / (n + 1e-8)] · n / (n − 1)      (the Bessel factor if unbiased)
         out = m · (x − mu) / sqrt(var + eps)
+
+    ``subtract_mean`` / ``divide_std`` false leave out ``− mu`` / ``/ sqrt(var + eps)`` (one half
+    of the whitening, from the same statistics).
 
     values, mask: ``[B, T]``. The statistics come from :func:`masked_moments` (one float64
     all-reduce over ``group``, the DP × CP group), so every split of the batch across ranks gives
@@ -124,5 +129,7 @@ def masked_whiten(
     mu, var = moments_to_mean_var(moments, unbiased=unbiased)
     with torch.no_grad():
         x = values.detach().to(torch.float64)
-        whitened = (x - mu) * torch.rsqrt(var + eps)
+        whitened = x - mu if subtract_mean else x
+        if divide_std:
+            whitened = whitened * torch.rsqrt(var + eps)
         return masked_values(whitened, mask).to(torch.float32)

@@ -156,6 +156,12 @@ class RolloutConfig:
     """Maximum number of generated tokens per response."""
     temperature: float = 1.0
     """Sampling temperature."""
+    outlier_interval: int = 0
+    """Every this many steps (steps N, 2N, ...) is an outlier step, which draws its prompts from
+    data.outlier_train and/or samples at outlier_temperature: a documented source of outlier
+    batches for stability experiments (docs/methods/gndpo.md, demo --stability); 0: none."""
+    outlier_temperature: float | None = None
+    """Sampling temperature of the outlier steps; null means rollout.temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 disables it)."""
     top_k: int = 0
@@ -269,6 +275,12 @@ class AlgorithmConfig:
     """vOPD: KL over the student's top-k tokens renormalised; 0 uses the full vocabulary."""
     gamma: float = 1.0
     """Discount of reinforce_pp returns."""
+    gndpo_subtract_mean: bool = True
+    """GNDPO: subtract the batch mean of the score; false keeps only the division by the batch's
+    standard deviation (the "scale only" ablation, docs/methods/gndpo.md)."""
+    gndpo_divide_std: bool = True
+    """GNDPO: divide by the batch's standard deviation of the score; false keeps only the
+    batch-mean baseline (the "baseline only" ablation, docs/methods/gndpo.md)."""
     entropy_coef: float | None = None
     """Entropy bonus beta: the loss subtracts beta * H_t of the student; null means the
     method's default (0.001 for tgpo, as its release; 0 otherwise)."""
@@ -365,6 +377,9 @@ class DataConfig:
     score the same support. null means model.vocab_size."""
     shuffle: bool = True
     """Shuffle prompts each epoch."""
+    outlier_train: str | None = None
+    """Prompts the outlier steps (rollout.outlier_interval) draw instead of data.train, e.g.
+    harder or out-of-distribution ones (same formats); null: they draw data.train."""
     image_key: str = "images"
     """With a vision model: the column holding each prompt's image(s) (a path, bytes, or a list
     of them); the prompt text marks where each image goes with <image>."""

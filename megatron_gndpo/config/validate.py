@@ -133,6 +133,16 @@ def _algorithm_problems(cfg: Config) -> list[str]:
                 "algorithm.estimator=mix needs algorithm.outcome_weight > 0 "
                 "(with 0 use the distillation estimator alone)"
             )
+    halves = {"gndpo_subtract_mean": a.gndpo_subtract_mean, "gndpo_divide_std": a.gndpo_divide_std}
+    off = [f"algorithm.{key}=false" for key, on in halves.items() if not on]
+    gndpo = a.estimator == "gndpo" or (a.estimator == "mix" and a.distill_estimator == "gndpo")
+    if off and not gndpo:
+        p.append(f"{' and '.join(off)} applies to the gndpo estimator only; set it to true")
+    elif len(off) == 2:
+        p.append(
+            "algorithm.gndpo_subtract_mean=false with gndpo_divide_std=false is OPD: use "
+            "algorithm.estimator=opd"
+        )
     p += _guidance_problems(a, cfg.model.vocab_size)
     if a.vopd_top_k == 0 and "vopd" in (a.estimator, a.distill_estimator):
         p += _full_kl_problems(cfg)
@@ -202,6 +212,34 @@ def _guidance_problems(a: AlgorithmConfig, vocab_size: int) -> list[str]:
     return p
 
 
+def _outlier_problems(cfg: Config) -> list[str]:
+    """The outlier steps: an interval of 2 or more, and something that makes them outliers."""
+    r, p = cfg.rollout, list[str]()
+    sources = {"rollout.outlier_temperature": r.outlier_temperature,
+               "data.outlier_train": cfg.data.outlier_train}  # fmt: skip
+    _positive(p, "rollout.outlier_interval", r.outlier_interval, strict=False)
+    if r.outlier_interval == 1:
+        p.append(
+            "rollout.outlier_interval=1 makes every step an outlier step; set rollout.temperature "
+            "or data.train instead (or an interval of 2 or more)"
+        )
+    if r.outlier_temperature is not None:
+        _positive(p, "rollout.outlier_temperature", r.outlier_temperature)
+    if r.outlier_interval > 0 and all(v is None for v in sources.values()):
+        p.append(
+            f"rollout.outlier_interval={r.outlier_interval} needs what makes those steps "
+            "outliers: set rollout.outlier_temperature and/or data.outlier_train"
+        )
+    unused = [key for key, value in sources.items() if value is not None]
+    if r.outlier_interval == 0 and unused:
+        p.append(
+            f"{' and '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to outlier "
+            "steps only: set rollout.outlier_interval "
+            "(every how many steps), or leave them null"
+        )
+    return p
+
+
 def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
     r, t, p = cfg.rollout, cfg.trainer, list[str]()
     for name in (
@@ -219,6 +257,7 @@ def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
         p.append(
             f"rollout.gpu_memory_utilization must be in (0, 1), got {r.gpu_memory_utilization}"
         )
+    p += _outlier_problems(cfg)
     if r.vllm_kv_cache_gib is not None:
         _positive(p, "rollout.vllm_kv_cache_gib", r.vllm_kv_cache_gib)
     if r.weight_sync_check_tolerance is not None:

@@ -71,6 +71,7 @@ class Settings:
     samples_per_prompt: int
     lr: float
     eval_interval: int
+    clip_grad: float = 1.0  # optimizer.clip_grad of every method
 
 
 def settings(quick: bool, seed: int = SEED) -> Settings:
@@ -96,6 +97,7 @@ class MethodRun:
     start_accuracy: float
     final_accuracy: float
     wall_seconds: float
+    eval_problems: int  # held-out problems per evaluation: one of them is 1 / eval_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +166,7 @@ def _config(
             max_response_length=lengths[1],
         ),
         algorithm=ALL_METHODS[method],
-        optimizer=OptimizerConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
+        optimizer=OptimizerConfig(lr=s.lr, weight_decay=0.0, clip_grad=s.clip_grad),
         trainer=TrainerConfig(
             steps=s.steps,
             seed=s.seed,
@@ -243,8 +245,9 @@ def run_demo(
 
 
 def _prepare(
-    cache_dir: Path, s: Settings
+    cache_dir: Path, s: Settings, student: models.Recipe | None = None
 ) -> tuple[models.PreparedModel, models.PreparedModel, models.DemoTask]:
+    """The teacher and the student (``student``, else :func:`models.student_recipe`)."""
     from megatron.core import parallel_state
 
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
@@ -254,7 +257,7 @@ def _prepare(
     groups = build_student_groups(ParallelLayout(1), seed=0)
     try:
         prepared = []
-        for recipe in (models.teacher_recipe(s.quick), models.student_recipe()):
+        for recipe in (models.teacher_recipe(s.quick), student or models.student_recipe()):
             with progress(recipe.steps, f"sft {recipe.name}", True) as bar:
                 model = models.prepare(
                     cache_dir, recipe, groups, task, on_step=lambda step, m: bar.update(1)
@@ -305,6 +308,7 @@ def _run_method(cfg: Config) -> MethodRun:
     started = time.perf_counter()
     try:
         trainer = Trainer(cfg)
+        eval_problems = len(trainer.c.eval_prompts)
         start: dict[str, Any] = {"step": 0, **trainer.evaluate()}
         steps = [{"step": i + 1, **m} for i, m in enumerate(trainer.train())]
         history = [start, *steps]
@@ -315,7 +319,7 @@ def _run_method(cfg: Config) -> MethodRun:
     _say(f"{name}: held-out accuracy {accuracies[0]:.3f} -> {accuracies[-1]:.3f} in {wall:.0f} s")
     return MethodRun(
         name=name, run_dir=method_dir, history=history, start_accuracy=accuracies[0],
-        final_accuracy=accuracies[-1], wall_seconds=wall,
+        final_accuracy=accuracies[-1], wall_seconds=wall, eval_problems=eval_problems,
     )  # fmt: skip
 
 

@@ -19,7 +19,10 @@ def _distill(
     mask: torch.Tensor, group: Any, token_kl: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     if name == "gndpo":
-        return adv.gndpo_advantages(teacher, old, mask, kl_clip=cfg.kl_clip, group=group)
+        return adv.gndpo_advantages(
+            teacher, old, mask, kl_clip=cfg.kl_clip, group=group,
+            subtract_mean=cfg.gndpo_subtract_mean, divide_std=cfg.gndpo_divide_std,
+        )  # fmt: skip
     if name == "opd":
         return adv.opd_advantages(teacher, old, mask, kl_clip=cfg.kl_clip)
     if name == "vopd":

@@ -53,6 +53,9 @@ class Components:
     logger: MetricsLogger
     timer: StageTimer
     save_dir: Path
+    # data.outlier_train: the prompts of the outlier steps and their own sampler (else None)
+    outlier_prompts: list[EncodedPrompt] = dataclasses.field(default_factory=list)
+    outlier_sampler: PromptSampler | None = None
 
 
 def scoring_vocab(cfg: Config, tokenizer: Tokenizer) -> int:
@@ -244,6 +247,14 @@ def _vision_input(cfg: Config, student: Any) -> Any:
     )
 
 
+def _sampler(cfg: Config, num_prompts: int, groups: ParallelGroups) -> PromptSampler:
+    return PromptSampler(
+        num_prompts, prompts_per_step=cfg.rollout.prompts_per_step,
+        dp_rank=groups.coords["dp"], dp_size=groups.layout.dp, seed=cfg.trainer.seed,
+        shuffle=cfg.data.shuffle,
+    )  # fmt: skip
+
+
 def build_components(cfg: Config) -> Components:
     """Groups, tokenizer, data, student (+ DDP, optimizer), teacher, generator, logging."""
     world = dist.get_world_size()
@@ -260,6 +271,9 @@ def build_components(cfg: Config) -> Components:
     eval_prompts: list[EncodedPrompt] = []
     if cfg.data.eval is not None:
         eval_prompts, _ = _prompts(cfg, cfg.data.eval, tokenizer)
+    outlier_prompts: list[EncodedPrompt] = []
+    if cfg.data.outlier_train is not None:
+        outlier_prompts, _ = _prompts(cfg, cfg.data.outlier_train, tokenizer)
 
     # Weights are initialised on the CPU generator (use_cpu_initialization): seed each model on
     # its own so a randomly initialised teacher does not depend on the student's layout.
@@ -308,16 +322,13 @@ def build_components(cfg: Config) -> Components:
         prompts=prompts,
         eval_prompts=eval_prompts,
         skipped_prompts=skipped,
-        sampler=PromptSampler(
-            len(prompts),
-            prompts_per_step=cfg.rollout.prompts_per_step,
-            dp_rank=student_groups.coords["dp"],
-            dp_size=student_groups.layout.dp,
-            seed=t.seed,
-            shuffle=cfg.data.shuffle,
-        ),
+        sampler=_sampler(cfg, len(prompts), student_groups),
         logger=build_logger(cfg.logging, enabled=logs_here, config_dict=to_dict(cfg)),
         # CUDA runs asynchronously: stage times are only true after a synchronise
         timer=StageTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None),
         save_dir=save_dir(cfg),
+        outlier_prompts=outlier_prompts,
+        outlier_sampler=_sampler(cfg, len(outlier_prompts), student_groups)
+        if cfg.data.outlier_train is not None
+        else None,
     )

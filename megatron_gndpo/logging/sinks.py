@@ -41,10 +41,15 @@ WANDB_ID_FILE = "wandb_id.txt"
 TENSORBOARD_DIR = "tensorboard"
 
 # The numbers worth a glance on the console, in the order printed (when present). grad_norm is
-# the pre-clip norm; the rest of a step's metrics go to the JSONL file and the dashboards only.
+# the pre-clip norm, score/rms beside it the scale it answers to; the clip-active share and the
+# spike count so far say whether those norms reach the update and how often they jump
+# (algorithms/metrics.py). The rest of a step's metrics go to the JSONL file and the dashboards.
 CONSOLE_KEYS = (
     "loss",
     "grad_norm",
+    "score/rms",
+    "grad_norm/clip_active_frac",
+    "grad_norm/spikes",
     "score/mean",
     "score/std",
     "advantage/std",
