@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         "step, OPD vs GNDPO and GNDPO's two halves over 2 seeds (about 15 minutes)",
     )  # fmt: skip
     p_demo.add_argument(
+        "--engine", choices=("builtin", "vllm"), default="builtin",
+        help="where rollouts are sampled: the built-in generator, or a real vLLM (the vLLM "
+        "tier; its student has 2 heads of 32 and each method runs in its own process)",
+    )  # fmt: skip
+    p_demo.add_argument(
         "--run-dir", type=Path, default=None,
         help="report folder (default runs/demo, runs/demo_stability with --stability)",
     )  # fmt: skip
@@ -301,6 +306,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     summary = run_demo(
         args.run_dir, args.cache_dir, quick=args.quick, methods=methods,
         seed=SEED if args.seed is None else args.seed, multimodal=args.multimodal,
+        engine=args.engine,
     )  # fmt: skip
     numbers = summary_numbers(summary)
     print(f"report written to {summary.run_dir / 'summary.md'}")
@@ -345,10 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":  # it takes no config overrides
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            if args.stability and (args.methods or args.multimodal or args.seed is not None):
+            if args.stability and (
+                args.methods or args.multimodal or args.seed is not None or args.engine != "builtin"
+            ):
                 parser.error(
-                    "demo --stability runs its own methods and seeds on the text task: leave "
-                    "out --methods, --multimodal and --seed"
+                    "demo --stability runs its own methods and seeds on the text task with the "
+                    "built-in generator: leave out --methods, --multimodal, --seed and --engine"
                 )
         else:
             args.overrides = [*args.overrides, *extra]

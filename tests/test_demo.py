@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import subprocess
@@ -208,3 +209,32 @@ def test_demo_stability_refuses_options_it_does_not_take(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "demo --stability runs its own methods and seeds" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: this is its absence"
+)
+def test_demo_on_vllm_without_vllm_says_what_to_install(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``demo --engine vllm`` where vLLM is missing: one message naming the tier to install, no
+    traceback, before any model is prepared (the run on the real engine: tests/test_vllm.py)."""
+    from megatron_gndpo.cli import main
+
+    assert main(["demo", "--quick", "--engine", "vllm", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "demo --engine vllm needs vLLM" in err and "install_vllm_cpu.sh" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "cache").exists()
+
+
+def test_demo_on_vllm_refuses_what_it_does_not_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_gndpo.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--stability", "--engine", "vllm"])
+    assert exit_info.value.code == 2
+    assert "leave out --methods, --multimodal, --seed and --engine" in capsys.readouterr().err
+    assert main(["demo", "--multimodal", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "runs the text task only" in err and "Traceback" not in err

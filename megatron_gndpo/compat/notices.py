@@ -1,4 +1,5 @@
-"""megatron-core's known notices, shown at most once per process instead of on every model build.
+"""megatron-core's (and vLLM's) known notices, shown at most once per process instead of on
+every model build (or weight sync).
 
 megatron-core 0.19 logs a few notices each time a model or its wrapper is built (a demo builds
 six models, so they came six times between the step lines), and warns at import about optional
@@ -21,6 +22,11 @@ KNOWN_LOGGED = (
     ("megatron.core.models.multimodal.llava_model", "LLaVA is work in progress"),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel:"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
+    # vLLM (0.32) on every in-place weight reload, i.e. every weight sync. The rotary embedding
+    # has a cache but no checkpoint weight, so the reload puts its cache back and warns; the
+    # post-sync check (weight_sync/check.py) is what says whether the engine's weights are right.
+    ("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load"),
+    ("vllm.v1.core.block_pool", "Successfully reset prefix cache"),
 )
 # Start of the message of notices raised with warnings.warn (at import, or per call).
 KNOWN_WARNINGS = (

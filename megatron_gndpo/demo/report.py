@@ -144,6 +144,7 @@ def summary_numbers(summary: Summary) -> dict[str, Any]:
         "quick": summary.settings.quick,
         "steps": summary.settings.steps,
         "clip_grad": summary.settings.clip_grad,
+        "engine": summary.settings.engine,
         "eval_problems": runs[0].eval_problems if runs else 0,
         "teacher_accuracy": summary.teacher.accuracy,
         "student_start_accuracy": summary.student.accuracy,
@@ -312,7 +313,13 @@ def summary_markdown(summary: Summary, numbers: dict[str, Any]) -> str:
         f"the {summary.task} task, {s.steps} steps of {s.prompts_per_step} prompts x "
         f"{s.samples_per_prompt} samples, lr {s.lr:g}, the same seed ({s.seed}) and start for "
         "every method; "
-        f"greedy held-out accuracy every {s.eval_interval} steps. Resolved configs and metrics: "
+        + (
+            "rollouts sampled by a real vLLM (rollout.engine=vllm), the student's weights synced "
+            "into it every step; "
+            if s.engine == "vllm"
+            else ""
+        )
+        + f"greedy held-out accuracy every {s.eval_interval} steps. Resolved configs and metrics: "
         f"{', '.join(f'`{name}/config.yaml`' for name in summary.methods)}, "
         "`metrics.csv` and `METHOD/metrics.jsonl`.\n\n"
         f"{summary_table(numbers)}\nGrad-norm statistics are of the pre-clip norm and leave "

