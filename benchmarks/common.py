@@ -7,6 +7,7 @@ The peer baselines live in ``shared/bench/peer_step.py`` beside the checkout (or
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
 import sys
 import time
@@ -110,3 +111,17 @@ def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
+
+
+def write_hf_model(model: Any, model_cfg: Any, out: Path) -> None:
+    """The megatron model as a Hugging Face Qwen2 directory (config.json + safetensors)."""
+    from safetensors.torch import save_file
+
+    from megatron_gndpo.checkpoint import hf_mapping
+
+    state = {k: v for k, v in model.state_dict().items() if not hf_mapping.is_extra_state(k)}
+    tensors = hf_mapping.megatron_to_hf(state, model_cfg, family="qwen2")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    config = hf_mapping.hf_config_from_model(model_cfg, "qwen2")
+    (out / "config.json").write_text(json.dumps(config, indent=1))

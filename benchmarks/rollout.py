@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_shape_args, build_model, model_config, sync, table
+from common import add_shape_args, build_model, model_config, sync, table, write_hf_model
 
 from megatron_gndpo.rollout.base import SamplingParams
 from megatron_gndpo.rollout.builtin import MegatronGenerator
@@ -80,7 +80,7 @@ def main() -> None:
     groups, model = build_model(args, max_len, gpu=gpu)
     model_cfg = model_config(args, max_len, gpu=gpu)
     hf_dir = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
-    _write_hf_model(model, model_cfg, hf_dir)
+    write_hf_model(model, model_cfg, hf_dir)
 
     engines: dict[str, Callable[[list[list[int]]], int]] = {}
     steps: dict[str, list[float]] = {}
@@ -211,20 +211,6 @@ def _timed(fn: Callable[..., Any], steps: dict[str, list[float]]) -> Callable[..
         return out
 
     return wrapper
-
-
-def _write_hf_model(model: Any, model_cfg: Any, out: Path) -> None:
-    """The megatron model as a Hugging Face Qwen2 directory (config.json + safetensors)."""
-    from safetensors.torch import save_file
-
-    from megatron_gndpo.checkpoint import hf_mapping
-
-    state = {k: v for k, v in model.state_dict().items() if not hf_mapping.is_extra_state(k)}
-    tensors = hf_mapping.megatron_to_hf(state, model_cfg, family="qwen2")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
-    config = hf_mapping.hf_config_from_model(model_cfg, "qwen2")
-    (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
 def _transformers(hf_dir: Path, args: Any, gpu: bool) -> Callable[[list[list[int]]], int]:
