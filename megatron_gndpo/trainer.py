@@ -26,16 +26,13 @@ from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
 from megatron_gndpo.checkpoint.resume import plan_start, resume_from, set_aside, warn
 from megatron_gndpo.config import Config, save_dir, to_yaml
 from megatron_gndpo.data.datasets import tiles_of
-from megatron_gndpo.engine.methods import (
+from megatron_gndpo.engine.scoring import (
+    ScoreRequest,
     Scores,
-    Targets,
-    build_targets,
-    prefix_share,
-    student_request,
-    student_scores_first,
-    teacher_request,
+    broadcast_scores,
+    required,
+    score_batch,
 )
-from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
 from megatron_gndpo.engine.setup import Components, build_components, never_sampled
 from megatron_gndpo.engine.update import UpdateBatch, run_update
 from megatron_gndpo.logging import progress
@@ -46,6 +43,7 @@ from megatron_gndpo.logging.throughput import (
     model_flops_per_token,
     peak_flops_for,
 )
+from megatron_gndpo.methods import StepBatch, Targets, build_method
 from megatron_gndpo.rewards.verifiable import reward
 from megatron_gndpo.rollout.base import Rollout, SamplingParams, with_teacher_prefix
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
@@ -86,6 +84,7 @@ class Trainer:
         # checkpoint directory until the resume has succeeded.
         self._start = plan_start(cfg.checkpoint, save_dir(cfg))
         self.c: Components = build_components(cfg)
+        self.method = build_method(cfg.algorithm)  # what differs between estimators
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
         self._syncs = 0  # weight syncs into an external engine so far
@@ -106,13 +105,18 @@ class Trainer:
             if hasattr(c.generator, "sleep"):
                 c.generator.sleep()  # give the GPU memory to scoring and training
         teacher, student = self._score(rollout)  # timed inside: the order depends on the method
-        with timer.time("advantages"):
-            rewards = self._rewards(rollout, prompts)
-            targets, metrics = self._targets(rollout, teacher, student, rewards)
-        with timer.time("update"):
-            metrics |= self._update(rollout, student["logprobs"], targets, teacher["logprobs"])
+        rewards = self._rewards(rollout, prompts)
+        if self._nonfinite(teacher.logprobs, rollout.response_mask):  # every rank skips together
+            metrics = {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
+        else:
+            with timer.time("advantages"):
+                targets, metrics = self._targets(rollout, teacher, student, rewards)
+            with timer.time("update"):
+                metrics |= self._update(rollout, student.logprobs, targets)
         # before the checkpoint, whose state must include this step
-        metrics |= self.stability.observe(metrics.get("grad_norm", math.nan), metrics["score/rms"])
+        metrics |= self.stability.observe(
+            metrics.get("grad_norm", math.nan), metrics.get("score/rms", math.nan)
+        )
         with timer.time("weight_sync"):
             metrics |= self._sync_engine()
         self.step_count += 1
@@ -193,7 +197,7 @@ class Trainer:
 
     def _sample(self, prompts: list[Any]) -> Rollout:
         """The step's rollout: on-policy, or continued from teacher-written prefixes (TrOPD)."""
-        share = prefix_share(self.cfg.algorithm, self.step_count + 1)
+        share = self.method.prefix_share(self.step_count + 1)
         temperature = temperature_at(self.cfg.rollout, self.step_count + 1)
         params = dataclasses.replace(self.params, temperature=temperature)
         if share == 0.0:
@@ -253,26 +257,35 @@ class Trainer:
         )  # fmt: skip
 
     def _score(self, rollout: Rollout) -> tuple[Scores, Scores]:
-        """Teacher and student (rollout-weight) scores of the rollout; see engine/methods.py for
-        what each method asks of them (vOPD scores the student first)."""
-        a, timer = self.cfg.algorithm, self.c.timer
+        """Teacher and student (rollout-weight) scores of the rollout; the method says what
+        each scores besides the sampled tokens, and which goes first (vOPD: the student)."""
+        method, timer = self.method, self.c.timer
         student = None
-        if student_scores_first(a):
+        if method.student_first:
             with timer.time("old_logprobs"):
-                student = self._student_scores(rollout, student_request(a, None))
+                student = self._student_scores(rollout, method.student_request(None))
         with timer.time("teacher_logprobs"):
             step_seed = self.cfg.trainer.seed * 1_000_003 + self.step_count  # the same everywhere
-            request = teacher_request(a, student, seed=step_seed)
+            request = method.teacher_request(student, step_seed)
             if request is not None and request.full_kl:  # the student's output shard meets it
                 request = dataclasses.replace(request, kl_weight=self._student_output_weight())
-            teacher = self.c.teacher.score_batch(
-                rollout.tokens, rollout.lengths, request, images=rollout.images
+            teacher = Scores.of(
+                self.c.teacher.score_batch(
+                    rollout.tokens, rollout.lengths, request, images=rollout.images
+                )
             )
         if student is None:
             with timer.time("old_logprobs"):
-                student = self._student_scores(rollout, student_request(a, teacher))
-        student.pop("hidden", None)  # [n, S, H]: used by the teacher's pass only
+                student = self._student_scores(rollout, method.student_request(teacher))
+        student.hidden = None  # [n, S, H]: used by the teacher's pass only
         return teacher, student
+
+    def _nonfinite(self, teacher_lp: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether any rank's teacher log-probs are non-finite on a response token: the step
+        is then skipped before its scores reach the advantages, the metrics or the update."""
+        bad = torch.tensor([float(not torch.isfinite(teacher_lp[mask]).all())])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips together
+        return bool(bad.item())
 
     def _student_output_weight(self) -> torch.Tensor | None:
         """This rank's shard of the student's output layer (last stage), else None."""
@@ -294,7 +307,7 @@ class Trainer:
         device = next(c.student.parameters()).device  # the broadcast goes over NCCL on GPUs
         specs = request.specs(*rollout.tokens.shape)
         scores = broadcast_scores(scores, specs, c.student_groups, device)
-        return {key: value.to(rollout.tokens.device) for key, value in scores.items()}
+        return Scores.of({key: value.to(rollout.tokens.device) for key, value in scores.items()})
 
     def _rewards(self, rollout: Rollout, prompts: list[Any]) -> torch.Tensor | None:
         answers = [prompts[int(i)].example.answer for i in rollout.prompt_index]
@@ -311,26 +324,23 @@ class Trainer:
     ) -> tuple[Targets, dict[str, float]]:
         mask = rollout.response_mask
         group = self.c.student_groups.dp_cp
-        a = self.cfg.algorithm
-        teacher_lp, old_lp = teacher["logprobs"], student["logprobs"]
-        metrics = score_metrics(teacher_lp, old_lp, mask.float(), kl_clip=a.kl_clip, group=group)
-        targets, extra = build_targets(
-            a, teacher=teacher, student=student, response_mask=mask, rewards=rewards,
-            group_size=self.params.samples_per_prompt, group=group, step=self.step_count + 1,
-            tokens=rollout.tokens, teacher_written=rollout.teacher_written,
+        metrics = score_metrics(
+            teacher.logprobs, student.logprobs, mask.float(), kl_clip=self.cfg.algorithm.kl_clip,
+            group=group,
+        )  # fmt: skip
+        targets, extra = self.method.targets(
+            StepBatch(
+                teacher, student, mask, rewards, group_size=self.params.samples_per_prompt,
+                group=group, step=self.step_count + 1, tokens=rollout.tokens,
+                teacher_written=rollout.teacher_written,
+            )
         )  # fmt: skip
         metrics |= extra | advantage_metrics(targets.advantages, mask.float(), group=group)
         return targets, metrics
 
-    def _update(
-        self, rollout: Rollout, old_lp: torch.Tensor, targets: Targets, teacher_lp: torch.Tensor
-    ) -> dict[str, float]:
+    def _update(self, rollout: Rollout, old_lp: torch.Tensor, targets: Targets) -> dict[str, float]:
         c, t = self.c, self.cfg.trainer
         mask = rollout.response_mask
-        bad = torch.tensor([float(not torch.isfinite(teacher_lp[mask]).all())])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips together
-        if bad.item():
-            return {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
         steps = run_update(
             c.ddp, c.optimizer, c.scheduler,
             UpdateBatch(
@@ -367,8 +377,8 @@ class Trainer:
         mask = rollout.response_mask
         written = rollout.teacher_written
         sampled = mask if written is None else mask & ~written  # the student's own tokens
-        gap = (student["logprobs"] - rollout.sampler_logprobs).abs()[sampled].double()
-        entropy = student["entropy"][mask].double()
+        gap = (student.logprobs - rollout.sampler_logprobs).abs()[sampled].double()
+        entropy = required(student.entropy, "the student's entropy")[mask].double()
         teacher_tokens = 0.0 if written is None else float((written & mask).sum())
         reward_sum = rewards.double().sum() if rewards is not None else torch.tensor(0.0)
         stats = torch.tensor(
@@ -396,10 +406,7 @@ class Trainer:
         }
         if rewards is not None:
             out["reward/mean"] = reward_sum / rows
-        if self.cfg.algorithm.estimator == "tropd":
-            out["tropd/prefix_share"] = prefix_share(self.cfg.algorithm, self.step_count)
-            out["tropd/teacher_written_frac"] = written_sum / max(response, 1.0)
-        return out
+        return out | self.method.rollout_metrics(self.step_count, written_sum / max(response, 1.0))
 
     def _mfu(self, rollout: Rollout, metrics: dict[str, float]) -> dict[str, float]:
         """Model FLOPs utilisation of the update stage (GPUs with a known peak only)."""

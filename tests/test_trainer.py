@@ -218,6 +218,8 @@ def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
 
     nan = r["nan_step"]
     assert nan["skipped"] == 1.0 and nan["skipped/nonfinite_teacher"] == 1.0
+    # the guard runs right after scoring: the bad log-probs reach no advantage or metric
+    assert not any(k.startswith(("score/", "advantage/")) for k in nan), sorted(nan)
     assert r["nan_weights_kept"] and r["nan_adam_kept"]
     assert r["after_nan"]["skipped"] == 0.0 and math.isfinite(r["after_nan"]["grad_norm"])
     assert r["preempted_steps"] == 2 and r["preempted_saved"] == 2

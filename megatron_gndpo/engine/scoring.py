@@ -76,6 +76,35 @@ class ScoreRequest:
         return out
 
 
+@dataclasses.dataclass
+class Scores:
+    """One model's scores of a batch, in the scoring convention (``x[:, t]`` belongs to token
+    ``t``): ``logprobs [B, S]`` always, each other field only when the :class:`ScoreRequest`
+    asked for it (its docstring says what each holds; the names are those of
+    :meth:`ScoreRequest.specs`). ``hidden [B, S, H]`` exists on the last stage only."""
+
+    logprobs: torch.Tensor
+    topk_ids: torch.Tensor | None = None  # [B, S, K] int64
+    topk_logprobs: torch.Tensor | None = None  # [B, S, K]
+    extra_logprobs: torch.Tensor | None = None  # [B, S, K]: of the request's extra_ids
+    entropy: torch.Tensor | None = None  # [B, S]
+    kl: torch.Tensor | None = None  # [B, S]: KL(p || this model), full vocabulary
+    sampled_ids: torch.Tensor | None = None  # [B, S] int64
+    hidden: torch.Tensor | None = None  # [B, S, H], the model's dtype
+
+    @classmethod
+    def of(cls, outputs: dict[str, torch.Tensor]) -> Scores:
+        """The typed form of :func:`score_batch`'s (or a broadcast's) outputs."""
+        return cls(**outputs)
+
+
+def required(value: torch.Tensor | None, what: str) -> torch.Tensor:
+    """``value``, which the method's :class:`ScoreRequest` must have asked for."""
+    if value is None:
+        raise ValueError(f"{what} was not scored: the method's ScoreRequest must ask for it")
+    return value
+
+
 def plan_padded(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """Rows grouped into micro-batches of at most ``token_budget`` padded tokens.
 
