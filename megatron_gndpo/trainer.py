@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo import seeding
 from megatron_gndpo.algorithms.metrics import StabilityMonitor, advantage_metrics, score_metrics
 from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
 from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
@@ -45,7 +46,8 @@ from megatron_gndpo.logging.throughput import (
 )
 from megatron_gndpo.methods import StepBatch, Targets, build_method
 from megatron_gndpo.rewards.verifiable import reward
-from megatron_gndpo.rollout.base import Rollout, SamplingParams, with_teacher_prefix
+from megatron_gndpo.rollout.base import Rollout, SamplingParams
+from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
@@ -176,8 +178,7 @@ class Trainer:
         # One seed per prompt from (seed, step, position in the global step batch): the samples
         # do not depend on the data-parallel size or on which rank draws them.
         first = self.c.student_groups.coords["dp"] * len(prompts)
-        base = (self.cfg.trainer.seed * 1_000_003 + self.step_count) * 10_007 + first
-        return [base + j for j in range(len(prompts))]
+        return seeding.prompt_seeds(self.cfg.trainer.seed, self.step_count, first, len(prompts))
 
     def _generate(
         self, prompts: list[Any], ids: list[list[int]], params: SamplingParams, seeds: list[int]
@@ -196,32 +197,19 @@ class Trainer:
         return self._generate(prompts, ids, params or self.params, self._seeds(prompts))
 
     def _sample(self, prompts: list[Any]) -> Rollout:
-        """The step's rollout: on-policy, or continued from teacher-written prefixes (TrOPD)."""
+        """The step's rollout: on-policy, or continued from teacher-written prefixes when the
+        method says so (TrOPD's off-policy guidance, rollout/prefixes.py)."""
         share = self.method.prefix_share(self.step_count + 1)
         temperature = temperature_at(self.cfg.rollout, self.step_count + 1)
         params = dataclasses.replace(self.params, temperature=temperature)
         if share == 0.0:
             return self._rollout(prompts, params)
-        # The teacher answers each prompt once (its own random streams), the first `share` of
-        # each answer is kept, and the student samples its continuations from there.
-        seeds = self._seeds(prompts)
-        once = dataclasses.replace(self.params, samples_per_prompt=1)
         images = [p.images for p in prompts] if self.cfg.model.vision is not None else None
-        answers = self.c.teacher.generate(
-            [list(p.ids) for p in prompts], once, [s + 1_000_000_007 for s in seeds],
-            images=images,
+        return continue_teacher_prefixes(
+            [list(p.ids) for p in prompts], share, teacher=self.c.teacher,
+            generate=lambda ids, sampling, seeds: self._generate(prompts, ids, sampling, seeds),
+            params=params, configured=self.params, seeds=self._seeds(prompts), images=images,
         )  # fmt: skip
-        prefixes = [a[: int(share * len(a))] for a in answers]
-        room = self.params.max_new_tokens - min(len(x) for x in prefixes)
-        continued = self._generate(
-            prompts, [[*p.ids, *x] for p, x in zip(prompts, prefixes, strict=True)],
-            dataclasses.replace(params, max_new_tokens=room), seeds,
-        )  # fmt: skip
-        rollout = with_teacher_prefix(
-            continued, [len(x) for x in prefixes], self.params.max_new_tokens
-        )
-        rollout.images = continued.images
-        return rollout
 
     def _sync_engine(self) -> dict[str, float]:
         """Push the student's weights into an external engine (vLLM); nothing for the built-in
@@ -265,7 +253,7 @@ class Trainer:
             with timer.time("old_logprobs"):
                 student = self._student_scores(rollout, method.student_request(None))
         with timer.time("teacher_logprobs"):
-            step_seed = self.cfg.trainer.seed * 1_000_003 + self.step_count  # the same everywhere
+            step_seed = seeding.step_seed(self.cfg.trainer.seed, self.step_count)
             request = method.teacher_request(student, step_seed)
             if request is not None and request.full_kl:  # the student's output shard meets it
                 request = dataclasses.replace(request, kl_weight=self._student_output_weight())

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -30,16 +29,12 @@ import torch.distributed as dist
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
+from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 MODEL_CONFIG_FILE = "model_config.yaml"
 HF_CONFIG_FILE = "hf_config.json"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-    "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
 _SAFETENSORS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -145,21 +140,6 @@ def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
         )
 
 
-def _global_names(net: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, full-model name, parameter) for this rank's parameters.
-
-    A pipeline stage numbers its layers from 0; ``layer_number`` (1-based) is global.
-    """
-    layers = getattr(getattr(net, "decoder", None), "layers", [])
-    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
-    for name, param in net.named_parameters():
-        full = name
-        if name.startswith("decoder.layers."):
-            local, rest = name.removeprefix("decoder.layers.").split(".", 1)
-            full = f"decoder.layers.{offsets[local]}.{rest}"
-        yield name, full, param
-
-
 def fill_from_hf(
     net: torch.nn.Module,
     hf: HFCheckpoint,
@@ -171,7 +151,7 @@ def fill_from_hf(
     """Copy every parameter of this rank's shard ``net`` from the HF checkpoint."""
     padded = model.padded_vocab_size(tp)
     with torch.no_grad():
-        for local, full_name, param in _global_names(net):
+        for local, full_name, param in hf_mapping.global_names(net):
             mapping = hf_mapping.mapping_for(full_name, model)
             tensors = [hf.get(n) for n in mapping.hf]
             full = mapping.to_megatron(tensors, model, padded_vocab=padded)
@@ -180,16 +160,6 @@ def fill_from_hf(
             )
             param.copy_(shard)
             del tensors, full, shard  # one parameter's full tensor at a time
-
-
-def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the tokenizer / generation files present in ``src`` to ``dst``; return their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
-            copied.append(name)
-    return copied
 
 
 def convert_hf_to_mcore(

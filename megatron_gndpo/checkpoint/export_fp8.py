@@ -109,7 +109,7 @@ def export_fp8(
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from megatron_gndpo.checkpoint.convert import copy_tokenizer_files
+    from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 
     if not calibration or any(len(ids) == 0 for ids in calibration):
         raise ValueError("FP8 calibration needs at least one prompt and no empty prompt")

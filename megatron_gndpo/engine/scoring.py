@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo import seeding
 from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -169,7 +170,7 @@ class _MicroBatch:
         kl_hidden = None if self.kl_hidden is None else self.kl_hidden.to(device)
         sample_seed = None
         if request.sample_seed is not None:  # one stream per micro-batch, by its first row
-            sample_seed = (request.sample_seed * 1_000_003 + self.rows[0]) % (2**63)
+            sample_seed = seeding.sample_seed(request.sample_seed, self.rows[0])
         return ScoreContext(
             targets, extra_ids=extra, entropy=request.entropy, top_k=request.top_k,
             hidden=request.hidden, kl_hidden=kl_hidden, kl_weight=request.kl_weight,
