@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gndpo.config import load_config, validate
+from megatron_gndpo.checks import validate
+from megatron_gndpo.config import load_config
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import AlgorithmConfig, TGPOConfig, TrOPDConfig
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores

@@ -261,8 +261,8 @@ def test_engine_directory_for_a_vlm(tmp_path: Path) -> None:
 
 
 def test_config_checks_for_vllm_with_a_vlm() -> None:
+    from megatron_gndpo.checks import validate
     from megatron_gndpo.config import ConfigError, load_config
-    from megatron_gndpo.config.validate import validate
 
     vision = {
         "encoder": "internvit", "pixel_shuffle": True, "projector": "norm_mlp",

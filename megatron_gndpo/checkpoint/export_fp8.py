@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megatron_gndpo.config.validate import require_package
+from megatron_gndpo.config.extras import require_package
 
 # A calibration prompt longer than this is cut: the amax of a few hundred tokens per prompt is
 # what calibration needs, and longer rows only cost time.

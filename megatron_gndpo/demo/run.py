@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_gndpo.config import save_resolved, validate
+from megatron_gndpo.checks import validate
+from megatron_gndpo.config import save_resolved
 from megatron_gndpo.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,

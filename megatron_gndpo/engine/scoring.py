@@ -334,8 +334,6 @@ def score_batch(
     else:  # a VLM: padding must not be its image placeholder; the rows' tiles come along
         from megatron.core.utils import get_attr_wrapped_model
 
-        from megatron_gndpo.models.vlm_scoring import pad_id_for
-
         pad = pad_id_for(get_attr_wrapped_model(model, "image_token_index"))
         micro_batches = [
             _padded_micro_batch(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, pad)
@@ -391,6 +389,11 @@ def score_batch(
                 # what position t predicts belongs to token t + 1
                 out[key][row, 1:n] = value[index, start : start + n - 1].cpu()
     return {key: value.to(tokens_BS.device) for key, value in out.items()}
+
+
+def pad_id_for(image_token_id: int) -> int:
+    """A padding id that is not the image placeholder (padding must not take an image)."""
+    return 1 if image_token_id == 0 else 0
 
 
 def row_images(images: Sequence[torch.Tensor | None], rows: Sequence[int]) -> torch.Tensor | None:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.checkpoint.dist import load_checkpoint
-from megatron_gndpo.config import Config, ConfigError, layout_of, save_dir, to_dict
+from megatron_gndpo.checks import layout_of
+from megatron_gndpo.config import Config, ConfigError, save_dir, to_dict
 from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
 from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample, PromptImages
 from megatron_gndpo.data.tokenizer import Tokenizer

@@ -16,8 +16,7 @@ receives and how to sample. Adding a method is one module and one line here (doc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from megatron_gndpo.config.schema import AlgorithmConfig, Config
 from megatron_gndpo.methods.base import BaseMethod, Method, StepBatch, Targets
 from megatron_gndpo.methods.distill import GNDPO, OPD
 from megatron_gndpo.methods.mix import Mix
@@ -25,9 +24,6 @@ from megatron_gndpo.methods.outcome import GRPO, ReinforcePP
 from megatron_gndpo.methods.tgpo import TGPO
 from megatron_gndpo.methods.tropd import TrOPD
 from megatron_gndpo.methods.vopd import VOPD
-
-if TYPE_CHECKING:
-    from megatron_gndpo.config.schema import AlgorithmConfig, Config
 
 METHODS: dict[str, type[BaseMethod]] = {
     m.name: m for m in (GNDPO, OPD, GRPO, ReinforcePP, VOPD, Mix, TGPO, TrOPD)

@@ -12,15 +12,13 @@ Tensors are ``[n, S]`` / ``[n, S, K]`` in the scoring convention (``x[:, t]`` be
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from megatron_gndpo.algorithms.stats import global_sum
+from megatron_gndpo.config.schema import AlgorithmConfig, Config
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores
-
-if TYPE_CHECKING:  # config imports this package to validate; the methods only read it
-    from megatron_gndpo.config.schema import AlgorithmConfig, Config
 
 
 @dataclasses.dataclass

@@ -7,15 +7,13 @@ implements :meth:`DistillMethod.distill`, the advantages from the two models' sc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from megatron_gndpo.algorithms import advantages as adv
+from megatron_gndpo.config.schema import Config
 from megatron_gndpo.methods.base import BaseMethod, StepBatch, Targets
-
-if TYPE_CHECKING:
-    from megatron_gndpo.config.schema import Config
 
 
 class DistillMethod(BaseMethod):

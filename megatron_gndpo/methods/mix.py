@@ -7,17 +7,15 @@ reinforce_pp) needs a verifiable reward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from megatron_gndpo.algorithms import advantages as adv
+from megatron_gndpo.config.schema import AlgorithmConfig, Config
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores
 from megatron_gndpo.methods.base import BaseMethod, StepBatch, Targets, needs_rewards
 from megatron_gndpo.methods.distill import GNDPO, OPD, DistillMethod
 from megatron_gndpo.methods.outcome import GRPO, OutcomeMethod, ReinforcePP
 from megatron_gndpo.methods.vopd import VOPD
-
-if TYPE_CHECKING:
-    from megatron_gndpo.config.schema import AlgorithmConfig, Config
 
 DISTILL_PARTS: dict[str, type[DistillMethod]] = {m.name: m for m in (GNDPO, OPD, VOPD)}
 OUTCOME_PARTS: dict[str, type[OutcomeMethod]] = {m.name: m for m in (GRPO, ReinforcePP)}

@@ -7,15 +7,13 @@ docs/methods/rlvr.md.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from megatron_gndpo.algorithms import advantages as adv
+from megatron_gndpo.config.schema import Config
 from megatron_gndpo.methods.base import BaseMethod, StepBatch, Targets, needs_rewards
-
-if TYPE_CHECKING:
-    from megatron_gndpo.config.schema import Config
 
 
 class OutcomeMethod(BaseMethod):

@@ -7,18 +7,16 @@ The teacher scores first: its greedy token (top-1), a token sampled from it, or 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from megatron_gndpo.algorithms import advantages as adv
 from megatron_gndpo.algorithms import guidance
+from megatron_gndpo.config.schema import Config
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores, required
 from megatron_gndpo.methods.base import BaseMethod, StepBatch, Targets, global_mean, needs_rewards
 from megatron_gndpo.methods.outcome import group_problems
-
-if TYPE_CHECKING:
-    from megatron_gndpo.config.schema import Config
 
 
 def guidance_ids(teacher: Scores) -> torch.Tensor:

@@ -9,15 +9,13 @@ answer, and the teacher-written tokens get the distillation term instead of the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from megatron_gndpo.algorithms import guidance
+from megatron_gndpo.config.schema import Config
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores
 from megatron_gndpo.methods.base import BaseMethod, StepBatch, Targets, global_mean
 from megatron_gndpo.parallel.groups import ParallelLayout
-
-if TYPE_CHECKING:
-    from megatron_gndpo.config.schema import Config
 
 
 class TrOPD(BaseMethod):

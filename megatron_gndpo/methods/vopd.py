@@ -9,17 +9,15 @@ same ranks, so both models need one layout and one padded vocabulary).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from megatron_gndpo.algorithms import advantages as adv
+from megatron_gndpo.config.schema import Config
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores, required
 from megatron_gndpo.methods.base import StepBatch, global_mean
 from megatron_gndpo.methods.distill import DistillMethod
-
-if TYPE_CHECKING:
-    from megatron_gndpo.config.schema import Config
 
 
 class VOPD(DistillMethod):

@@ -61,9 +61,9 @@ import torch
 
 from megatron_gndpo import seeding
 from megatron_gndpo.checkpoint import hf_mapping, vlm_mapping
+from megatron_gndpo.config.extras import require_package
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import Dtype, ModelConfig, RolloutConfig
-from megatron_gndpo.config.validate import require_package
 from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.data.images import ImageLayout, load_image
 from megatron_gndpo.data.tokenizer import TOKENIZER_FILES, copy_tokenizer_files

@@ -1,14 +1,15 @@
 """Cross-field rules: combinations that cannot run, each reported with the fix.
 
 :func:`validate` collects every problem and raises one :class:`ConfigError` listing them all, so a
-user fixes a config in one round. :func:`check_environment` is separate: it checks that the
-packages a config asks for (Transformer Engine, vLLM) are importable here, which ``plan`` (run
-from a laptop for a cluster) does not require.
+user fixes a config in one round. What depends on the estimator is the method's
+(:func:`~megatron_gndpo.methods.method_problems`). These rules read other components (the
+methods, the parallel layouts, the image layouts), so they live here, beside the entry points,
+and ``config/`` stays a leaf. :func:`~megatron_gndpo.config.check_environment` is separate: it
+checks that the packages a config asks for are importable here, which ``plan`` (run from a
+laptop for a cluster) does not require.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
 from megatron_gndpo.config.loader import ConfigError
@@ -366,38 +367,3 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         lines = "\n".join(f"  - {msg}" for msg in problems)
         raise ConfigError(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
     return cfg
-
-
-class MissingExtraError(ConfigError):
-    """The config asks for an optional package (an extra) that is not installed here."""
-
-
-def require_package(module: str, *, what: str, extra: str, instead: str) -> None:
-    """Raise MissingExtraError naming the extra to install unless ``module`` is importable."""
-    if importlib.util.find_spec(module) is None:
-        raise MissingExtraError(
-            f"{what} needs the Python package {module!r}, which is not installed here: use the "
-            f"NGC PyTorch container or `pip install 'megatron-gndpo[{extra}]'` on a CUDA machine; "
-            f"or {instead}"
-        )
-
-
-def check_environment(cfg: Config) -> None:
-    """Fail clearly when the config asks for an optional package this machine lacks."""
-    for section, model in (("model", cfg.model), ("teacher.model", cfg.teacher.model)):
-        if model.transformer_impl == "transformer_engine" or model.fp8:
-            require_package(
-                "transformer_engine",
-                what=f"{section}.transformer_impl=transformer_engine (or fp8)",
-                extra="te",
-                instead=f"set {section}.transformer_impl=local (and {section}.fp8=null)",
-            )
-    if cfg.logging.tensorboard:
-        require_package(
-            "tensorboard", what="logging.tensorboard=true", extra="tensorboard",
-            instead="set logging.tensorboard=false",
-        )  # fmt: skip
-    if cfg.rollout.engine == "vllm":
-        require_package(
-            "vllm", what="rollout.engine=vllm", extra="vllm", instead="set rollout.engine=builtin"
-        )
