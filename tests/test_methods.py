@@ -18,7 +18,7 @@ from megatron_gndpo.engine.scoring import ScoreRequest, Scores
 from megatron_gndpo.methods import METHODS as REGISTRY
 from megatron_gndpo.methods import BaseMethod, StepBatch, Targets, build_method
 from tests.harness import run_distributed
-from tests.test_trainer import _reset, _snapshot, _trainer
+from tests.trainers import reset_megatron, snapshot, tiny_trainer
 
 METHODS = {
     "vopd": ["algorithm.estimator=vopd", "algorithm.vopd_top_k=8"],
@@ -66,11 +66,11 @@ def _runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict[
 
     out: dict[str, object] = {}
     for name, overrides in runs.items():
-        trainer = _trainer(f"{root}/{name}", *overrides)
+        trainer = tiny_trainer(f"{root}/{name}", *overrides)
         if world == 1 and not out:  # megatron initialises other PP layouts differently
             save_checkpoint(f"{root}/../init", 0, trainer.c.student)
             save_checkpoint(f"{root}/../teacher", 0, trainer.c.teacher.model)
-        student, teacher = _snapshot(trainer.c.student), _snapshot(trainer.c.teacher.model)
+        student, teacher = snapshot(trainer.c.student), snapshot(trainer.c.teacher.model)
         steps = [trainer.step() for _ in range(2)]
         out[name] = {
             "steps": steps,
@@ -83,7 +83,7 @@ def _runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict[
             ],
         }  # fmt: skip
         trainer.c.logger.close()
-        _reset()
+        reset_megatron()
     return out
 
 
