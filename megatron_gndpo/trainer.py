@@ -22,10 +22,17 @@ import torch.distributed as dist
 
 from megatron_gndpo import seeding
 from megatron_gndpo.algorithms.metrics import StabilityMonitor, advantage_metrics, score_metrics
-from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
+from megatron_gndpo.checkpoint.convert import describe_checkpoints
 from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
-from megatron_gndpo.checkpoint.resume import plan_start, resume_from, set_aside, warn
-from megatron_gndpo.config import Config, save_dir, to_yaml
+from megatron_gndpo.checkpoint.resume import (
+    plan_start,
+    restore_run_state,
+    resume_from,
+    run_state,
+    set_aside,
+    warn,
+)
+from megatron_gndpo.config import Config, save_dir
 from megatron_gndpo.data.datasets import tiles_of
 from megatron_gndpo.engine.scoring import (
     ScoreRequest,
@@ -38,15 +45,11 @@ from megatron_gndpo.engine.setup import Components, build_components, never_samp
 from megatron_gndpo.engine.update import UpdateBatch, run_update
 from megatron_gndpo.logging import progress
 from megatron_gndpo.logging.sinks import METRICS_FILE
-from megatron_gndpo.logging.throughput import (
-    attention_seq_len,
-    mfu,
-    model_flops_per_token,
-    peak_flops_for,
-)
+from megatron_gndpo.logging.throughput import update_mfu
 from megatron_gndpo.methods import StepBatch, Targets, build_method
 from megatron_gndpo.rewards.verifiable import reward
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
+from megatron_gndpo.rollout.metrics import rollout_metrics
 from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
 
@@ -107,12 +110,14 @@ class Trainer:
             if hasattr(c.generator, "sleep"):
                 c.generator.sleep()  # give the GPU memory to scoring and training
         teacher, student = self._score(rollout)  # timed inside: the order depends on the method
-        rewards = self._rewards(rollout, prompts)
-        if self._nonfinite(teacher.logprobs, rollout.response_mask):  # every rank skips together
+        skip = self._nonfinite(teacher.logprobs, rollout.response_mask)  # before any use of them
+        with timer.time("advantages"):
+            rewards = self._rewards(rollout, prompts)
+            if not skip:
+                targets, metrics = self._targets(rollout, teacher, student, rewards)
+        if skip:  # every rank skips together
             metrics = {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
         else:
-            with timer.time("advantages"):
-                targets, metrics = self._targets(rollout, teacher, student, rewards)
             with timer.time("update"):
                 metrics |= self._update(rollout, student.logprobs, targets)
         # before the checkpoint, whose state must include this step
@@ -360,57 +365,21 @@ class Trainer:
     def _rollout_metrics(
         self, rollout: Rollout, student: Scores, rewards: torch.Tensor | None
     ) -> dict[str, float]:
-        group = self.c.student_groups.dp_cp
-        lengths = rollout.response_lengths.double()
-        mask = rollout.response_mask
-        written = rollout.teacher_written
-        sampled = mask if written is None else mask & ~written  # the student's own tokens
-        gap = (student.logprobs - rollout.sampler_logprobs).abs()[sampled].double()
-        entropy = required(student.entropy, "the student's entropy")[mask].double()
-        teacher_tokens = 0.0 if written is None else float((written & mask).sum())
-        reward_sum = rewards.double().sum() if rewards is not None else torch.tensor(0.0)
-        stats = torch.tensor(
-            [len(lengths), float(lengths.sum()), float(gap.sum()), gap.numel(),
-             float(reward_sum), float(rollout.finished.sum()), float(entropy.sum()),
-             float(mask.sum()), teacher_tokens],
-            dtype=torch.float64,
-        )  # fmt: skip
-        dist.all_reduce(stats, group=group)
-        longest = lengths.max().reshape(1)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-        rows, total, gap_sum, tokens, reward_sum, finished, entropy_sum, response, written_sum = (
-            stats.tolist()
+        entropy = required(student.entropy, "the student's entropy")
+        out, written_frac = rollout_metrics(
+            rollout, student.logprobs, entropy, rewards, self.c.student_groups.dp_cp
         )
-        out = {
-            "response_length/mean": total / rows,
-            "response_length/max": float(longest),
-            "sampler_gap/mean_abs": gap_sum / max(tokens, 1.0),
-            # the student's entropy on its own samples, at the rollout weights
-            "entropy/mean": entropy_sum / max(response, 1.0),
-            "finished/frac": finished / rows,
-            "tokens/step": total,  # generated tokens of the whole step (all DP ranks)
-            "prompts/skipped_too_long": float(self.c.skipped_prompts),
-            "rollout/temperature": temperature_at(self.cfg.rollout, self.step_count),
-        }
-        if rewards is not None:
-            out["reward/mean"] = reward_sum / rows
-        return out | self.method.rollout_metrics(self.step_count, written_sum / max(response, 1.0))
+        out["prompts/skipped_too_long"] = float(self.c.skipped_prompts)
+        out["rollout/temperature"] = temperature_at(self.cfg.rollout, self.step_count)
+        return out | self.method.rollout_metrics(self.step_count, written_frac)
 
     def _mfu(self, rollout: Rollout, metrics: dict[str, float]) -> dict[str, float]:
-        """Model FLOPs utilisation of the update stage (GPUs with a known peak only)."""
-        if not torch.cuda.is_available():
-            return {}
-        peak = peak_flops_for(torch.cuda.get_device_name())
-        seconds = metrics.get("time/update", 0.0)
-        if peak is None or seconds <= 0:
-            return {}
-        lengths = rollout.lengths.tolist()
-        flops_per_token = model_flops_per_token(
-            self.cfg.model, attention_seq_len(lengths), training=True
-        )
-        # every data-parallel replica processes its own rows; model-parallel ranks share them
-        flops = flops_per_token * sum(lengths) * self.c.student_groups.layout.dp
-        return {"mfu": mfu(flops, seconds, peak * dist.get_world_size())}
+        """Model FLOPs utilisation of the update stage (GPUs with a known peak only); every
+        data-parallel replica processes its own rows, model-parallel ranks share them."""
+        return update_mfu(
+            self.cfg.model, rollout.lengths.tolist(), metrics.get("time/update", 0.0),
+            replicas=self.c.student_groups.layout.dp, world_size=dist.get_world_size(),
+        )  # fmt: skip
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts (sharded over data-parallel ranks)."""
@@ -430,14 +399,12 @@ class Trainer:
         return {"eval/accuracy": float(correct[0] / correct[1].clamp(min=1.0))}
 
     # ----------------------------------------------------------------------------------------
-    def _extra_state(self) -> dict[str, Any]:
-        state = {
-            "sampler": self.c.sampler.state_dict(), "scheduler": self.c.scheduler.state_dict(),
-            "stability": self.stability.state_dict(),
+    def _run_state(self) -> dict[str, Any]:
+        """What a checkpoint saves besides the weights and the optimizer (checkpoint/resume.py)."""
+        return {
+            "sampler": self.c.sampler, "scheduler": self.c.scheduler, "stability": self.stability,
+            "outlier_sampler": self.c.outlier_sampler,
         }  # fmt: skip
-        if self.c.outlier_sampler is not None:
-            state["outlier_sampler"] = self.c.outlier_sampler.state_dict()
-        return state
 
     def _maybe_save(self) -> None:
         interval = self.cfg.checkpoint.save_interval
@@ -447,7 +414,7 @@ class Trainer:
     def _save(self) -> None:
         save_checkpoint(
             self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
-            extra=self._extra_state(), keep_last=self.cfg.checkpoint.keep_last,
+            extra=run_state(self._run_state()), keep_last=self.cfg.checkpoint.keep_last,
             run_id=self.run_id,
         )  # fmt: skip
 
@@ -456,15 +423,10 @@ class Trainer:
             print(message, flush=True)
 
     def _describe_checkpoints(self) -> None:
-        """The architecture beside the checkpoints, so ``convert mcore-to-hf`` needs no flags;
-        written only once the run has started (a failed resume leaves the old one)."""
+        """The architecture beside the checkpoints; written only once the run has started (a
+        failed resume leaves the old one)."""
         if dist.get_rank() == 0:
-            self.c.save_dir.mkdir(parents=True, exist_ok=True)
-            (self.c.save_dir / MODEL_CONFIG_FILE).write_text(to_yaml(self.cfg.model))
-            if self.cfg.model.vision is not None:  # a VLM: what convert's VLM path reads
-                from megatron_gndpo.checkpoint.vlm_convert import VISION_CONFIG_FILE
-
-                (self.c.save_dir / VISION_CONFIG_FILE).write_text(to_yaml(self.cfg.model.vision))
+            describe_checkpoints(self.c.save_dir, self.cfg.model, self.cfg.model.vision)
 
     def _resume(self) -> None:
         """Continue from the newest intact checkpoint of the plan (checkpoint.load, or the save
@@ -478,13 +440,7 @@ class Trainer:
         )
         self.run_id, self.step_count = resumed.run_id, resumed.step
         if resumed.directory is not None:
-            self.c.sampler.load_state_dict(resumed.meta["extra"]["sampler"])
-            self.c.scheduler.load_state_dict(resumed.meta["extra"]["scheduler"])
-            extra = resumed.meta["extra"]
-            if "stability" in extra:  # checkpoints before the diagnostics start them afresh
-                self.stability.load_state_dict(extra["stability"])
-            if self.c.outlier_sampler is not None and "outlier_sampler" in extra:
-                self.c.outlier_sampler.load_state_dict(extra["outlier_sampler"])
+            restore_run_state(self._run_state(), resumed.meta["extra"])
         if dist.get_rank() == 0:
             metrics = Path(self.cfg.logging.run_dir) / METRICS_FILE
             moved = set_aside(self._start, resumed, metrics)

@@ -28,12 +28,15 @@ import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
+from megatron_gndpo.config.loader import to_yaml
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
+from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 MODEL_CONFIG_FILE = "model_config.yaml"
+VISION_CONFIG_FILE = "vision_config.yaml"  # a VLM's, beside its model_config.yaml
 HF_CONFIG_FILE = "hf_config.json"
 _SAFETENSORS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -140,6 +143,18 @@ def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
         )
 
 
+def describe_checkpoints(
+    directory: str | Path, model: ModelConfig, vision: VisionConfig | None = None
+) -> None:
+    """The architecture beside a directory of checkpoints (``model_config.yaml``, and a VLM's
+    ``vision_config.yaml``), so ``convert mcore-to-hf`` needs no flags. Rank 0 only."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MODEL_CONFIG_FILE).write_text(to_yaml(model))
+    if vision is not None:
+        (directory / VISION_CONFIG_FILE).write_text(to_yaml(vision))
+
+
 def fill_from_hf(
     net: torch.nn.Module,
     hf: HFCheckpoint,
@@ -175,7 +190,6 @@ def convert_hf_to_mcore(
     ``build_student_groups`` or ``build_groups``). Returns the model's :class:`ModelConfig`,
     also written to ``out_root/model_config.yaml``.
     """
-    from megatron_gndpo.config.loader import to_yaml
     from megatron_gndpo.models.gpt import build_gpt
 
     hf_config = read_hf_config(hf_dir)
@@ -191,7 +205,7 @@ def convert_hf_to_mcore(
     _barrier()
     save_checkpoint(out_root, 0, net)
     if _rank() == 0:
-        (out_root / MODEL_CONFIG_FILE).write_text(to_yaml(model))
+        describe_checkpoints(out_root, model)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
         copy_tokenizer_files(hf_dir, out_root)
     _barrier()

@@ -32,12 +32,13 @@ from megatron_gndpo.checkpoint import vlm_mapping
 from megatron_gndpo.checkpoint.convert import (
     _TORCH_DTYPES,
     HF_CONFIG_FILE,
-    MODEL_CONFIG_FILE,
+    VISION_CONFIG_FILE,
     HFCheckpoint,
     _barrier,
     _check_layout,
     _rank,
     _source_hf_config,
+    describe_checkpoints,
     export_checkpoint,
     read_hf_config,
     read_model_config,
@@ -50,7 +51,6 @@ from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
-VISION_CONFIG_FILE = "vision_config.yaml"
 # The image processor's files, carried beside the tokenizer's.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 VLM_LAYERS = "language_model.decoder.layers."  # the layers split over pipeline stages
@@ -136,7 +136,6 @@ def convert_vlm_hf_to_mcore(
     Call on every rank of a job laid out as ``parallel``. Returns the language
     :class:`ModelConfig` and the :class:`VisionConfig`, also written beside the checkpoint.
     """
-    from megatron_gndpo.config.loader import to_yaml
     from megatron_gndpo.models.vlm import build_vlm
 
     hf_config, model, vision = read_vlm_configs(hf_dir)
@@ -153,8 +152,7 @@ def convert_vlm_hf_to_mcore(
     _barrier()
     save_checkpoint(out_root, 0, net)
     if _rank() == 0:
-        (out_root / MODEL_CONFIG_FILE).write_text(to_yaml(model))
-        (out_root / VISION_CONFIG_FILE).write_text(to_yaml(vision))
+        describe_checkpoints(out_root, model, vision)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
         _copy_side_files(hf_dir, out_root)
     _barrier()
