@@ -277,6 +277,49 @@ def test_targets_are_the_algorithms_math() -> None:
         build_method(AlgorithmConfig(estimator="mix")).targets(_batch(rewards=None))
 
 
+def test_guidance_targets_are_the_algorithms_math() -> None:
+    from megatron_gndpo.algorithms import advantages as adv
+    from megatron_gndpo.algorithms import guidance
+
+    g = torch.Generator().manual_seed(1)
+    base = _batch()
+    m, lt, lo = base.response_mask, base.teacher.logprobs, base.student.logprobs
+    rewards = base.rewards
+    assert rewards is not None
+    ids = torch.randint(0, 10, (*m.shape, 3), generator=g)
+    topk = -torch.rand(*m.shape, 3, generator=g)
+    # vOPD over the student's top-k: the teacher's log-probs of those ids give the KL
+    student = Scores(lo, topk_ids=ids, topk_logprobs=topk - 1)
+    vopd_batch = _batch(teacher=Scores(lt, extra_logprobs=topk), student=student)
+    vopd = build_method(AlgorithmConfig(estimator="vopd", vopd_top_k=3))
+    targets, metrics = vopd.targets(vopd_batch)
+    kl = adv.token_kl_topk(topk - 1, topk)
+    assert torch.equal(targets.advantages, adv.vopd_advantages(lt, lo, m.float(), kl))
+    assert metrics["vopd/kl_mean"] == pytest.approx(float(kl[m].mean()))
+    # TGPO (greedy, loss): GRPO's advantage plus the cross-entropy towards the teacher's token
+    tgpo_batch = _batch(teacher=Scores(lt, topk_ids=ids[..., :1], topk_logprobs=topk[..., :1]))
+    cfg = AlgorithmConfig(estimator="tgpo", tgpo=TGPOConfig(coef_start=0.5))
+    targets, metrics = build_method(cfg).targets(tgpo_batch)
+    assert torch.equal(targets.advantages, adv.grpo_advantages(rewards, m.float(), group_size=2))
+    assert targets.aux_ids is not None and torch.equal(targets.aux_ids, ids[..., :1])
+    assert targets.aux_logq is not None and not targets.aux_logq.any()
+    coef = guidance.linear_decay(1, 0.5, cfg.tgpo.coef_decay)
+    assert targets.aux_coef == coef == metrics["guidance/coef"]
+    # TrOPD: the routing of algorithms/guidance.py, with the teacher's top-k as the KL target
+    tropd_batch = _batch(teacher=Scores(lt, topk_ids=ids, topk_logprobs=topk))
+    cfg = AlgorithmConfig(estimator="tropd", tropd=TrOPDConfig(top_k=3))
+    targets, metrics = build_method(cfg).targets(tropd_batch)
+    t = cfg.tropd
+    want = guidance.tropd_routing(
+        lt, lo, m.float(), kl_clip=cfg.kl_clip, threshold=t.trust_threshold, outlier=t.outlier,
+        outlier_clip=t.outlier_clip,
+    )  # fmt: skip
+    assert torch.equal(targets.advantages, want[0]) and targets.aux_coef == t.kl_coef
+    assert targets.pg_mask is not None and torch.equal(targets.pg_mask, want[1])
+    assert targets.aux_mask is not None and torch.equal(targets.aux_mask, want[2])
+    assert "tropd/trusted_frac" in metrics
+
+
 def test_a_method_added_with_one_class_and_one_registry_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
