@@ -26,7 +26,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_gndpo.config import load_config, save_resolved, to_yaml, validate
+from megatron_gndpo.checks import validate
+from megatron_gndpo.config import load_config, save_resolved, to_yaml
 from megatron_gndpo.config.docs import format_fields
 from megatron_gndpo.errors import UserError
 from megatron_gndpo.version import __version__
@@ -225,8 +226,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_gndpo.checks import check_paths
     from megatron_gndpo.compat import cpu, notices
-    from megatron_gndpo.config import check_environment, check_paths
+    from megatron_gndpo.config import check_environment
     from megatron_gndpo.parallel.distributed import (
         Watchdog,
         init_distributed,

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_gndpo.checks import layout_of
 from megatron_gndpo.config.schema import Config, ModelConfig, OptimizerConfig, ParallelConfig
-from megatron_gndpo.config.validate import layout_of
 from megatron_gndpo.logging.throughput import PEAK_BF16_FLOPS, model_flops_per_token
 from megatron_gndpo.parallel.groups import ParallelLayout
 

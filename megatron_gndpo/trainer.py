@@ -20,34 +20,37 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo import seeding
 from megatron_gndpo.algorithms.metrics import StabilityMonitor, advantage_metrics, score_metrics
-from megatron_gndpo.checkpoint.convert import MODEL_CONFIG_FILE
+from megatron_gndpo.checkpoint.convert import describe_checkpoints
 from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
-from megatron_gndpo.checkpoint.resume import plan_start, resume_from, set_aside, warn
-from megatron_gndpo.config import Config, save_dir, to_yaml
-from megatron_gndpo.data.datasets import tiles_of
-from megatron_gndpo.engine.methods import (
-    Scores,
-    Targets,
-    build_targets,
-    prefix_share,
-    student_request,
-    student_scores_first,
-    teacher_request,
+from megatron_gndpo.checkpoint.resume import (
+    plan_start,
+    restore_run_state,
+    resume_from,
+    run_state,
+    set_aside,
+    warn,
 )
-from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
+from megatron_gndpo.config import Config, save_dir
+from megatron_gndpo.data.datasets import tiles_of
+from megatron_gndpo.engine.scoring import (
+    ScoreRequest,
+    Scores,
+    broadcast_scores,
+    required,
+    score_batch,
+)
 from megatron_gndpo.engine.setup import Components, build_components, never_sampled
 from megatron_gndpo.engine.update import UpdateBatch, run_update
 from megatron_gndpo.logging import progress
 from megatron_gndpo.logging.sinks import METRICS_FILE
-from megatron_gndpo.logging.throughput import (
-    attention_seq_len,
-    mfu,
-    model_flops_per_token,
-    peak_flops_for,
-)
+from megatron_gndpo.logging.throughput import update_mfu
+from megatron_gndpo.methods import StepBatch, Targets, build_method
 from megatron_gndpo.rewards.verifiable import reward
-from megatron_gndpo.rollout.base import Rollout, SamplingParams, with_teacher_prefix
+from megatron_gndpo.rollout.base import Rollout, SamplingParams
+from megatron_gndpo.rollout.metrics import rollout_metrics
+from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
@@ -86,6 +89,7 @@ class Trainer:
         # checkpoint directory until the resume has succeeded.
         self._start = plan_start(cfg.checkpoint, save_dir(cfg))
         self.c: Components = build_components(cfg)
+        self.method = build_method(cfg.algorithm)  # what differs between estimators
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
         self._syncs = 0  # weight syncs into an external engine so far
@@ -106,13 +110,20 @@ class Trainer:
             if hasattr(c.generator, "sleep"):
                 c.generator.sleep()  # give the GPU memory to scoring and training
         teacher, student = self._score(rollout)  # timed inside: the order depends on the method
+        skip = self._nonfinite(teacher.logprobs, rollout.response_mask)  # before any use of them
         with timer.time("advantages"):
             rewards = self._rewards(rollout, prompts)
-            targets, metrics = self._targets(rollout, teacher, student, rewards)
-        with timer.time("update"):
-            metrics |= self._update(rollout, student["logprobs"], targets, teacher["logprobs"])
+            if not skip:
+                targets, metrics = self._targets(rollout, teacher, student, rewards)
+        if skip:  # every rank skips together
+            metrics = {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
+        else:
+            with timer.time("update"):
+                metrics |= self._update(rollout, student.logprobs, targets)
         # before the checkpoint, whose state must include this step
-        metrics |= self.stability.observe(metrics.get("grad_norm", math.nan), metrics["score/rms"])
+        metrics |= self.stability.observe(
+            metrics.get("grad_norm", math.nan), metrics.get("score/rms", math.nan)
+        )
         with timer.time("weight_sync"):
             metrics |= self._sync_engine()
         self.step_count += 1
@@ -172,8 +183,7 @@ class Trainer:
         # One seed per prompt from (seed, step, position in the global step batch): the samples
         # do not depend on the data-parallel size or on which rank draws them.
         first = self.c.student_groups.coords["dp"] * len(prompts)
-        base = (self.cfg.trainer.seed * 1_000_003 + self.step_count) * 10_007 + first
-        return [base + j for j in range(len(prompts))]
+        return seeding.prompt_seeds(self.cfg.trainer.seed, self.step_count, first, len(prompts))
 
     def _generate(
         self, prompts: list[Any], ids: list[list[int]], params: SamplingParams, seeds: list[int]
@@ -192,32 +202,19 @@ class Trainer:
         return self._generate(prompts, ids, params or self.params, self._seeds(prompts))
 
     def _sample(self, prompts: list[Any]) -> Rollout:
-        """The step's rollout: on-policy, or continued from teacher-written prefixes (TrOPD)."""
-        share = prefix_share(self.cfg.algorithm, self.step_count + 1)
+        """The step's rollout: on-policy, or continued from teacher-written prefixes when the
+        method says so (TrOPD's off-policy guidance, rollout/prefixes.py)."""
+        share = self.method.prefix_share(self.step_count + 1)
         temperature = temperature_at(self.cfg.rollout, self.step_count + 1)
         params = dataclasses.replace(self.params, temperature=temperature)
         if share == 0.0:
             return self._rollout(prompts, params)
-        # The teacher answers each prompt once (its own random streams), the first `share` of
-        # each answer is kept, and the student samples its continuations from there.
-        seeds = self._seeds(prompts)
-        once = dataclasses.replace(self.params, samples_per_prompt=1)
         images = [p.images for p in prompts] if self.cfg.model.vision is not None else None
-        answers = self.c.teacher.generate(
-            [list(p.ids) for p in prompts], once, [s + 1_000_000_007 for s in seeds],
-            images=images,
+        return continue_teacher_prefixes(
+            [list(p.ids) for p in prompts], share, teacher=self.c.teacher,
+            generate=lambda ids, sampling, seeds: self._generate(prompts, ids, sampling, seeds),
+            params=params, configured=self.params, seeds=self._seeds(prompts), images=images,
         )  # fmt: skip
-        prefixes = [a[: int(share * len(a))] for a in answers]
-        room = self.params.max_new_tokens - min(len(x) for x in prefixes)
-        continued = self._generate(
-            prompts, [[*p.ids, *x] for p, x in zip(prompts, prefixes, strict=True)],
-            dataclasses.replace(params, max_new_tokens=room), seeds,
-        )  # fmt: skip
-        rollout = with_teacher_prefix(
-            continued, [len(x) for x in prefixes], self.params.max_new_tokens
-        )
-        rollout.images = continued.images
-        return rollout
 
     def _sync_engine(self) -> dict[str, float]:
         """Push the student's weights into an external engine (vLLM); nothing for the built-in
@@ -253,26 +250,35 @@ class Trainer:
         )  # fmt: skip
 
     def _score(self, rollout: Rollout) -> tuple[Scores, Scores]:
-        """Teacher and student (rollout-weight) scores of the rollout; see engine/methods.py for
-        what each method asks of them (vOPD scores the student first)."""
-        a, timer = self.cfg.algorithm, self.c.timer
+        """Teacher and student (rollout-weight) scores of the rollout; the method says what
+        each scores besides the sampled tokens, and which goes first (vOPD: the student)."""
+        method, timer = self.method, self.c.timer
         student = None
-        if student_scores_first(a):
+        if method.student_first:
             with timer.time("old_logprobs"):
-                student = self._student_scores(rollout, student_request(a, None))
+                student = self._student_scores(rollout, method.student_request(None))
         with timer.time("teacher_logprobs"):
-            step_seed = self.cfg.trainer.seed * 1_000_003 + self.step_count  # the same everywhere
-            request = teacher_request(a, student, seed=step_seed)
+            step_seed = seeding.step_seed(self.cfg.trainer.seed, self.step_count)
+            request = method.teacher_request(student, step_seed)
             if request is not None and request.full_kl:  # the student's output shard meets it
                 request = dataclasses.replace(request, kl_weight=self._student_output_weight())
-            teacher = self.c.teacher.score_batch(
-                rollout.tokens, rollout.lengths, request, images=rollout.images
+            teacher = Scores.of(
+                self.c.teacher.score_batch(
+                    rollout.tokens, rollout.lengths, request, images=rollout.images
+                )
             )
         if student is None:
             with timer.time("old_logprobs"):
-                student = self._student_scores(rollout, student_request(a, teacher))
-        student.pop("hidden", None)  # [n, S, H]: used by the teacher's pass only
+                student = self._student_scores(rollout, method.student_request(teacher))
+        student.hidden = None  # [n, S, H]: used by the teacher's pass only
         return teacher, student
+
+    def _nonfinite(self, teacher_lp: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether any rank's teacher log-probs are non-finite on a response token: the step
+        is then skipped before its scores reach the advantages, the metrics or the update."""
+        bad = torch.tensor([float(not torch.isfinite(teacher_lp[mask]).all())])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips together
+        return bool(bad.item())
 
     def _student_output_weight(self) -> torch.Tensor | None:
         """This rank's shard of the student's output layer (last stage), else None."""
@@ -294,7 +300,7 @@ class Trainer:
         device = next(c.student.parameters()).device  # the broadcast goes over NCCL on GPUs
         specs = request.specs(*rollout.tokens.shape)
         scores = broadcast_scores(scores, specs, c.student_groups, device)
-        return {key: value.to(rollout.tokens.device) for key, value in scores.items()}
+        return Scores.of({key: value.to(rollout.tokens.device) for key, value in scores.items()})
 
     def _rewards(self, rollout: Rollout, prompts: list[Any]) -> torch.Tensor | None:
         answers = [prompts[int(i)].example.answer for i in rollout.prompt_index]
@@ -311,26 +317,23 @@ class Trainer:
     ) -> tuple[Targets, dict[str, float]]:
         mask = rollout.response_mask
         group = self.c.student_groups.dp_cp
-        a = self.cfg.algorithm
-        teacher_lp, old_lp = teacher["logprobs"], student["logprobs"]
-        metrics = score_metrics(teacher_lp, old_lp, mask.float(), kl_clip=a.kl_clip, group=group)
-        targets, extra = build_targets(
-            a, teacher=teacher, student=student, response_mask=mask, rewards=rewards,
-            group_size=self.params.samples_per_prompt, group=group, step=self.step_count + 1,
-            tokens=rollout.tokens, teacher_written=rollout.teacher_written,
+        metrics = score_metrics(
+            teacher.logprobs, student.logprobs, mask.float(), kl_clip=self.cfg.algorithm.kl_clip,
+            group=group,
+        )  # fmt: skip
+        targets, extra = self.method.targets(
+            StepBatch(
+                teacher, student, mask, rewards, group_size=self.params.samples_per_prompt,
+                group=group, step=self.step_count + 1, tokens=rollout.tokens,
+                teacher_written=rollout.teacher_written,
+            )
         )  # fmt: skip
         metrics |= extra | advantage_metrics(targets.advantages, mask.float(), group=group)
         return targets, metrics
 
-    def _update(
-        self, rollout: Rollout, old_lp: torch.Tensor, targets: Targets, teacher_lp: torch.Tensor
-    ) -> dict[str, float]:
+    def _update(self, rollout: Rollout, old_lp: torch.Tensor, targets: Targets) -> dict[str, float]:
         c, t = self.c, self.cfg.trainer
         mask = rollout.response_mask
-        bad = torch.tensor([float(not torch.isfinite(teacher_lp[mask]).all())])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips together
-        if bad.item():
-            return {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
         steps = run_update(
             c.ddp, c.optimizer, c.scheduler,
             UpdateBatch(
@@ -362,60 +365,21 @@ class Trainer:
     def _rollout_metrics(
         self, rollout: Rollout, student: Scores, rewards: torch.Tensor | None
     ) -> dict[str, float]:
-        group = self.c.student_groups.dp_cp
-        lengths = rollout.response_lengths.double()
-        mask = rollout.response_mask
-        written = rollout.teacher_written
-        sampled = mask if written is None else mask & ~written  # the student's own tokens
-        gap = (student["logprobs"] - rollout.sampler_logprobs).abs()[sampled].double()
-        entropy = student["entropy"][mask].double()
-        teacher_tokens = 0.0 if written is None else float((written & mask).sum())
-        reward_sum = rewards.double().sum() if rewards is not None else torch.tensor(0.0)
-        stats = torch.tensor(
-            [len(lengths), float(lengths.sum()), float(gap.sum()), gap.numel(),
-             float(reward_sum), float(rollout.finished.sum()), float(entropy.sum()),
-             float(mask.sum()), teacher_tokens],
-            dtype=torch.float64,
-        )  # fmt: skip
-        dist.all_reduce(stats, group=group)
-        longest = lengths.max().reshape(1)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-        rows, total, gap_sum, tokens, reward_sum, finished, entropy_sum, response, written_sum = (
-            stats.tolist()
+        entropy = required(student.entropy, "the student's entropy")
+        out, written_frac = rollout_metrics(
+            rollout, student.logprobs, entropy, rewards, self.c.student_groups.dp_cp
         )
-        out = {
-            "response_length/mean": total / rows,
-            "response_length/max": float(longest),
-            "sampler_gap/mean_abs": gap_sum / max(tokens, 1.0),
-            # the student's entropy on its own samples, at the rollout weights
-            "entropy/mean": entropy_sum / max(response, 1.0),
-            "finished/frac": finished / rows,
-            "tokens/step": total,  # generated tokens of the whole step (all DP ranks)
-            "prompts/skipped_too_long": float(self.c.skipped_prompts),
-            "rollout/temperature": temperature_at(self.cfg.rollout, self.step_count),
-        }
-        if rewards is not None:
-            out["reward/mean"] = reward_sum / rows
-        if self.cfg.algorithm.estimator == "tropd":
-            out["tropd/prefix_share"] = prefix_share(self.cfg.algorithm, self.step_count)
-            out["tropd/teacher_written_frac"] = written_sum / max(response, 1.0)
-        return out
+        out["prompts/skipped_too_long"] = float(self.c.skipped_prompts)
+        out["rollout/temperature"] = temperature_at(self.cfg.rollout, self.step_count)
+        return out | self.method.rollout_metrics(self.step_count, written_frac)
 
     def _mfu(self, rollout: Rollout, metrics: dict[str, float]) -> dict[str, float]:
-        """Model FLOPs utilisation of the update stage (GPUs with a known peak only)."""
-        if not torch.cuda.is_available():
-            return {}
-        peak = peak_flops_for(torch.cuda.get_device_name())
-        seconds = metrics.get("time/update", 0.0)
-        if peak is None or seconds <= 0:
-            return {}
-        lengths = rollout.lengths.tolist()
-        flops_per_token = model_flops_per_token(
-            self.cfg.model, attention_seq_len(lengths), training=True
-        )
-        # every data-parallel replica processes its own rows; model-parallel ranks share them
-        flops = flops_per_token * sum(lengths) * self.c.student_groups.layout.dp
-        return {"mfu": mfu(flops, seconds, peak * dist.get_world_size())}
+        """Model FLOPs utilisation of the update stage (GPUs with a known peak only); every
+        data-parallel replica processes its own rows, model-parallel ranks share them."""
+        return update_mfu(
+            self.cfg.model, rollout.lengths.tolist(), metrics.get("time/update", 0.0),
+            replicas=self.c.student_groups.layout.dp, world_size=dist.get_world_size(),
+        )  # fmt: skip
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts (sharded over data-parallel ranks)."""
@@ -435,14 +399,12 @@ class Trainer:
         return {"eval/accuracy": float(correct[0] / correct[1].clamp(min=1.0))}
 
     # ----------------------------------------------------------------------------------------
-    def _extra_state(self) -> dict[str, Any]:
-        state = {
-            "sampler": self.c.sampler.state_dict(), "scheduler": self.c.scheduler.state_dict(),
-            "stability": self.stability.state_dict(),
+    def _run_state(self) -> dict[str, Any]:
+        """What a checkpoint saves besides the weights and the optimizer (checkpoint/resume.py)."""
+        return {
+            "sampler": self.c.sampler, "scheduler": self.c.scheduler, "stability": self.stability,
+            "outlier_sampler": self.c.outlier_sampler,
         }  # fmt: skip
-        if self.c.outlier_sampler is not None:
-            state["outlier_sampler"] = self.c.outlier_sampler.state_dict()
-        return state
 
     def _maybe_save(self) -> None:
         interval = self.cfg.checkpoint.save_interval
@@ -452,7 +414,7 @@ class Trainer:
     def _save(self) -> None:
         save_checkpoint(
             self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
-            extra=self._extra_state(), keep_last=self.cfg.checkpoint.keep_last,
+            extra=run_state(self._run_state()), keep_last=self.cfg.checkpoint.keep_last,
             run_id=self.run_id,
         )  # fmt: skip
 
@@ -461,15 +423,10 @@ class Trainer:
             print(message, flush=True)
 
     def _describe_checkpoints(self) -> None:
-        """The architecture beside the checkpoints, so ``convert mcore-to-hf`` needs no flags;
-        written only once the run has started (a failed resume leaves the old one)."""
+        """The architecture beside the checkpoints; written only once the run has started (a
+        failed resume leaves the old one)."""
         if dist.get_rank() == 0:
-            self.c.save_dir.mkdir(parents=True, exist_ok=True)
-            (self.c.save_dir / MODEL_CONFIG_FILE).write_text(to_yaml(self.cfg.model))
-            if self.cfg.model.vision is not None:  # a VLM: what convert's VLM path reads
-                from megatron_gndpo.checkpoint.vlm_convert import VISION_CONFIG_FILE
-
-                (self.c.save_dir / VISION_CONFIG_FILE).write_text(to_yaml(self.cfg.model.vision))
+            describe_checkpoints(self.c.save_dir, self.cfg.model, self.cfg.model.vision)
 
     def _resume(self) -> None:
         """Continue from the newest intact checkpoint of the plan (checkpoint.load, or the save
@@ -483,13 +440,7 @@ class Trainer:
         )
         self.run_id, self.step_count = resumed.run_id, resumed.step
         if resumed.directory is not None:
-            self.c.sampler.load_state_dict(resumed.meta["extra"]["sampler"])
-            self.c.scheduler.load_state_dict(resumed.meta["extra"]["scheduler"])
-            extra = resumed.meta["extra"]
-            if "stability" in extra:  # checkpoints before the diagnostics start them afresh
-                self.stability.load_state_dict(extra["stability"])
-            if self.c.outlier_sampler is not None and "outlier_sampler" in extra:
-                self.c.outlier_sampler.load_state_dict(extra["outlier_sampler"])
+            restore_run_state(self._run_state(), resumed.meta["extra"])
         if dist.get_rank() == 0:
             metrics = Path(self.cfg.logging.run_dir) / METRICS_FILE
             moved = set_aside(self._start, resumed, metrics)

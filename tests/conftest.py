@@ -1,4 +1,9 @@
-"""Test-session settings shared by every test file.
+"""Test-session settings and fixtures shared by every test file.
+
+Shared helpers that run inside spawned ranks (which fixtures cannot reach) live in plain
+modules: ``tests/harness.py`` (multi-process runs), ``tests/trainers.py`` (trainers on the tiny
+CPU example), ``tests/tiny.py`` (tiny model configs), ``tests/internvl.py`` (a tiny InternVL and
+prompts with images). No test module imports another test module's private names.
 
 With ``MEGATRON_GNDPO_NO_SKIPS=1`` (CI sets it once every test dependency is installed there:
 setup.py's ``test`` extra, and shellcheck from Debian) a test skipped because a package or tool
@@ -16,6 +21,7 @@ from collections.abc import Generator
 from typing import Any
 
 import pytest
+import torch
 
 STRICT_ENV = "MEGATRON_GNDPO_NO_SKIPS"
 # How skips for an absent package read: pytest.importorskip's reason, and this project's
@@ -51,3 +57,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, A
             f"and {STRICT_ENV} is set: install it where the tests run (setup.py's test extra, "
             "or the system package)"
         )
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Generator[None, None, None]:
+    """One torch thread for a module of tiny tensors: OpenMP hand-offs between threads would
+    dominate, and on a loaded 2-core machine they cost ~10 ms per op (the harness's ranks use
+    one thread too). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

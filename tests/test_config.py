@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gndpo.checks import validate
 from megatron_gndpo.config import (
     Config,
     ConfigError,
@@ -24,7 +25,6 @@ from megatron_gndpo.config import (
     save_resolved,
     to_dict,
     to_yaml,
-    validate,
 )
 from megatron_gndpo.config.loader import build
 

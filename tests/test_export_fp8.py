@@ -22,7 +22,7 @@ import torch
 
 from megatron_gndpo.checkpoint import convert_cli
 from megatron_gndpo.checkpoint.export_fp8 import calibration_texts, require_modelopt
-from megatron_gndpo.config.validate import MissingExtraError
+from megatron_gndpo.config import MissingExtraError
 
 E4M3_MAX = 448.0
 PROMPTS = ["the cat sat on a mat", "a dog ran to the cat", "it sat", "the mat ran to a dog"]

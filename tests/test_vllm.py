@@ -569,7 +569,7 @@ def _internvl_tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from tests.test_vlm_conversion import IMAGE, VOCAB
+    from tests.internvl import IMAGE, VOCAB
 
     named = {0: "<pad>", 1: "<s>", 2: "</s>", 3: "<img>", 4: "</img>", IMAGE: "<IMG_CONTEXT>",
              6: "<video>"}  # fmt: skip
@@ -592,9 +592,9 @@ def _vlm_configs() -> tuple[Any, Any]:
     """The tiny InternVL of the conversion tests with language heads of 32 (vLLM's CPU
     attention), <img>/</img> ids and up to 4 tiles per image."""
     from megatron_gndpo.checkpoint import vlm_mapping
-    from tests.test_vlm_conversion import _hf_config
+    from tests.internvl import hf_config
 
-    hf = _hf_config().to_dict()
+    hf = hf_config().to_dict()
     hf["text_config"] |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
     model, vision = vlm_mapping.vlm_configs_from_hf(hf)
     vision = dataclasses.replace(vision, image_start_id=3, image_end_id=4, max_tiles=4)
@@ -633,8 +633,7 @@ def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator, write_engine_config
     from megatron_gndpo.weight_sync import sync_weights
     from megatron_gndpo.weight_sync.check import check_engine
-    from tests.test_vllm_multimodal import _image, _prompt_images, _prompts
-    from tests.test_vlm_conversion import IMAGE, VOCAB
+    from tests.internvl import IMAGE, VOCAB, prompt_images, tiny_image, tiny_prompts
 
     net, groups, model, vision = _vlm_student(world, seed=7)
     _internvl_tokenizer(Path(root) / "tokenizer")
@@ -653,7 +652,7 @@ def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
                          parts=gen.weight_parts(), bucket_bytes=TINY_BUCKET)  # fmt: skip
     check = check_engine(gen, net, groups, vocab_size=VOCAB, tolerance=1e-3,
                          excluded_ids=(IMAGE,), vision_language=True)  # fmt: skip
-    prompts, images = _prompts(layout)  # [1 image of 3 tiles], [1 tile + 3 tiles], [text]
+    prompts, images = tiny_prompts(layout)  # [1 image of 3 tiles], [1 tile + 3 tiles], [text]
     params = SamplingParams(max_new_tokens=6, stop_token_ids=(2,), samples_per_prompt=2)
     mixed_error = None
     if mode == "embeddings":  # one prompt's images of two sizes: vLLM 0.32 cannot take them
@@ -661,7 +660,7 @@ def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
             gen.generate(prompts, params, seeds=[11, 12, 13], images=images)
         except ValueError as err:
             mixed_error = str(err)
-        square = _prompt_images(layout, _image(28, 28, seed=2))  # 1 tile
+        square = prompt_images(layout, tiny_image(28, 28, seed=2))  # 1 tile
         prompts = [prompts[0], prompts[2], [*layout.image_ids(1), 7, 8], prompts[0]]
         images = [images[0], None, square, images[0]]
     rollout = gen.generate(prompts, params, seeds=list(range(11, 11 + len(prompts))), images=images)
@@ -724,8 +723,7 @@ def _serve_vlm_export(rank: int, world: int, root: str) -> dict[str, float]:
     from megatron_gndpo.models.vlm_scoring import score_multimodal
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator
-    from tests.test_vllm_multimodal import _prompts
-    from tests.test_vlm_conversion import IMAGE, VOCAB
+    from tests.internvl import IMAGE, VOCAB, tiny_prompts
 
     net, groups, _, vision = _vlm_student(world, seed=0)
     load_checkpoint(Path(root) / "checkpoints", net)  # replaces every weight
@@ -736,7 +734,7 @@ def _serve_vlm_export(rank: int, world: int, root: str) -> dict[str, float]:
         dtype="fp32", load_format="auto", max_model_len=256, vocab_size=VOCAB,
         model_vocab_size=VOCAB, excluded_ids=(IMAGE,), vision=VisionInput(layout, "pixels"),
     )  # fmt: skip
-    prompts, images = _prompts(layout)
+    prompts, images = tiny_prompts(layout)
     params = SamplingParams(max_new_tokens=6, stop_token_ids=(2,), samples_per_prompt=2)
     rollout = gen.generate(prompts, params, seeds=[21, 22, 23], images=images)
     tiles = [None if images[int(i)] is None else images[int(i)].tiles for i in rollout.prompt_index]

@@ -33,7 +33,6 @@ import torch
 from megatron_gndpo.checkpoint import vlm_mapping
 from megatron_gndpo.config.schema import ModelConfig, RolloutConfig
 from megatron_gndpo.config.vision import VisionConfig
-from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.data.images import ImageLayout, normalise, tile_image
 from megatron_gndpo.rollout.base import SamplingParams
 from megatron_gndpo.rollout.vllm_engine import (
@@ -52,7 +51,7 @@ from tests.fake_vllm import (
     pil_image_processor,
 )
 from tests.harness import run_distributed
-from tests.test_vlm_conversion import IMAGE, TOKENS_PER_TILE, VOCAB, _hf_config
+from tests.internvl import IMAGE, TOKENS_PER_TILE, VOCAB, hf_config, tiny_image, tiny_prompts
 
 START, END, EOS = 3, 4, 2
 MAX_TILES = 4
@@ -60,47 +59,11 @@ MAX_TILES = 4
 
 def _configs() -> tuple[ModelConfig, VisionConfig]:
     """The tiny InternVL's configs, with <img>/</img> ids and dynamic tiling."""
-    model, vision = vlm_mapping.vlm_configs_from_hf(_hf_config().to_dict())
+    model, vision = vlm_mapping.vlm_configs_from_hf(hf_config().to_dict())
     vision = dataclasses.replace(
         vision, image_start_id=START, image_end_id=END, max_tiles=MAX_TILES
     )
     return dataclasses.replace(model, vision=vision), vision
-
-
-def _image(width: int, height: int, seed: int) -> Any:
-    from PIL import Image
-
-    g = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
-    return Image.fromarray(pixels.numpy())
-
-
-def _prompt_images(layout: ImageLayout, *images: Any) -> PromptImages:
-    tiles = [tile_image(image, layout.image_size, layout.max_tiles) for image in images]
-    return PromptImages(
-        normalise([t for per in tiles for t in per], layout),
-        tuple(len(per) for per in tiles),
-        tuple(images),
-    )
-
-
-def _prompts(layout: ImageLayout) -> tuple[list[list[int]], list[PromptImages | None]]:
-    """[text, wide image, text], [image, text, square image, text], [text]."""
-    wide, square = _image(70, 30, seed=1), _image(28, 28, seed=2)
-    first = _prompt_images(layout, wide)
-    second = _prompt_images(layout, square, wide)
-    g = torch.Generator().manual_seed(3)
-
-    def text(n: int) -> list[int]:
-        return [int(t) for t in torch.randint(6, VOCAB, (n,), generator=g)]
-
-    prompts = [
-        text(3) + layout.image_ids(first.tiles_per_image[0]) + text(2),
-        layout.image_ids(second.tiles_per_image[0]) + text(2)
-        + layout.image_ids(second.tiles_per_image[1]) + text(1),
-        text(5),
-    ]  # fmt: skip
-    return prompts, [first, second, None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +73,7 @@ def _prompts(layout: ImageLayout) -> tuple[list[list[int]], list[PromptImages | 
 def test_engine_prompt_collapses_each_image() -> None:
     _, vision = _configs()
     layout = ImageLayout.of(vision)
-    prompts, images = _prompts(layout)
+    prompts, images = tiny_prompts(layout)
     assert images[0] is not None and images[0].tiles_per_image == (3,)  # 2 tiles + thumbnail
     sent = engine_prompt(prompts[0], images[0].tiles_per_image, layout)
     assert sent == [*prompts[0][:3], IMAGE, *prompts[0][-2:]]
@@ -126,7 +89,7 @@ def test_engine_prompt_collapses_each_image() -> None:
 def test_image_data_in_both_modes() -> None:
     _, vision = _configs()
     layout = ImageLayout.of(vision)
-    _, images = _prompts(layout)
+    _, images = tiny_prompts(layout)
     two = images[1]
     assert two is not None
     calls = []
@@ -253,7 +216,7 @@ def test_engine_directory_for_a_vlm(tmp_path: Path) -> None:
     processor = pil_image_processor()(**settings)
     layout = ImageLayout.of(vision)
     for size in ((70, 30), (28, 28), (30, 90), (200, 120)):
-        image = _image(*size, seed=sum(size))
+        image = tiny_image(*size, seed=sum(size))
         theirs = processor(images=[image], return_tensors="pt")["pixel_values"]
         ours = normalise(tile_image(image, layout.image_size, layout.max_tiles), layout)
         assert theirs.shape == ours.shape, size
@@ -261,8 +224,8 @@ def test_engine_directory_for_a_vlm(tmp_path: Path) -> None:
 
 
 def test_config_checks_for_vllm_with_a_vlm() -> None:
+    from megatron_gndpo.checks import validate
     from megatron_gndpo.config import ConfigError, load_config
-    from megatron_gndpo.config.validate import validate
 
     vision = {
         "encoder": "internvit", "pixel_shuffle": True, "projector": "norm_mlp",
@@ -309,7 +272,7 @@ def _sample_and_score(rank: int, world: int, root: str) -> dict[str, Any]:
     write_engine_config(engine_dir, model, family="qwen2", dtype="fp32",
                         tokenizer_dir=_tokenizer_dir(Path(root) / f"r{rank}"))  # fmt: skip
     layout = ImageLayout.of(vision)
-    prompts, images = _prompts(layout)
+    prompts, images = tiny_prompts(layout)
     params = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(EOS,),
                             samples_per_prompt=2)  # fmt: skip
     out: dict[str, Any] = {}
@@ -405,7 +368,7 @@ def hf_char_tokenizer(directory: Path) -> dict[str, int]:
 
 def _trainer_steps(rank: int, world: int, root: str) -> dict[str, Any]:
     from tests import fake_vllm
-    from tests.test_trainer import _reset, _trainer
+    from tests.trainers import reset_megatron, tiny_trainer
 
     sys.modules.update(internvl_modules())
     ids = hf_char_tokenizer(Path(root) / f"tokenizer{rank}")
@@ -417,7 +380,7 @@ def _trainer_steps(rank: int, world: int, root: str) -> dict[str, Any]:
     })  # fmt: skip
     out = {}
     for mode in ("embeddings", "pixels"):
-        trainer = _trainer(
+        trainer = tiny_trainer(
             f"{root}/{mode}", "rollout.engine=vllm", "parallel.tensor_parallel=2",
             f"rollout.vllm_image_input={mode}", f"model.vision={vision}",
             f"teacher.model.vision={vision}", f"data.tokenizer={root}/tokenizer{rank}",
@@ -432,7 +395,7 @@ def _trainer_steps(rank: int, world: int, root: str) -> dict[str, Any]:
             "engine_dir": sorted(p.name for p in (Path(root) / mode / "engine").iterdir()),
         }  # fmt: skip
         trainer.c.logger.close()
-        _reset()
+        reset_megatron()
     return out
 
 

@@ -30,29 +30,9 @@ import torch
 from megatron_gndpo.checkpoint import vlm_mapping
 from megatron_gndpo.config.vision import VisionConfig
 from tests.harness import run_distributed
+from tests.internvl import IMAGE, TOKENS_PER_TILE, VOCAB, hf_config
 
-VOCAB = 96
-IMAGE = 5  # image_token_id
-TOKENS_PER_TILE = 4  # (28 / 7)^2 patches, pixel shuffle folds 2x2
 _TOLERANCE = 1e-4  # issue 7: the round trip matches transformers' log-probs to 1e-4 (fp32)
-
-
-def _hf_config(**top: Any) -> Any:
-    from transformers import InternVLConfig
-
-    return InternVLConfig(
-        vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            image_size=28, patch_size=7, attention_bias=True, layer_scale_init_value=0.1,
-        ),
-        text_config=dict(
-            model_type="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6,
-            bos_token_id=1, eos_token_id=2,
-        ),
-        image_token_id=IMAGE, image_seq_length=TOKENS_PER_TILE, dtype="float32", **top,
-    )  # fmt: skip
 
 
 def _tiny_internvl(seed: int) -> Any:
@@ -61,7 +41,7 @@ def _tiny_internvl(seed: int) -> Any:
     from transformers import InternVLForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration._from_config(_hf_config(), attn_implementation="eager")
+    model = InternVLForConditionalGeneration._from_config(hf_config(), attn_implementation="eager")
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.test_trainer import _reset, _snapshot, _trainer
+from tests.trainers import reset_megatron, snapshot, tiny_trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 
@@ -51,9 +51,9 @@ LAYOUTS = {
 def _vlm_runs(rank: int, world: int, root: str) -> list[dict[str, object]]:
     out = []
     for name, overrides in LAYOUTS.items():
-        trainer = _trainer(f"{root}/{len(out)}", *VLM, *overrides)
-        student = _snapshot(trainer.c.student)
-        teacher = _snapshot(trainer.c.teacher.model)
+        trainer = tiny_trainer(f"{root}/{len(out)}", *VLM, *overrides)
+        student = snapshot(trainer.c.student)
+        teacher = snapshot(trainer.c.teacher.model)
         frozen = {n for n, p in trainer.c.student.named_parameters() if not p.requires_grad}
         history = trainer.train()  # two steps, an evaluation each, a final checkpoint
         params = dict(trainer.c.student.named_parameters())
@@ -69,13 +69,13 @@ def _vlm_runs(rank: int, world: int, root: str) -> list[dict[str, object]]:
             "teacher_moved": teacher_moved,
         })  # fmt: skip
         trainer.c.logger.close()
-        _reset()
+        reset_megatron()
     # Resume: the PP=2 run's checkpoint reloads into a new trainer at its step.
     pp2 = list(LAYOUTS).index("pp2 / teacher tp2")
-    trainer = _trainer(f"{root}/{pp2}", *VLM, *LAYOUTS["pp2 / teacher tp2"])
+    trainer = tiny_trainer(f"{root}/{pp2}", *VLM, *LAYOUTS["pp2 / teacher tp2"])
     described = sorted(p.name for p in trainer.c.save_dir.glob("*.yaml"))
     out.append({"name": "resumed", "step": trainer.step_count, "described": described})
-    _reset()
+    reset_megatron()
     return out
 
 

@@ -6,7 +6,6 @@ Shapes: ``[B, T]`` = [sequences on this rank, response length].
 """
 
 from megatron_gndpo.algorithms.advantages import (
-    ESTIMATORS,
     discounted_returns,
     gndpo_advantages,
     grpo_advantages,
@@ -40,7 +39,6 @@ from megatron_gndpo.algorithms.stats import global_sum, masked_moments, masked_w
 
 __all__ = [
     "AGGREGATIONS",
-    "ESTIMATORS",
     "POLICY_LOSSES",
     "StabilityMonitor",
     "advantage_metrics",

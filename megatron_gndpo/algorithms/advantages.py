@@ -21,9 +21,6 @@ import torch.distributed as dist
 from megatron_gndpo.algorithms.scores import distillation_scores
 from megatron_gndpo.algorithms.stats import check_same_shape, masked_values, masked_whiten
 
-# Names the config layer validates ``algorithm.estimator`` against.
-ESTIMATORS = ("gndpo", "opd", "grpo", "reinforce_pp", "vopd", "mix", "tgpo", "tropd")
-
 # verl's GRPO default (``norm_adv_by_std_in_grpo``): keeps a zero-variance group finite.
 _GRPO_STD_EPS = 1e-6
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,17 +28,16 @@ import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
+from megatron_gndpo.config.loader import to_yaml
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
+from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 MODEL_CONFIG_FILE = "model_config.yaml"
+VISION_CONFIG_FILE = "vision_config.yaml"  # a VLM's, beside its model_config.yaml
 HF_CONFIG_FILE = "hf_config.json"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-    "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
 _SAFETENSORS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -145,19 +143,16 @@ def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
         )
 
 
-def _global_names(net: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, full-model name, parameter) for this rank's parameters.
-
-    A pipeline stage numbers its layers from 0; ``layer_number`` (1-based) is global.
-    """
-    layers = getattr(getattr(net, "decoder", None), "layers", [])
-    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
-    for name, param in net.named_parameters():
-        full = name
-        if name.startswith("decoder.layers."):
-            local, rest = name.removeprefix("decoder.layers.").split(".", 1)
-            full = f"decoder.layers.{offsets[local]}.{rest}"
-        yield name, full, param
+def describe_checkpoints(
+    directory: str | Path, model: ModelConfig, vision: VisionConfig | None = None
+) -> None:
+    """The architecture beside a directory of checkpoints (``model_config.yaml``, and a VLM's
+    ``vision_config.yaml``), so ``convert mcore-to-hf`` needs no flags. Rank 0 only."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MODEL_CONFIG_FILE).write_text(to_yaml(model))
+    if vision is not None:
+        (directory / VISION_CONFIG_FILE).write_text(to_yaml(vision))
 
 
 def fill_from_hf(
@@ -171,7 +166,7 @@ def fill_from_hf(
     """Copy every parameter of this rank's shard ``net`` from the HF checkpoint."""
     padded = model.padded_vocab_size(tp)
     with torch.no_grad():
-        for local, full_name, param in _global_names(net):
+        for local, full_name, param in hf_mapping.global_names(net):
             mapping = hf_mapping.mapping_for(full_name, model)
             tensors = [hf.get(n) for n in mapping.hf]
             full = mapping.to_megatron(tensors, model, padded_vocab=padded)
@@ -180,16 +175,6 @@ def fill_from_hf(
             )
             param.copy_(shard)
             del tensors, full, shard  # one parameter's full tensor at a time
-
-
-def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the tokenizer / generation files present in ``src`` to ``dst``; return their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
-            copied.append(name)
-    return copied
 
 
 def convert_hf_to_mcore(
@@ -205,7 +190,6 @@ def convert_hf_to_mcore(
     ``build_student_groups`` or ``build_groups``). Returns the model's :class:`ModelConfig`,
     also written to ``out_root/model_config.yaml``.
     """
-    from megatron_gndpo.config.loader import to_yaml
     from megatron_gndpo.models.gpt import build_gpt
 
     hf_config = read_hf_config(hf_dir)
@@ -221,7 +205,7 @@ def convert_hf_to_mcore(
     _barrier()
     save_checkpoint(out_root, 0, net)
     if _rank() == 0:
-        (out_root / MODEL_CONFIG_FILE).write_text(to_yaml(model))
+        describe_checkpoints(out_root, model)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
         copy_tokenizer_files(hf_dir, out_root)
     _barrier()

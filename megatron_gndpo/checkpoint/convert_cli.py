@@ -196,7 +196,7 @@ def _fp8_calibration_texts(parser: argparse.ArgumentParser, args: argparse.Names
     if args.fp8_out is None:
         return []
     from megatron_gndpo.checkpoint.export_fp8 import calibration_texts, require_modelopt
-    from megatron_gndpo.config.validate import MissingExtraError
+    from megatron_gndpo.config.extras import MissingExtraError
 
     try:
         require_modelopt()

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megatron_gndpo.config.validate import require_package
+from megatron_gndpo.config.extras import require_package
 
 # A calibration prompt longer than this is cut: the amax of a few hundred tokens per prompt is
 # what calibration needs, and longer rows only cost time.
@@ -109,7 +109,7 @@ def export_fp8(
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from megatron_gndpo.checkpoint.convert import copy_tokenizer_files
+    from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 
     if not calibration or any(len(ids) == 0 for ids in calibration):
         raise ValueError("FP8 calibration needs at least one prompt and no empty prompt")

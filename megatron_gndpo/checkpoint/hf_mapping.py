@@ -365,6 +365,27 @@ def iter_mappings(
         yield _output_mapping(model)
 
 
+def global_names(
+    net: torch.nn.Module, layers: str = "decoder.layers."
+) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, full-model name, parameter) for this rank's parameters.
+
+    A pipeline stage numbers its layers from 0; ``layer_number`` (1-based) is global. ``layers``:
+    where the decoder's layers sit (``language_model.decoder.layers.`` in a VLM, whose vision
+    encoder is never split over stages).
+    """
+    owner: Any = net
+    for attr in layers.rstrip(".").split("."):
+        owner = getattr(owner, attr, None)
+    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(owner or [])}
+    for name, param in net.named_parameters():
+        full = name
+        if name.startswith(layers):
+            local, rest = name.removeprefix(layers).split(".", 1)
+            full = f"{layers}{offsets[local]}.{rest}"
+        yield name, full, param
+
+
 def canonical_name(megatron_name: str) -> str:
     """A megatron parameter name in local-spec form (Transformer Engine fused-norm aliases)."""
     match = _LAYER.fullmatch(megatron_name)

@@ -19,7 +19,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +223,21 @@ def set_aside(plan: StartPlan, resumed: Resumed, metrics: Path) -> Path | None:
     if in_save_dir:
         write_latest(save_dir, resumed.step)
     return target
+
+
+# The run's state saved beside the weights (a checkpoint's "extra"): every checkpoint holds these
+# parts; the others (the stability diagnostics, the outlier sampler) start afresh when a
+# checkpoint from before them, or from a run without them, lacks them.
+_ALWAYS_SAVED = ("sampler", "scheduler")
+
+
+def run_state(parts: Mapping[str, Any]) -> dict[str, Any]:
+    """The extra state to save: each part's ``state_dict()`` (a part None is not in this run)."""
+    return {name: part.state_dict() for name, part in parts.items() if part is not None}
+
+
+def restore_run_state(parts: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+    """Load each part of :func:`run_state` back from a resumed checkpoint's ``extra``."""
+    for name, part in parts.items():
+        if part is not None and (name in extra or name in _ALWAYS_SAVED):
+            part.load_state_dict(extra[name])

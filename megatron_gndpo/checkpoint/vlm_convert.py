@@ -32,27 +32,28 @@ from megatron_gndpo.checkpoint import vlm_mapping
 from megatron_gndpo.checkpoint.convert import (
     _TORCH_DTYPES,
     HF_CONFIG_FILE,
-    MODEL_CONFIG_FILE,
+    VISION_CONFIG_FILE,
     HFCheckpoint,
     _barrier,
     _check_layout,
     _rank,
     _source_hf_config,
-    copy_tokenizer_files,
+    describe_checkpoints,
     export_checkpoint,
     read_hf_config,
     read_model_config,
 )
 from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
-from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, shard_for_rank
+from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, global_names, shard_for_rank
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
-VISION_CONFIG_FILE = "vision_config.yaml"
 # The image processor's files, carried beside the tokenizer's.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+VLM_LAYERS = "language_model.decoder.layers."  # the layers split over pipeline stages
 _MAX_SHARD_BYTES = 5 * 1024**3
 
 
@@ -81,21 +82,10 @@ def _check_vlm_layout(model: ModelConfig, vision: VisionConfig, parallel: Parall
         )
 
 
-def _global_names(net: Any) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(local name, full-model name, parameter) for this rank's VLM parameters.
-
-    A pipeline stage numbers the language model's layers from 0; ``layer_number`` is global.
-    The vision encoder is never split over stages.
-    """
-    prefix = "language_model.decoder.layers."
-    layers: Any = net.language_model.decoder.layers
-    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
-    for name, param in net.named_parameters():
-        full = name
-        if name.startswith(prefix):
-            local, rest = name.removeprefix(prefix).split(".", 1)
-            full = f"{prefix}{offsets[local]}.{rest}"
-        yield name, full, param
+def vlm_global_names(net: Any) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """:func:`~megatron_gndpo.checkpoint.hf_mapping.global_names` of a VLM (its language model's
+    layers are the ones split over pipeline stages)."""
+    return global_names(net, VLM_LAYERS)
 
 
 def fill_vlm_from_hf(
@@ -111,7 +101,7 @@ def fill_vlm_from_hf(
     stored = {vlm_mapping.canonical_hf_name(n): n for n in hf.names}
     padded = model.padded_vocab_size(tp)
     with torch.no_grad():
-        for local, full_name, param in _global_names(net):
+        for local, full_name, param in vlm_global_names(net):
             mapping = vlm_mapping.vlm_mapping_for(full_name, model, vision)
             tensors = [hf.get(stored[n]) for n in mapping.hf]
             full = mapping.to_megatron(tensors, model, vision, padded_vocab=padded)
@@ -146,7 +136,6 @@ def convert_vlm_hf_to_mcore(
     Call on every rank of a job laid out as ``parallel``. Returns the language
     :class:`ModelConfig` and the :class:`VisionConfig`, also written beside the checkpoint.
     """
-    from megatron_gndpo.config.loader import to_yaml
     from megatron_gndpo.models.vlm import build_vlm
 
     hf_config, model, vision = read_vlm_configs(hf_dir)
@@ -163,8 +152,7 @@ def convert_vlm_hf_to_mcore(
     _barrier()
     save_checkpoint(out_root, 0, net)
     if _rank() == 0:
-        (out_root / MODEL_CONFIG_FILE).write_text(to_yaml(model))
-        (out_root / VISION_CONFIG_FILE).write_text(to_yaml(vision))
+        describe_checkpoints(out_root, model, vision)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
         _copy_side_files(hf_dir, out_root)
     _barrier()

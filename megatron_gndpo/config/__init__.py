@@ -1,5 +1,10 @@
-"""Typed, frozen configuration: schema, strict YAML/override loading, validation, field docs."""
+"""Typed, frozen configuration: schema, strict YAML/override loading, field docs, extras.
 
+A leaf of the package: what a config must satisfy across components is checked in
+:mod:`megatron_gndpo.checks`.
+"""
+
+from megatron_gndpo.config.extras import MissingExtraError, check_environment, require_package
 from megatron_gndpo.config.loader import (
     ConfigError,
     load_config,
@@ -8,7 +13,7 @@ from megatron_gndpo.config.loader import (
     to_dict,
     to_yaml,
 )
-from megatron_gndpo.config.paths import check_paths, save_dir
+from megatron_gndpo.config.paths import save_dir
 from megatron_gndpo.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -21,13 +26,6 @@ from megatron_gndpo.config.schema import (
     RolloutConfig,
     TeacherConfig,
     TrainerConfig,
-)
-from megatron_gndpo.config.validate import (
-    MissingExtraError,
-    check_environment,
-    layout_of,
-    require_package,
-    validate,
 )
 
 __all__ = [
@@ -45,8 +43,6 @@ __all__ = [
     "TeacherConfig",
     "TrainerConfig",
     "check_environment",
-    "check_paths",
-    "layout_of",
     "load_config",
     "parse_overrides",
     "require_package",
@@ -54,5 +50,4 @@ __all__ = [
     "save_resolved",
     "to_dict",
     "to_yaml",
-    "validate",
 ]

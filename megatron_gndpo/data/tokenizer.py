@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -224,8 +225,25 @@ class SentencePieceTokenizer:
 # Hugging Face
 
 
-# A directory is taken for a Hugging Face tokenizer when it holds one of these.
-_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# The files of a Hugging Face tokenizer directory that travel with a model (conversion, FP8
+# export, a vLLM engine's directory). A directory is taken for a tokenizer when it holds one of
+# the first four.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+_HF_TOKENIZER_FILES = TOKENIZER_FILES[:4]
+
+
+def copy_tokenizer_files(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:
+    """Copy the tokenizer / generation files present in ``src`` to ``dst``; return their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
 
 
 class HFTokenizer:

@@ -37,7 +37,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_gndpo.config import save_resolved, validate
+from megatron_gndpo.checks import validate
+from megatron_gndpo.config import save_resolved
 from megatron_gndpo.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo import seeding
 from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -74,6 +75,35 @@ class ScoreRequest:
         if self.sample_seed is not None:
             out["sampled_ids"] = ((rows, width), torch.int64)
         return out
+
+
+@dataclasses.dataclass
+class Scores:
+    """One model's scores of a batch, in the scoring convention (``x[:, t]`` belongs to token
+    ``t``): ``logprobs [B, S]`` always, each other field only when the :class:`ScoreRequest`
+    asked for it (its docstring says what each holds; the names are those of
+    :meth:`ScoreRequest.specs`). ``hidden [B, S, H]`` exists on the last stage only."""
+
+    logprobs: torch.Tensor
+    topk_ids: torch.Tensor | None = None  # [B, S, K] int64
+    topk_logprobs: torch.Tensor | None = None  # [B, S, K]
+    extra_logprobs: torch.Tensor | None = None  # [B, S, K]: of the request's extra_ids
+    entropy: torch.Tensor | None = None  # [B, S]
+    kl: torch.Tensor | None = None  # [B, S]: KL(p || this model), full vocabulary
+    sampled_ids: torch.Tensor | None = None  # [B, S] int64
+    hidden: torch.Tensor | None = None  # [B, S, H], the model's dtype
+
+    @classmethod
+    def of(cls, outputs: dict[str, torch.Tensor]) -> Scores:
+        """The typed form of :func:`score_batch`'s (or a broadcast's) outputs."""
+        return cls(**outputs)
+
+
+def required(value: torch.Tensor | None, what: str) -> torch.Tensor:
+    """``value``, which the method's :class:`ScoreRequest` must have asked for."""
+    if value is None:
+        raise ValueError(f"{what} was not scored: the method's ScoreRequest must ask for it")
+    return value
 
 
 def plan_padded(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -140,7 +170,7 @@ class _MicroBatch:
         kl_hidden = None if self.kl_hidden is None else self.kl_hidden.to(device)
         sample_seed = None
         if request.sample_seed is not None:  # one stream per micro-batch, by its first row
-            sample_seed = (request.sample_seed * 1_000_003 + self.rows[0]) % (2**63)
+            sample_seed = seeding.sample_seed(request.sample_seed, self.rows[0])
         return ScoreContext(
             targets, extra_ids=extra, entropy=request.entropy, top_k=request.top_k,
             hidden=request.hidden, kl_hidden=kl_hidden, kl_weight=request.kl_weight,
@@ -304,8 +334,6 @@ def score_batch(
     else:  # a VLM: padding must not be its image placeholder; the rows' tiles come along
         from megatron.core.utils import get_attr_wrapped_model
 
-        from megatron_gndpo.models.vlm_scoring import pad_id_for
-
         pad = pad_id_for(get_attr_wrapped_model(model, "image_token_index"))
         micro_batches = [
             _padded_micro_batch(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, pad)
@@ -361,6 +389,11 @@ def score_batch(
                 # what position t predicts belongs to token t + 1
                 out[key][row, 1:n] = value[index, start : start + n - 1].cpu()
     return {key: value.to(tokens_BS.device) for key, value in out.items()}
+
+
+def pad_id_for(image_token_id: int) -> int:
+    """A padding id that is not the image placeholder (padding must not take an image)."""
+    return 1 if image_token_id == 0 else 0
 
 
 def row_images(images: Sequence[torch.Tensor | None], rows: Sequence[int]) -> torch.Tensor | None:

@@ -16,13 +16,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.checkpoint.dist import load_checkpoint
-from megatron_gndpo.config import Config, ConfigError, layout_of, save_dir, to_dict
+from megatron_gndpo.checks import layout_of
+from megatron_gndpo.config import Config, ConfigError, save_dir, to_dict
 from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
 from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample, PromptImages
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_gndpo.engine.teacher import TeacherScorer
 from megatron_gndpo.logging import MetricsLogger, StageTimer, build_logger
+from megatron_gndpo.methods import build_method
 from megatron_gndpo.models.gpt import build_gpt, build_teacher
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups, build_groups, build_student_groups
@@ -78,10 +80,7 @@ def scoring_vocab(cfg: Config, tokenizer: Tokenizer) -> int:
 
 def check_top_k(cfg: Config, vocab: int) -> None:
     """Every configured top-k fits in the ids the models score (the tokenizer's)."""
-    a = cfg.algorithm
-    used = {"vopd_top_k": a.vopd_top_k if "vopd" in (a.estimator, a.distill_estimator) else 0}
-    used["tgpo.top_k"] = a.tgpo.top_k if a.estimator == "tgpo" else 0
-    used["tropd.top_k"] = a.tropd.top_k if a.estimator == "tropd" else 0
+    used = build_method(cfg.algorithm).top_ks()
     too_big = [f"algorithm.{key}={k}" for key, k in used.items() if k > vocab]
     if too_big:
         raise ConfigError(
@@ -175,8 +174,7 @@ def _teacher_generator(
     cfg: Config, teacher: Any, groups: ParallelGroups, tokenizer: Tokenizer, vocab: int
 ) -> MegatronGenerator | None:
     """The teacher's own generator, for TrOPD's off-policy guidance only."""
-    a = cfg.algorithm
-    if a.estimator != "tropd" or a.tropd.prefix_share_start <= 0:
+    if not build_method(cfg.algorithm).teacher_samples:
         return None
     kind = MegatronGenerator
     if cfg.teacher.model.vision is not None:

@@ -31,6 +31,7 @@ from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups, ParallelLayout
 from megatron_gndpo.rollout.base import Generator, SamplingParams
+from megatron_gndpo.seeding import replica_seed
 
 # A block of rows one rank receives: (sending rank, first global row, end global row).
 _Block = tuple[int, int, int]
@@ -268,7 +269,7 @@ class TeacherScorer:
         device = next(self.model.parameters()).device
         if request is not None and request.sample_seed is not None:
             # one stream per teacher replica: the ranks of a replica draw alike, replicas differ
-            seed = request.sample_seed * 10_007 + self.groups.coords["dp"]
+            seed = replica_seed(request.sample_seed, self.groups.coords["dp"])
             request = dataclasses.replace(request, sample_seed=seed)
         if self.same_layout:  # teacher replica d is student replica d: nothing to exchange
             mine = score_batch(

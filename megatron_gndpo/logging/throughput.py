@@ -138,6 +138,23 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
     return flops / seconds / peak_flops
 
 
+def update_mfu(
+    model: ModelConfig, lengths: list[int], seconds: float, *, replicas: int, world_size: int
+) -> dict[str, float]:
+    """``{"mfu": ...}`` of an update stage of ``seconds`` on rows of ``lengths`` (this replica's;
+    ``replicas`` data-parallel replicas each process as many) over ``world_size`` GPUs; ``{}``
+    without a GPU of known peak or a timed update."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    peak = peak_flops_for(torch.cuda.get_device_name())
+    if peak is None or seconds <= 0:
+        return {}
+    flops_per_token = model_flops_per_token(model, attention_seq_len(lengths), training=True)
+    return {"mfu": mfu(flops_per_token * sum(lengths) * replicas, seconds, peak * world_size)}
+
+
 def peak_flops_for(device_name: str) -> float | None:
     """Peak dense bf16 FLOP/s of one device named like ``torch.cuda.get_device_name()``.
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_gndpo.config.extras import require_package
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
-from megatron_gndpo.config.validate import require_package
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -21,11 +21,6 @@ from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 
-def pad_id_for(image_token_id: int) -> int:
-    """A padding id that is not the image placeholder (padding must not take an image)."""
-    return 1 if image_token_id == 0 else 0
-
-
 def score_multimodal(
     model: Any,
     groups: ParallelGroups,

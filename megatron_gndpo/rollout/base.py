@@ -13,6 +13,7 @@ import torch
 
 from megatron_gndpo.config.schema import RolloutConfig
 from megatron_gndpo.data.datasets import PromptImages
+from megatron_gndpo.seeding import sample_seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,7 @@ class RowStreams:
 
     def __init__(self, seeds: Sequence[int], samples_per_prompt: int) -> None:
         self.generators = [
-            torch.Generator().manual_seed((seed * 1_000_003 + k) % (2**63))
+            torch.Generator().manual_seed(sample_seed(seed, k))
             for seed in seeds
             for k in range(samples_per_prompt)
         ]

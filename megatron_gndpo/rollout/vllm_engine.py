@@ -59,13 +59,14 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_gndpo import seeding
 from megatron_gndpo.checkpoint import hf_mapping, vlm_mapping
-from megatron_gndpo.checkpoint.convert import TOKENIZER_FILES, copy_tokenizer_files
+from megatron_gndpo.config.extras import require_package
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import Dtype, ModelConfig, RolloutConfig
-from megatron_gndpo.config.validate import require_package
 from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.data.images import ImageLayout, load_image
+from megatron_gndpo.data.tokenizer import TOKENIZER_FILES, copy_tokenizer_files
 from megatron_gndpo.parallel.distributed import before_shutdown
 from megatron_gndpo.rollout.base import Rollout, SamplingParams, text_only
 
@@ -82,7 +83,7 @@ _CPU_KV_CACHE_GIB = 1.0
 
 def row_seed(seed: int, k: int) -> int:
     """The seed of sample ``k`` of a prompt seeded ``seed`` (RowStreams' formula)."""
-    return (seed * 1_000_003 + k) % (2**63)
+    return seeding.sample_seed(seed, k)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import hf_mapping, vlm_convert, vlm_mapping
-from megatron_gndpo.checkpoint.convert import _global_names
 from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -239,11 +238,11 @@ def iter_hf_weights(
     net = _unwrap(model)
     mappings = _mappings(model_cfg, vision, VLM_PARTS if parts is None else parts)
     if vision is None:
-        local = {full: param for _, full, param in _global_names(net)}
+        local = {full: param for _, full, param in hf_mapping.global_names(net)}
     else:
         sent = tuple(VLM_PARTS[p] for p in (VLM_PARTS if parts is None else parts))
         local = {
-            full: param for _, full, param in vlm_convert._global_names(net)
+            full: param for _, full, param in vlm_convert.vlm_global_names(net)
             if full.startswith(sent)
         }  # fmt: skip
     entries = _entries(local, groups, mappings, tied=model_cfg.tie_embeddings, vision=vision)

@@ -1,23 +1,22 @@
 """Cross-field rules: combinations that cannot run, each reported with the fix.
 
 :func:`validate` collects every problem and raises one :class:`ConfigError` listing them all, so a
-user fixes a config in one round. :func:`check_environment` is separate: it checks that the
-packages a config asks for (Transformer Engine, vLLM) are importable here, which ``plan`` (run
-from a laptop for a cluster) does not require.
+user fixes a config in one round. What depends on the estimator is the method's
+(:func:`~megatron_gndpo.methods.method_problems`). These rules read other components (the
+methods, the parallel layouts, the image layouts), so they live here, beside the entry points,
+and ``config/`` stays a leaf. :func:`~megatron_gndpo.config.check_environment` is separate: it
+checks that the packages a config asks for are importable here, which ``plan`` (run from a
+laptop for a cluster) does not require.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
-from megatron_gndpo.algorithms import AGGREGATIONS, ESTIMATORS, POLICY_LOSSES
+from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import AlgorithmConfig, Config, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.methods import method_problems
 from megatron_gndpo.parallel.groups import ParallelLayout
-
-_DISTILL_ESTIMATORS = ("gndpo", "opd", "vopd")
-_OUTCOME_ESTIMATORS = ("grpo", "reinforce_pp")
 
 
 def layout_of(parallel: ParallelConfig, world_size: int) -> ParallelLayout:
@@ -110,8 +109,9 @@ def _model_problems(
 
 
 def _algorithm_problems(cfg: Config) -> list[str]:
+    """The algorithm section's own values; what depends on the estimator is the method's
+    (``methods/``, :func:`method_problems`)."""
     a, p = cfg.algorithm, list[str]()
-    _one_of(p, "algorithm.estimator", a.estimator, ESTIMATORS)
     _one_of(p, "algorithm.policy_loss", a.policy_loss, POLICY_LOSSES)
     _one_of(p, "algorithm.aggregation", a.aggregation, AGGREGATIONS)
     _positive(p, "algorithm.kl_clip", a.kl_clip)
@@ -125,60 +125,11 @@ def _algorithm_problems(cfg: Config) -> list[str]:
         p.append(f"algorithm.vopd_top_k must be >= 0 (0 = full vocabulary), got {a.vopd_top_k}")
     if not 0.0 <= a.gamma <= 1.0:
         p.append(f"algorithm.gamma must be in [0, 1], got {a.gamma}")
-    if a.estimator == "mix":
-        _one_of(p, "algorithm.distill_estimator", a.distill_estimator, _DISTILL_ESTIMATORS)
-        _one_of(p, "algorithm.outcome_estimator", a.outcome_estimator, _OUTCOME_ESTIMATORS)
-        if a.outcome_weight <= 0:
-            p.append(
-                "algorithm.estimator=mix needs algorithm.outcome_weight > 0 "
-                "(with 0 use the distillation estimator alone)"
-            )
-    halves = {"gndpo_subtract_mean": a.gndpo_subtract_mean, "gndpo_divide_std": a.gndpo_divide_std}
-    off = [f"algorithm.{key}=false" for key, on in halves.items() if not on]
-    gndpo = a.estimator == "gndpo" or (a.estimator == "mix" and a.distill_estimator == "gndpo")
-    if off and not gndpo:
-        p.append(f"{' and '.join(off)} applies to the gndpo estimator only; set it to true")
-    elif len(off) == 2:
-        p.append(
-            "algorithm.gndpo_subtract_mean=false with gndpo_divide_std=false is OPD: use "
-            "algorithm.estimator=opd"
-        )
     p += _guidance_problems(a, cfg.model.vocab_size)
-    if a.vopd_top_k == 0 and "vopd" in (a.estimator, a.distill_estimator):
-        p += _full_kl_problems(cfg)
     if cfg.rollout.engine == "vllm" and cfg.parallel.pipeline_parallel > 1:
         p.append(
             "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "
             "colocated with each tensor-parallel group); use the builtin engine with PP > 1"
-        )
-    uses_grpo = a.estimator in ("grpo", "tgpo") or (
-        a.estimator == "mix" and a.outcome_estimator == "grpo"
-    )
-    if uses_grpo and cfg.rollout.samples_per_prompt < 2:
-        p.append(
-            "grpo compares samples of the same prompt: rollout.samples_per_prompt must be >= 2"
-        )
-    return p
-
-
-def _full_kl_problems(cfg: Config) -> list[str]:
-    """vOPD over the full vocabulary: both output layers split alike over the same ranks."""
-    p, s, t = list[str](), cfg.parallel, cfg.teacher.parallel
-    sizes = ("tensor_parallel", "pipeline_parallel", "context_parallel")
-    if any(getattr(s, k) != getattr(t, k) for k in sizes):
-        p.append(
-            "algorithm.vopd_top_k=0 (KL over the full vocabulary) needs the teacher on the "
-            "student's layout: set teacher.parallel.{tensor,pipeline,context}_parallel to "
-            f"{s.tensor_parallel}/{s.pipeline_parallel}/{s.context_parallel}, or use top-k "
-            "(e.g. algorithm.vopd_top_k=100)"
-        )
-    m, tm = cfg.model, cfg.teacher.model
-    if (m.vocab_size, m.make_vocab_size_divisible_by) != (
-        tm.vocab_size, tm.make_vocab_size_divisible_by
-    ):  # fmt: skip
-        p.append(
-            "algorithm.vopd_top_k=0 needs the same padded vocabulary in both models: "
-            "teacher.model.vocab_size and make_vocab_size_divisible_by must equal model.*"
         )
     return p
 
@@ -194,11 +145,6 @@ def _guidance_problems(a: AlgorithmConfig, vocab_size: int) -> list[str]:
     _positive(p, "algorithm.tgpo.top_k", g.top_k)
     _positive(p, "algorithm.tgpo.coef_start", g.coef_start, strict=False)
     _positive(p, "algorithm.tgpo.coef_decay", g.coef_decay, strict=False)
-    if g.guidance == "advantage" and g.teacher_token == "topk":
-        p.append(
-            "algorithm.tgpo.teacher_token=topk needs algorithm.tgpo.guidance=loss (the "
-            "advantage bonus is defined for one teacher token)"
-        )
     if not 0.0 < t.trust_threshold <= 1.0:
         p.append(f"algorithm.tropd.trust_threshold must be in (0, 1], got {t.trust_threshold}")
     _positive(p, "algorithm.tropd.outlier_clip", t.outlier_clip)
@@ -278,17 +224,6 @@ def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
         p.append(
             f"the rollout batch ({batch}) is not divisible by the teacher's data-parallel size "
             f"{teacher_dp} (each teacher replica scores an equal share); make it a multiple"
-        )
-    a = cfg.algorithm
-    if (
-        a.estimator == "tropd"
-        and a.tropd.prefix_share_start > 0
-        and r.prompts_per_step % teacher_dp
-    ):
-        p.append(
-            f"TrOPD's teacher-written prefixes: rollout.prompts_per_step ({r.prompts_per_step}) is "
-            f"not divisible by the teacher's data-parallel size {teacher_dp} (each teacher "
-            "replica answers an equal share of the prompts); make it a multiple"
         )
     if r.prompts_per_step % dp:
         # rows of one prompt stay on one rank (GRPO groups), so the prompts are what is split
@@ -422,46 +357,13 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                     layout_of(parallel, world_size)
                 except ConfigError as err:
                     problems.append(f"{name}: {err}")
+    known = world_size if world_size and world_size > 0 else None
     problems += _algorithm_problems(cfg)
-    problems += _rollout_problems(cfg, world_size if world_size and world_size > 0 else None)
+    problems += method_problems(cfg, known)
+    problems += _rollout_problems(cfg, known)
     problems += _other_problems(cfg)
     problems += _vision_problems(cfg)
     if problems:
         lines = "\n".join(f"  - {msg}" for msg in problems)
         raise ConfigError(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
     return cfg
-
-
-class MissingExtraError(ConfigError):
-    """The config asks for an optional package (an extra) that is not installed here."""
-
-
-def require_package(module: str, *, what: str, extra: str, instead: str) -> None:
-    """Raise MissingExtraError naming the extra to install unless ``module`` is importable."""
-    if importlib.util.find_spec(module) is None:
-        raise MissingExtraError(
-            f"{what} needs the Python package {module!r}, which is not installed here: use the "
-            f"NGC PyTorch container or `pip install 'megatron-gndpo[{extra}]'` on a CUDA machine; "
-            f"or {instead}"
-        )
-
-
-def check_environment(cfg: Config) -> None:
-    """Fail clearly when the config asks for an optional package this machine lacks."""
-    for section, model in (("model", cfg.model), ("teacher.model", cfg.teacher.model)):
-        if model.transformer_impl == "transformer_engine" or model.fp8:
-            require_package(
-                "transformer_engine",
-                what=f"{section}.transformer_impl=transformer_engine (or fp8)",
-                extra="te",
-                instead=f"set {section}.transformer_impl=local (and {section}.fp8=null)",
-            )
-    if cfg.logging.tensorboard:
-        require_package(
-            "tensorboard", what="logging.tensorboard=true", extra="tensorboard",
-            instead="set logging.tensorboard=false",
-        )  # fmt: skip
-    if cfg.rollout.engine == "vllm":
-        require_package(
-            "vllm", what="rollout.engine=vllm", extra="vllm", instead="set rollout.engine=builtin"
-        )

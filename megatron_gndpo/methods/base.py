@@ -1,0 +1,166 @@
+"""The :class:`Method` protocol: everything that differs between estimators, in one place.
+
+A method decides what each model scores besides the sampled tokens' log-probs (and which model
+goes first), turns the scores into the update's per-token :class:`Targets`, reports the config
+problems that only it can see, and (TrOPD) how the rollout is sampled. The trainer calls these
+hooks and nothing else; the pure math stays in ``algorithms/``.
+
+Tensors are ``[n, S]`` / ``[n, S, K]`` in the scoring convention (``x[:, t]`` belongs to token
+``t``); ``group`` is the student's data-parallel x context-parallel group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from megatron_gndpo.algorithms.stats import global_sum
+from megatron_gndpo.config.schema import AlgorithmConfig, Config
+from megatron_gndpo.engine.scoring import ScoreRequest, Scores
+
+
+@dataclasses.dataclass
+class Targets:
+    """Per-token inputs of the update beyond the tokens and the old log-probs.
+
+    ``engine/update.py`` forms ``g·PG(A) + λ·d·Σ_k q (log q − log π_θ) − β·H`` per token.
+    """
+
+    advantages: torch.Tensor  # [n, S] float32
+    pg_mask: torch.Tensor | None = None  # [n, S]: tokens in the policy gradient (None: all)
+    aux_ids: torch.Tensor | None = None  # [n, S, K] int64: ids of the distillation target q
+    aux_logq: torch.Tensor | None = None  # [n, S, K] float32: log q on those ids
+    aux_mask: torch.Tensor | None = None  # [n, S]: tokens with the distillation term
+    aux_coef: float = 0.0  # λ
+    entropy_coef: float = 0.0  # β
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """What a method's targets are computed from: this rank's rows of one step."""
+
+    teacher: Scores
+    student: Scores  # at the rollout weights ("old")
+    response_mask: torch.Tensor  # [n, S] bool
+    rewards: torch.Tensor | None  # [n]: verifiable rewards, None when the prompts have no answers
+    group_size: int  # samples per prompt (rows of one prompt are adjacent)
+    group: Any  # the student's DP x CP group: every batch statistic is global over it
+    step: int  # 1-based
+    tokens: torch.Tensor | None = None  # [n, S]: the sampled tokens
+    teacher_written: torch.Tensor | None = None  # [n, S]: TrOPD's teacher-written prefix tokens
+
+
+class Method(Protocol):
+    """One estimator. Built from the algorithm config; must not fail on an unsound one
+    (:meth:`problems` reports it)."""
+
+    name: ClassVar[str]
+
+    @property
+    def student_first(self) -> bool:
+        """Whether the student's old-log-prob pass runs before the teacher's (vOPD)."""
+        ...
+
+    @property
+    def uses_gndpo_switches(self) -> bool:
+        """Whether ``algorithm.gndpo_subtract_mean`` / ``gndpo_divide_std`` apply."""
+        ...
+
+    @property
+    def teacher_samples(self) -> bool:
+        """Whether the teacher generates (TrOPD's prefixes): it then needs a generator."""
+        ...
+
+    def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:
+        """What the teacher scores besides the sampled tokens (``student``: when it went first;
+        ``seed``: of sampled teacher tokens, the same on every rank for one step)."""
+        ...
+
+    def student_request(self, teacher: Scores | None) -> ScoreRequest:
+        """What the student's old-log-prob pass scores (``teacher``: when it went first)."""
+        ...
+
+    def targets(self, batch: StepBatch) -> tuple[Targets, dict[str, float]]:
+        """The update's :class:`Targets` and this method's metrics (global over ``group``)."""
+        ...
+
+    def problems(self, cfg: Config, world_size: int | None) -> list[str]:
+        """What cannot run with this method, each with its fix (``world_size``: when known)."""
+        ...
+
+    def top_ks(self) -> dict[str, int]:
+        """The top-k sizes this method uses, by key under ``algorithm.`` (checked against the
+        tokenizer's vocabulary at start-up)."""
+        ...
+
+    def prefix_share(self, step: int) -> float:
+        """The share of the teacher's answer the student continues from at 1-based ``step``
+        (0: ordinary on-policy rollouts)."""
+        ...
+
+    def rollout_metrics(self, step: int, teacher_written_frac: float) -> dict[str, float]:
+        """Metrics of how the rollout was sampled (``step``: 1-based, the one just taken;
+        ``teacher_written_frac``: the global share of response tokens the teacher wrote)."""
+        ...
+
+
+class BaseMethod:
+    """Defaults for :class:`Method`: the teacher first, the sampled tokens plus the student's
+    entropy (a metric), on-policy rollouts, nothing else to check."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, cfg: AlgorithmConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def student_first(self) -> bool:
+        return False
+
+    @property
+    def uses_gndpo_switches(self) -> bool:
+        return False
+
+    @property
+    def teacher_samples(self) -> bool:
+        return False
+
+    def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:
+        return None
+
+    def student_request(self, teacher: Scores | None) -> ScoreRequest:
+        return ScoreRequest(entropy=True)
+
+    def targets(self, batch: StepBatch) -> tuple[Targets, dict[str, float]]:
+        raise NotImplementedError
+
+    def problems(self, cfg: Config, world_size: int | None) -> list[str]:
+        return []
+
+    def top_ks(self) -> dict[str, int]:
+        return {}
+
+    def prefix_share(self, step: int) -> float:
+        return 0.0
+
+    def rollout_metrics(self, step: int, teacher_written_frac: float) -> dict[str, float]:
+        return {}
+
+
+def needs_rewards(name: str, rewards: torch.Tensor | None) -> torch.Tensor:
+    """The verifiable rewards an outcome estimator needs, or an error naming the fix."""
+    if rewards is None:
+        raise ValueError(
+            f"estimator {name} needs a verifiable reward: the prompts have no answers "
+            "(data.answer_key)"
+        )
+    return rewards
+
+
+def global_mean(values: torch.Tensor, mask: torch.Tensor, group: Any) -> float:
+    """Mean of ``values`` over the masked tokens of every rank of ``group`` (one all-reduce)."""
+    m = mask.float()
+    sums = global_sum(torch.stack([(values.float() * m).sum(), m.sum()]), group)
+    return float(sums[0] / sums[1].clamp(min=1.0))

@@ -1,0 +1,58 @@
+"""What a step's rollout looked like, as global metrics over the student's DP x CP group.
+
+Legend: N = this rank's rows, S = padded sequence length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.rollout.base import Rollout
+
+
+def rollout_metrics(
+    rollout: Rollout,
+    student_logprobs_NS: torch.Tensor,
+    student_entropy_NS: torch.Tensor,
+    rewards_N: torch.Tensor | None,
+    group: Any,
+) -> tuple[dict[str, float], float]:
+    """Response lengths, the sampler-vs-trainer log-prob gap (on the student's own tokens), the
+    student's entropy at the rollout weights, the finished share, the step's generated tokens
+    and the mean reward; and the share of response tokens the teacher wrote (TrOPD's prefixes),
+    for the method's own metrics. Two all-reduces over ``group``, every rank calls it."""
+    lengths = rollout.response_lengths.double()
+    mask = rollout.response_mask
+    written = rollout.teacher_written
+    sampled = mask if written is None else mask & ~written  # the student's own tokens
+    gap = (student_logprobs_NS - rollout.sampler_logprobs).abs()[sampled].double()
+    entropy = student_entropy_NS[mask].double()
+    teacher_tokens = 0.0 if written is None else float((written & mask).sum())
+    reward_sum = rewards_N.double().sum() if rewards_N is not None else torch.tensor(0.0)
+    stats = torch.tensor(
+        [len(lengths), float(lengths.sum()), float(gap.sum()), gap.numel(),
+         float(reward_sum), float(rollout.finished.sum()), float(entropy.sum()),
+         float(mask.sum()), teacher_tokens],
+        dtype=torch.float64,
+    )  # fmt: skip
+    dist.all_reduce(stats, group=group)
+    longest = lengths.max().reshape(1)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    rows, total, gap_sum, tokens, reward_sum, finished, entropy_sum, response, written_sum = (
+        stats.tolist()
+    )
+    out = {
+        "response_length/mean": total / rows,
+        "response_length/max": float(longest),
+        "sampler_gap/mean_abs": gap_sum / max(tokens, 1.0),
+        # the student's entropy on its own samples, at the rollout weights
+        "entropy/mean": entropy_sum / max(response, 1.0),
+        "finished/frac": finished / rows,
+        "tokens/step": total,  # generated tokens of the whole step (all DP ranks)
+    }
+    if rewards_N is not None:
+        out["reward/mean"] = reward_sum / rows
+    return out, written_sum / max(response, 1.0)

@@ -1,0 +1,129 @@
+"""The package's layering rules (docs/DESIGN.md, "Package layout"), read from the source.
+
+Every ``import`` of ``megatron_gndpo`` counts, at module level or inside a function (a deferred
+import is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_gndpo"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    skipped: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {n for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules ``path`` imports (``from a import b``: ``a.b`` when a module)."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "megatron_gndpo"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != "megatron_gndpo":
+                continue
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                out.add(child if child in modules else node.module)
+    return out - {_module_name(path)}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: _imports(path, set(files)) for name, path in files.items()}
+
+
+GRAPH = _graph()
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _violations(source: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(
+        f"{m} imports {t}"
+        for m, targets in GRAPH.items()
+        if _under(m, source)
+        for t in targets
+        if any(_under(t, f) for f in forbidden)
+    )
+
+
+def test_the_graph_is_read() -> None:
+    assert "megatron_gndpo.methods.base" in GRAPH["megatron_gndpo.methods"]
+    assert "megatron_gndpo.engine.scoring" in GRAPH["megatron_gndpo.trainer"]
+
+
+def test_algorithms_import_no_engine_config_loop_or_compat() -> None:
+    forbidden = tuple(
+        f"megatron_gndpo.{name}"
+        for name in ("engine", "config", "checks", "trainer", "compat", "methods", "cli")
+    )
+    assert _violations("megatron_gndpo.algorithms", forbidden) == []
+
+
+def test_config_is_a_leaf() -> None:
+    """``config/`` imports nothing of the package but the error types."""
+    others = sorted(
+        f"{m} imports {t}"
+        for m, targets in GRAPH.items()
+        if _under(m, "megatron_gndpo.config")
+        for t in targets
+        if not _under(t, "megatron_gndpo.config") and t != "megatron_gndpo.errors"
+    )
+    assert others == []
+
+
+def test_nothing_imports_the_cli_and_only_entry_points_import_the_trainer() -> None:
+    assert [m for m, targets in GRAPH.items() if "megatron_gndpo.cli" in targets] == []
+    users = {m for m, targets in GRAPH.items() if "megatron_gndpo.trainer" in targets}
+    assert {m for m in users if not _under(m, "megatron_gndpo.demo")} <= {"megatron_gndpo.cli"}
+
+
+def test_methods_import_no_trainer_checks_or_cli() -> None:
+    forbidden = ("megatron_gndpo.trainer", "megatron_gndpo.checks", "megatron_gndpo.cli")
+    assert _violations("megatron_gndpo.methods", forbidden) == []
+
+
+def _a_circle() -> list[str]:
+    """One import circle of the package (depth-first search), or [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(GRAPH.get(node, set())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for start in sorted(GRAPH):
+        if start not in state and (found := visit(start)):
+            return found
+    return []
+
+
+def test_no_import_circles() -> None:
+    assert _a_circle() == []
