@@ -230,6 +230,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gndpo.compat import cpu, notices
     from megatron_gndpo.config import check_environment
     from megatron_gndpo.parallel.distributed import (
+        DEFAULT_TIMEOUT_S,
         Watchdog,
         init_distributed,
         report_error,
@@ -238,7 +239,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config or TINY_CPU, args.overrides)  # config errors before start-up
     t = cfg.trainer
-    env = init_distributed(timeout_s=t.collective_timeout_s)
+    # A timeout <= 0 is reported by validate() below, once for the job: start with the default
+    timeout_s = t.collective_timeout_s if t.collective_timeout_s > 0 else DEFAULT_TIMEOUT_S
+    env = init_distributed(timeout_s=timeout_s)
     watchdog = None
     if env.world_size > 1 and t.heartbeat_timeout_s > 0:
         watchdog = Watchdog(env, t.heartbeat_timeout_s)

@@ -95,6 +95,14 @@ class Trainer:
         self._syncs = 0  # weight syncs into an external engine so far
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
         self.run_id = ""
+        if self.c.skipped_prompts:
+            total = self.c.skipped_prompts + len(self.c.prompts)
+            self._warn(
+                f"{self.c.skipped_prompts} of {total} training prompts are longer than "
+                f"rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens and are left "
+                "out (logged as prompts/skipped_too_long); raise rollout.max_prompt_length to "
+                "train on them"
+            )
         self._resume()
         self._describe_checkpoints()
         self._sync_engine()  # an external engine starts without the student's weights
@@ -437,6 +445,7 @@ class Trainer:
             self._start,
             lambda d: load_checkpoint(d, self.c.ddp, optimizer=self.c.optimizer, verify=verify),
             say=self._warn,
+            verify=verify,
         )
         self.run_id, self.step_count = resumed.run_id, resumed.step
         if resumed.directory is not None:

@@ -353,6 +353,23 @@ def test_resume_falls_back_loudly_past_corrupt_steps_only(tmp_path: Path) -> Non
         resume_from(plan, mismatch, say=said.append)
     assert "saved without checksums" not in str(err.value)
 
+    # checkpoint.verify=false: a truncated file fails like a mismatch (EOFError); the error says
+    # how to tell them apart and names the previous step (issue 15's probe p08)
+    def truncated(directory: Path) -> dict[str, object]:
+        raise CheckpointError(f"could not load {directory}: EOFError")
+
+    with pytest.raises(CheckpointError, match="EOFError") as err:
+        resume_from(plan, truncated, verify=False)
+    message = str(err.value)
+    assert "checkpoint.verify=true" in message, message
+    assert f"checkpoint.load={step_dir(tmp_path, 2)}" in message, message
+    # and what it loads unverified is said as such, not as "saved by an older version"
+    said.clear()
+    resume_from(plan, lambda d: {"step": 3, "run_id": "a", "verified": False, "extra": {}},
+                say=said.append, verify=False)  # fmt: skip
+    assert said == [f"{step_dir(tmp_path, 3)} loaded without checking its checksums "
+                    "(checkpoint.verify=false)"]  # fmt: skip
+
 
 def test_set_aside_moves_what_the_run_does_not_continue(tmp_path: Path) -> None:
     from megatron_gndpo.checkpoint.resume import Resumed, StartPlan, set_aside

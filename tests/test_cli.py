@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -253,6 +254,33 @@ def test_train_checks_every_path_before_building_anything(tmp_path: Path) -> Non
         assert expected in proc.stderr, expected
     assert "GPTModel" not in proc.stderr  # nothing was built
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_bad_collective_timeout_is_one_message_not_a_traceback(
+    tmp_path: Path, value: str
+) -> None:
+    """A timeout <= 0 once reached the rendezvous as it was (a 0 ms store timeout: C++ frames
+    and a traceback, issue 15's probe c07); the world now starts with the default and the
+    config check reports the key."""
+    proc = _train(tmp_path, "trainer.steps=1", f"trainer.collective_timeout_s={value}",
+                  timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "socket" not in proc.stderr
+    assert f"trainer.collective_timeout_s must be > 0, got {float(value)}" in proc.stderr
+
+
+@pytest.mark.megatron
+def test_prompts_left_out_for_length_are_said_on_the_console(tmp_path: Path) -> None:
+    """Before: only ``prompts/skipped_too_long`` in metrics.jsonl (issue 15's probe d06)."""
+    data = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(7)]
+    rows.append({"prompt": "1+" * 40 + "1=", "answer": "41"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = _train(tmp_path, f"data.train={data}", "trainer.steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("1 of 8 training prompts are longer than "
+                             "rollout.max_prompt_length=48 tokens") == 1  # fmt: skip
 
 
 @pytest.mark.megatron

@@ -123,14 +123,19 @@ def warn(message: str) -> None:
 
 
 def resume_from(
-    plan: StartPlan, load: Callable[[Path], dict[str, Any]], *, say: Callable[[str], None] = warn
+    plan: StartPlan,
+    load: Callable[[Path], dict[str, Any]],
+    *,
+    say: Callable[[str], None] = warn,
+    verify: bool = True,
 ) -> Resumed:
     """Load the newest intact candidate with ``load`` (collective; returns the step's metadata).
 
     A corrupt candidate is skipped for the next older one, said loudly through ``say``; when
     none is left, a :class:`CheckpointError` lists what was wrong with each. Any other load
     error (a checkpoint of another architecture) is raised as it is: an older step would fail
-    the same way.
+    the same way. ``verify``: whether ``load`` checks the checksums (checkpoint.verify); without
+    it a damaged file fails like a mismatch, and the error says how to tell them apart.
     """
     if not plan.candidates:
         return Resumed(step=0, run_id=uuid.uuid4().hex[:12], directory=None)
@@ -144,8 +149,15 @@ def resume_from(
             continue
         except CheckpointError as err:
             older = plan.candidates[index + 1 :]
-            if has_checksums or not older:
+            if not older or (has_checksums and verify):
                 raise
+            if has_checksums:  # checkpoint.verify=false: its checksums were not read
+                raise CheckpointError(
+                    f"{err}. Or a file of it is damaged: checkpoint.verify=false skipped its "
+                    f"checksums, which tell the two apart; with checkpoint.verify=true (the "
+                    f"default) a damaged checkpoint is set aside for the newest intact one, or "
+                    f"resume from the previous one with checkpoint.load={older[0]}"
+                ) from err
             raise CheckpointError(
                 f"{err}. {directory} was saved without checksums, so a damaged file cannot be "
                 f"told from a mismatch: if it is damaged, resume from the previous one with "
@@ -162,7 +174,9 @@ def resume_from(
                     else ""
                 )
             )
-        if not meta.get("verified"):
+        if not verify:
+            say(f"{directory} loaded without checking its checksums (checkpoint.verify=false)")
+        elif not meta.get("verified"):
             say(f"{directory} has no checksums (saved by an older version): loaded unverified")
         run_id = meta.get("run_id") or uuid.uuid4().hex[:12]
         return Resumed(int(meta["step"]), run_id, directory, meta, tuple(skipped))
