@@ -408,7 +408,9 @@ class CheckpointConfig:
     that holds iterations but no latest."""
     verify: bool = True
     """Check every file of a checkpoint against the checksums saved with it before loading it
-    (resume, checkpoint.init, teacher.load); false skips the extra read."""
+    (resume, checkpoint.init, teacher.load); a damaged newest step is then set aside for the
+    newest intact one. false skips the extra read, and with it that protection: damaged bytes
+    that still read as finite numbers load without a word (non-finite ones are still caught)."""
 
 
 @dataclasses.dataclass(frozen=True)
