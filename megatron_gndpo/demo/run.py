@@ -27,6 +27,7 @@ process ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import multiprocessing
@@ -34,6 +35,7 @@ import os
 import shutil
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -197,6 +199,28 @@ def _config(
     )
 
 
+@contextlib.contextmanager
+def demo_world() -> Iterator[None]:
+    """The demo's one-process world (gloo on the CPU), shut down at the end if started here."""
+    import torch.distributed as dist
+
+    from megatron_gndpo.compat import cpu
+    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+
+    owns_world = not dist.is_initialized()
+    env = init_distributed()
+    try:
+        if env.world_size != 1:
+            raise RuntimeError(
+                f"the demo runs as one process, not {env.world_size}: start it without a launcher"
+            )
+        cpu.enable_if_no_cuda()
+        yield
+    finally:
+        if owns_world:
+            shutdown_distributed()
+
+
 def run_demo(
     run_dir: str | Path,
     cache_dir: str | Path | None = None,
@@ -215,11 +239,6 @@ def run_demo(
     """
     if methods is None:
         methods = MULTIMODAL_METHODS if multimodal else METHODS
-    import torch.distributed as dist
-
-    from megatron_gndpo.compat import cpu
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
-
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown or not methods:
         raise ValueError(
@@ -230,14 +249,7 @@ def run_demo(
     run_dir = Path(run_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else run_dir / "cache"
     started = time.perf_counter()
-    owns_world = not dist.is_initialized()
-    env = init_distributed()
-    try:
-        if env.world_size != 1:
-            raise RuntimeError(
-                f"the demo runs as one process, not {env.world_size}: start it without a launcher"
-            )
-        cpu.enable_if_no_cuda()
+    with demo_world():
         s = settings(quick, seed, engine)
         if multimodal:
             teacher, student, task = _prepare_multimodal(cache_dir, s)
@@ -252,9 +264,6 @@ def run_demo(
             else:
                 cfg = method_config(name, run_dir, cache_dir, teacher, student, task, s)
             runs[name] = _run_method_in_process(cfg) if engine == "vllm" else _run_method(cfg)
-    finally:
-        if owns_world:
-            shutdown_distributed()
     summary = Summary(
         run_dir=run_dir, settings=s, teacher=teacher, student=student, methods=runs,
         prepare_seconds=prepare_seconds, wall_seconds=time.perf_counter() - started,
@@ -398,19 +407,14 @@ def _run_method_in_process(cfg: Config) -> MethodRun:
 
 def _method_process(cfg: Config, send: Any) -> None:
     """The spawned process of :func:`_run_method_in_process`: its own world, one method."""
-    from megatron_gndpo.compat import cpu, notices
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+    from megatron_gndpo.compat import notices
 
     for name in _WORLD_VARIABLES:
         os.environ.pop(name, None)
     notices.quiet_known_notices()
     try:
-        init_distributed()
-        try:
-            cpu.enable_if_no_cuda()
+        with demo_world():
             outcome: tuple[str, Any] = ("ok", _run_method(cfg))
-        finally:
-            shutdown_distributed()
     except UserError as err:
         outcome = ("user_error", str(err))
     except Exception:  # sent to the parent, which raises it with this traceback

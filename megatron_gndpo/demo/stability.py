@@ -42,7 +42,14 @@ from typing import Any
 from megatron_gndpo.config.schema import AlgorithmConfig, Config
 from megatron_gndpo.data.tasks import chains
 from megatron_gndpo.demo import models
-from megatron_gndpo.demo.run import MethodRun, Settings, _prepare, _run_method, method_config
+from megatron_gndpo.demo.run import (
+    MethodRun,
+    Settings,
+    _prepare,
+    _run_method,
+    demo_world,
+    method_config,
+)
 
 # The study's variants: (name, algorithm). The same clamp and loss as the main demo.
 VARIANTS: dict[str, AlgorithmConfig] = {
@@ -125,22 +132,10 @@ def run_stability(
     """Prepare (or reuse) the teacher and the near-teacher student, run every variant on every
     seed, write the report; return its numbers. ``settings``: other than
     :func:`stability_settings` (e.g. the temperature as the outlier source)."""
-    import torch.distributed as dist
-
-    from megatron_gndpo.compat import cpu
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
-
     run_dir = Path(run_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else run_dir / "cache"
     started = time.perf_counter()
-    owns_world = not dist.is_initialized()
-    env = init_distributed()
-    try:
-        if env.world_size != 1:
-            raise RuntimeError(
-                f"the demo runs as one process, not {env.world_size}: start it without a launcher"
-            )
-        cpu.enable_if_no_cuda()
+    with demo_world():
         st = settings or stability_settings(quick)
         student = models.student_recipe() if st.quick else models.near_student_recipe()
         teacher, start, task = _prepare(cache_dir, st.run_settings(st.seeds[0]), student)
@@ -153,9 +148,6 @@ def run_stability(
                     name, seed, run_dir, cache_dir, teacher, start, task, st, outlier_prompts
                 )
                 runs[(name, seed)] = _run_method(cfg)
-    finally:
-        if owns_world:
-            shutdown_distributed()
     study = StabilityStudy(
         run_dir=run_dir, settings=st, teacher=teacher, student=start, runs=runs,
         prepare_seconds=prepare_seconds, wall_seconds=time.perf_counter() - started,
