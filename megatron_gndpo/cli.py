@@ -1,6 +1,7 @@
 """The ``megatron-gndpo`` command.
 
     megatron-gndpo train [--config FILE] [section.key=value ...]     (under torchrun or srun)
+    megatron-gndpo launch [torchrun options] train|convert ...         (torchrun, one-line failures)
     megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [--gpu-memory-gib G] [--mfu M]
                         [section.key=value ...]                         (memory and step time too)
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
@@ -127,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_convert.add_argument("direction", choices=("hf-to-mcore", "mcore-to-hf"))
     p_convert.add_argument("rest", nargs=argparse.REMAINDER, help="options of the direction")
+
+    p_launch = sub.add_parser(
+        "launch",
+        add_help=False,
+        help="torchrun for train/convert: the same options, one line instead of a traceback "
+        "when a worker fails, and the worker's exit code",
+        description="megatron-gndpo launch [torchrun options] train|convert ... "
+        "(`megatron-gndpo launch --help` lists torchrun's options)",
+    )
+    p_launch.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="torchrun's options, then the command"
+    )
 
     p_cfg = sub.add_parser(
         "config",
@@ -339,6 +352,11 @@ def _cmd_demo_stability(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # every later argument is torchrun's or the command's
+        from megatron_gndpo.parallel import launch
+
+        return launch.main(argv[1:])
     parser = build_parser()
     # argparse fills a positional list only once: overrides after an option (`config validate
     # -n 8 a.b=1`, `plan a.b=1 -n 8 c.d=2`) come back unparsed. They are overrides all the same.

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,13 +31,28 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny_cpu.yaml"
 
 
-def _torchrun(*args: str, out: Path) -> subprocess.Popen[str]:
+def _torchrun(
+    *args: str, out: Path, launcher: str = "torch.distributed.run"
+) -> subprocess.Popen[str]:
+    """Two workers under torchrun, or under ``megatron-gndpo launch`` (``launcher="launch"``;
+    its arguments are torchrun's then the command, without ``-m megatron_gndpo.cli``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    start = ["-m", "megatron_gndpo.cli", "launch"] if launcher == "launch" else ["-m", launcher]
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args],
+        [sys.executable, *start, "--nproc-per-node", "2", *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """The launcher's workers by their RANK."""
+    rank_of = {}
+    children = subprocess.check_output(["pgrep", "-P", str(launcher_pid)]).split()
+    for pid in (int(p) for p in children):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank_of[int(next(v for v in environ if v.startswith(b"RANK="))[5:])] = pid
+    return rank_of
 
 
 def _wait_for(paths: list[Path], timeout_s: float) -> None:
@@ -237,11 +253,8 @@ def test_train_under_torchrun_ends_when_a_rank_stops(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         _wait_for([run / "metrics.jsonl"], 240)
-        workers = [int(p) for p in subprocess.check_output(["pgrep", "-P", str(proc.pid)]).split()]
-        rank_of = {}
-        for pid in workers:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank_of[int(next(v for v in environ if v.startswith(b"RANK="))[5:])] = pid
+        rank_of = _rank_pids(proc.pid)
+        workers = list(rank_of.values())
         os.kill(rank_of[1], signal.SIGSTOP)
         stopped = time.monotonic()
         _, err = proc.communicate(timeout=120)
@@ -256,6 +269,83 @@ def test_train_under_torchrun_ends_when_a_rank_stops(tmp_path: Path) -> None:
     assert "full_param_layout not provided" not in err
     assert err.count("GPTModel IS DEPRECATED") == 1
     shutil.rmtree(run, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# `megatron-gndpo launch`: torchrun with one line instead of its ChildFailedError traceback
+
+
+@pytest.mark.distributed
+def test_launch_prints_an_error_every_rank_raises_once_and_exits_2(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    proc = _torchrun(
+        "train", "-c", str(TINY), f"logging.run_dir={tmp_path}", f"data.train={missing}",
+        out=tmp_path, launcher="launch",
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    text = out + err
+    assert proc.returncode == 2, text[-3000:]
+    assert text.count("megatron-gndpo: error:") == 1, text[-3000:]
+    assert f"prompt file {missing} does not exist" in text
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+    assert "failed (exitcode" not in text  # the agent's own log line of the failure
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_launch_names_a_killed_rank_in_one_line_with_its_exit_code(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _torchrun(
+        "train", "-c", str(TINY), f"logging.run_dir={run}", "trainer.steps=1000",
+        out=tmp_path, launcher="launch",
+    )  # fmt: skip
+    try:
+        _wait_for([run / "metrics.jsonl"], 240)
+        rank_of = _rank_pids(proc.pid)
+        os.kill(rank_of[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]  # as a shell reports a kill -9
+    lines = [line for line in err.splitlines() if line.startswith("megatron-gndpo: launch:")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(
+        f"megatron-gndpo: launch: rank 1 (local rank 1 on {socket.getfqdn()}, pid {rank_of[1]}) "
+        "failed first: exit code -9 (SIGKILL); the other workers were stopped"
+    ), lines[0]
+    assert "ChildFailedError" not in err and "Root Cause" not in err
+    assert not any(_alive(pid) for pid in rank_of.values())
+    # console noise: the known upstream warnings once for the job, one line each
+    assert err.count("Transformer Engine and/or Apex are not installed") == 1, err[-3000:]
+    assert "warnings.warn(" not in err
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def test_launch_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_gndpo.cli import main
+
+    assert main(["launch", "--nproc-per-node", "2", "demo"]) == 2
+    assert "'demo' is not a command launch runs" in capsys.readouterr().err
+    assert main(["launch", "--no-python", "train"]) == 2
+    assert "leave out -m/--module and --no-python" in capsys.readouterr().err
+    assert main(["launch", "--help"]) == 0
+    assert "torchrun's options" in capsys.readouterr().out
+
+
+def test_launch_exit_codes_and_failure_line() -> None:
+    from megatron_gndpo.parallel.launch import exit_code_of, failure_line
+
+    codes = (exit_code_of(-9), exit_code_of(-15), exit_code_of(1), exit_code_of(2))
+    assert codes == (137, 143, 1, 2)
+    line = failure_line(rank=5, local_rank=1, host="gpu-002", pid=42, exitcode=-6)
+    assert line.startswith(
+        "megatron-gndpo: launch: rank 5 (local rank 1 on gpu-002, pid 42) failed first: "
+        "exit code -6 (SIGABRT)"
+    )
+    assert "exit code 1;" in failure_line(rank=0, local_rank=0, host="h", pid=1, exitcode=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,3 +414,45 @@ def test_known_megatron_notices_show_once(caplog: pytest.LogCaptureFixture) -> N
     messages = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("GPTModel IS DEPRECATED") for m in messages) == 1
     assert messages.count("something else entirely") == 2  # unknown messages are not touched
+
+
+def _warn_known_and_unknown() -> None:
+    import warnings
+
+    for _ in range(3):  # megatron-core warns from several modules, on every rank
+        warnings.warn(
+            "Transformer Engine and Apex are not installed. Falling back to X", stacklevel=1
+        )
+        warnings.warn(
+            "Transformer Engine and Apex are not installed. Falling back to Y", stacklevel=1
+        )
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", stacklevel=1)
+        warnings.warn("full scope is deprecated. Use empty cuda_graph_modules", stacklevel=1)
+    warnings.warn("an unknown warning stays as it is", UserWarning, stacklevel=1)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_known_warnings_show_once_for_the_job_in_one_line_each(
+    rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    from megatron_gndpo.compat import notices
+
+    monkeypatch.setenv("RANK", rank)
+    shown: list[str] = []
+    with warnings.catch_warnings():  # restores the filters and warnings.showwarning
+        warnings.resetwarnings()
+        warnings.showwarning = lambda message, *_: shown.append(str(message))
+        notices.quiet_known_notices()
+        try:
+            _warn_known_and_unknown()
+        finally:
+            notices.restore()
+    err = capsys.readouterr().err
+    known = [line for line in err.splitlines() if line.startswith("known upstream notice:")]
+    if rank == "0":
+        assert known == [notices.FALLBACK_LINE, "known upstream notice: full scope is deprecated"]
+    else:
+        assert known == []  # every rank has the same: rank 0 says it
+    assert shown == ["an unknown warning stays as it is"]  # to the hook it replaced, as it was

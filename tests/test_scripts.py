@@ -196,7 +196,7 @@ def test_sbatch_dry_run_on_32_nodes(slurm: dict[str, str]) -> None:
     submit = slurm["SLURM_SUBMIT_DIR"]
     run_dir = f"{submit}/runs/qwen3-8b_from_32b"
 
-    head = srun[: srun.index("torchrun")]
+    head = srun[: srun.index("megatron-gndpo")]
     flags = _flags(head)
     assert (flags["nodes"], flags["ntasks"], flags["ntasks-per-node"]) == ("32", "32", "1")
     assert flags["kill-on-bad-exit"] == "1"
@@ -219,16 +219,16 @@ def test_sbatch_dry_run_on_32_nodes(slurm: dict[str, str]) -> None:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     }
 
-    launcher = srun[srun.index("torchrun") : srun.index("megatron-gndpo")]
+    launcher = srun[srun.index("megatron-gndpo") : srun.index("train")]
+    assert launcher[:2] == ["megatron-gndpo", "launch"]
     assert _after(launcher, "--nnodes") == "32"
     assert _after(launcher, "--nproc-per-node") == "8"
     assert _after(launcher, "--rdzv-backend") == "c10d"
     assert _after(launcher, "--rdzv-endpoint") == f"gpu-001:{PORT}"
     assert _after(launcher, "--rdzv-id") == str(JOB_ID)
-    assert launcher[-1] == "--no-python"
+    assert "--no-python" not in launcher  # launch starts its own module
 
-    assert srun[srun.index("megatron-gndpo") :] == [
-        "megatron-gndpo",
+    assert srun[srun.index("train") :] == [
         "train",
         "--config",
         str(CONFIG),
@@ -259,7 +259,7 @@ def test_sbatch_run_dir_and_gpus_per_node_overrides(slurm: dict[str, str]) -> No
 def test_sbatch_srun_per_gpu_ranks_reach_detect_env(slurm: dict[str, str]) -> None:
     """LAUNCHER=srun: one Slurm task per GPU; each task's environment gives it a distinct rank."""
     exports, srun = _dry_run(slurm | {"LAUNCHER": "srun"})
-    assert "torchrun" not in srun
+    assert "torchrun" not in srun and "launch" not in srun
     flags = _flags(srun[: srun.index("megatron-gndpo")])
     assert (flags["ntasks"], flags["ntasks-per-node"], flags["cpus-per-task"]) == ("256", "8", "8")
     assert flags["gpu-bind"] == "none"  # every task sees its node's 8 GPUs, picks SLURM_LOCALID
@@ -381,44 +381,43 @@ def test_sbatch_requeues_anyway_when_the_trainer_does_not_stop(
     assert _scontrol_calls(state) == [f"requeue {JOB_ID}"]  # not a second time after srun
 
 
-# What torchrun prints when a worker dies (torch.distributed.elastic's ChildFailedError).
-TORCHRUN_FAILURE = """\
+# What `megatron-gndpo launch` prints when a worker dies (parallel/launch.failure_line).
+LAUNCH_FAILURE = """\
 [default0]:step 9 | loss 0.1
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-megatron-gndpo FAILED
-------------------------------------------------------------
-Failures:
-  <NO_OTHER_FAILURES>
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-12-01_22:30:01
-  host      : gpu-001
-  rank      : 1 (local_rank: 1)
-  exitcode  : -9 (pid: 77)
-  error_file: <N/A>
-  traceback : Signal 9 (SIGKILL) received by PID 77
-============================================================
+megatron-gndpo: launch: rank 1 (local rank 1 on gpu-001, pid 77) failed first: exit code -9 \
+(SIGKILL); the other workers were stopped. Its output above says why (a traceback, or nothing \
+when it was killed: look for the OOM killer in `dmesg`)
+"""
+# An error the project raises on purpose: printed once for the job, the workers exit with 2.
+USER_ERROR = """\
+[default0]:megatron-gndpo: error: checkpoint.init: /ckpt/student does not exist
 """
 
 
 @needs_bash
+@pytest.mark.parametrize(
+    ("node_log", "status", "cause"),
+    [
+        (
+            LAUNCH_FAILURE, "137",
+            "rank 1 (local rank 1 on gpu-001, pid 77) failed first: exit code -9 (SIGKILL); "
+            "the other workers were stopped",
+        ),
+        (USER_ERROR, "2", "checkpoint.init: /ckpt/student does not exist"),
+    ],
+)  # fmt: skip
 def test_sbatch_failure_names_the_failed_rank_and_how_to_resume(
-    slurm: dict[str, str], tmp_path: Path
+    slurm: dict[str, str], tmp_path: Path, node_log: str, status: str, cause: str
 ) -> None:
-    env = slurm | {"FAKE_SRUN_EXIT": "1", "FAKE_NODE_LOG": TORCHRUN_FAILURE}
+    env = slurm | {"FAKE_SRUN_EXIT": status, "FAKE_NODE_LOG": node_log}
     checkpoints = Path(slurm["SLURM_SUBMIT_DIR"]) / "runs" / "qwen3-8b_from_32b" / "checkpoints"
     checkpoints.mkdir(parents=True)
     (checkpoints / "latest").write_text("8\n")
     result = subprocess.run(
         ["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=30, check=False
     )
-    assert result.returncode == 1
-    assert (
-        "error: training failed (srun exit status 1): host gpu-001; rank 1 (local_rank: 1); "
-        "exitcode -9 (pid: 77); traceback Signal 9 (SIGKILL) received by PID 77"
-    ) in result.stderr
+    assert result.returncode == int(status)
+    assert f"error: training failed (srun exit status {status}): {cause}\n" in result.stderr
     resume = f"resume from the newest checkpoint in {checkpoints} (step 8)"
     assert f"resubmit with the same CONFIG and RUN_DIR to {resume}" in result.stderr
 
@@ -532,14 +531,13 @@ def test_local_train_dry_run(tmp_path: Path, env: dict[str, str], nproc: str) ->
     assert words == [
         "/venv/bin/python",
         "-m",
-        "torch.distributed.run",
+        "megatron_gndpo.cli",
+        "launch",
         "--standalone",
         "--nnodes",
         "1",
         "--nproc-per-node",
         nproc,
-        "-m",
-        "megatron_gndpo.cli",
         "train",
         "-c",
         "examples/tiny_cpu.yaml",

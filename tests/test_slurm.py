@@ -2,8 +2,8 @@
 
 Every job is ``sbatch scripts/slurm/gndpo.sbatch`` itself, without a container (``IMAGE=none``)
 and with the CPU node's limits on the command line (``--gpus-per-node=0 --cpus-per-task=2``):
-srun starts one torchrun, which starts two gloo ranks of the tiny CPU config. Jobs find the
-project through PATH and PYTHONPATH, which sbatch passes on from this process.
+srun starts one ``megatron-gndpo launch`` (torchrun), which starts two gloo ranks of the tiny CPU
+config. Jobs find the project through PATH and PYTHONPATH, which sbatch passes on from this process.
 
 Each interrupted job must end with the per-step metrics of an uninterrupted one (the first test's
 job, same seed): a resumed run trains on from its checkpoint exactly as the straight run did.
@@ -59,7 +59,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 def _slurm_env() -> dict[str, str]:
     """This process's environment for Slurm commands and jobs, pointed at the test cluster.
 
-    A job runs whatever megatron-gndpo and torchrun PATH finds first, so this interpreter's
+    A job runs whatever megatron-gndpo PATH finds first, so this interpreter's
     directory goes first; PYTHONPATH makes it import this checkout. Variables of an enclosing
     Slurm job or launcher are dropped, so that they cannot leak into the test's jobs.
     """
@@ -286,7 +286,8 @@ def reference(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Refere
 
 
 def test_full_job(reference: Reference) -> None:
-    """sbatch -> srun -> one torchrun -> 2 gloo ranks: trains to the end, writes what it should."""
+    """sbatch -> srun -> one launcher (torchrun) -> 2 gloo ranks: trains to the end, writes what
+    it should."""
     job, final = reference.job, reference.final
     state = (final["JobState"], final["ExitCode"], final["Restarts"])
     assert state == ("COMPLETED", "0:0", "0"), job.describe()
@@ -299,7 +300,9 @@ def test_full_job(reference: Reference) -> None:
     assert (checkpoints / f"iter_{REFERENCE_STEPS:07d}").is_dir()
     assert (job.run_dir / "config.yaml").exists()
     log = job.node_log(0)
-    assert "[default0]" in log and "[default1]" in log, job.describe()  # both ranks ran here
+    assert "[default0]" in log, job.describe()  # torchrun's tags (rank 1 prints nothing)
+    shards = sorted(p.name for p in (checkpoints / f"iter_{REFERENCE_STEPS:07d}").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], job.describe()  # both ranks saved
     assert "srun exited with status 0" in job.output()
 
 
@@ -384,8 +387,8 @@ def _worker_pid(job_id: int, rank: int) -> int | None:
             continue
         if (
             f"SLURM_JOB_ID={job_id}".encode() in environ
-            and f"RANK={rank}".encode() in environ  # torchrun itself has no RANK
-            and b"megatron-gndpo" in cmdline
+            and f"RANK={rank}".encode() in environ  # the launcher itself has no RANK
+            and b"megatron_gndpo.cli\0train" in cmdline  # a worker: python -m megatron_gndpo.cli
         ):
             return int(proc.name)
     return None

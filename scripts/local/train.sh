@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Train on this machine: torchrun --standalone with one process per visible GPU, or one process
-# on the CPU when there is no GPU.
+# Train on this machine: torchrun --standalone (as `megatron-gndpo launch`) with one process per
+# visible GPU, or one process on the CPU when there is no GPU.
 #
 #   scripts/local/train.sh                                   # the embedded tiny CPU config
 #   scripts/local/train.sh -c examples/qwen2.5-1.5b_from_7b.yaml trainer.steps=10
@@ -11,8 +11,9 @@
 #   NPROC    processes (default: the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists,
 #            else 1 on the CPU)
 #   PYTHON   interpreter that has the package installed (default python3; e.g. .venv/bin/python).
-#            torchrun is run as `$PYTHON -m torch.distributed.run`, which is what the torchrun
-#            command is, so launcher and workers always come from that interpreter.
+#            The launcher is `$PYTHON -m megatron_gndpo.cli launch` (torchrun, ending with one
+#            line that names a failed process), so launcher and workers come from that
+#            interpreter.
 #   DRY_RUN  1: print the command instead of running it
 set -euo pipefail
 
@@ -45,8 +46,8 @@ fi
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export PYTHONUNBUFFERED=1
 
-cmd=("$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC"
-  -m megatron_gndpo.cli train "$@")
+cmd=("$PYTHON" -m megatron_gndpo.cli launch --standalone --nnodes 1 --nproc-per-node "$NPROC"
+  train "$@")
 
 if [[ ${DRY_RUN:-0} == 1 ]]; then
   printf '%q ' "${cmd[@]}"

@@ -1,0 +1,138 @@
+"""``megatron-gndpo launch``: torchrun for this package, with one line instead of a traceback.
+
+    megatron-gndpo launch [torchrun options] train [--config FILE] [section.key=value ...]
+    megatron-gndpo launch --nproc-per-node 4 convert hf-to-mcore --hf-dir ... --tp 2 --pp 2
+
+It is torchrun (``torch.distributed.run``: the same options, rendezvous and elastic agent),
+started on ``python -m megatron_gndpo.cli COMMAND ...`` with this interpreter. Only what happens
+when a worker fails differs. Plain torchrun ends with its own ``ChildFailedError`` traceback and
+a failure box, and exits with 1 whatever its workers' codes were. Here:
+
+- a worker that failed with one of our errors has already printed it once for the job
+  (``megatron-gndpo: error: ...``, exit code 2): nothing more is printed, and the exit code is 2;
+- any other failure (a crash, a signal, the OOM killer) gets one line naming the process that
+  failed first, which the Slurm script quotes (``scripts/slurm/gndpo.sbatch``):
+  ``megatron-gndpo: launch: rank 1 (local rank 1 on HOST, pid N) failed first: exit code -9
+  (SIGKILL); ...``, and the launcher exits with the worker's code (128 + N for signal N, as a
+  shell reports it);
+- a launcher stopped by a signal (srun's SIGTERM when another node failed) says so in one line
+  and exits with 128 + N.
+
+The worker's own traceback, when it has one, is in its output above the line, as with torchrun.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+COMMANDS = ("train", "convert")
+_MODULE = "megatron_gndpo.cli"
+_USER_ERROR_EXIT = 2  # cli.main's exit code for an error we raise on purpose
+
+
+class _DropFailureLog(logging.Filter):
+    """torchrun's agent logs the first failure ("failed (exitcode: ...)") before raising it; the
+    launcher reports it itself, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed (exitcode")
+
+
+def _usage_error(message: str) -> int:
+    print(f"megatron-gndpo launch: error: {message}", file=sys.stderr)
+    return _USER_ERROR_EXIT
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def exit_code_of(worker_exitcode: int) -> int:
+    """The launcher's exit code for a worker's: the same, or 128 + N for a worker killed by
+    signal N (multiprocessing reports -N)."""
+    return 128 - worker_exitcode if worker_exitcode < 0 else worker_exitcode
+
+
+def failure_line(rank: int, local_rank: int, host: str, pid: int, exitcode: int) -> str:
+    how = f"exit code {exitcode}"
+    if exitcode < 0:
+        how += f" ({_signal_name(-exitcode)})"
+    return (
+        f"megatron-gndpo: launch: rank {rank} (local rank {local_rank} on {host}, pid {pid}) "
+        f"failed first: {how}; the other workers were stopped. Its output above says why "
+        "(a traceback, or nothing when it was killed: look for the OOM killer in `dmesg`)"
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    import socket
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n", 2)[1].rstrip() + "\n\ntorchrun's options:\n")
+        parser = torchrun.get_args_parser()
+        parser.prog, parser.usage = "megatron-gndpo launch", "%(prog)s [options] COMMAND ..."
+        parser.print_help()
+        return 0 if argv else _USER_ERROR_EXIT
+    # torchrun's own parser: its first positional (the script) is our command
+    args = torchrun.parse_args(argv)
+    if args.module or args.no_python:
+        return _usage_error(
+            "launch runs megatron-gndpo's own module: leave out -m/--module and --no-python"
+        )
+    if args.training_script not in COMMANDS:
+        return _usage_error(
+            f"'{args.training_script}' is not a command launch runs: give torchrun's options, "
+            f"then one of {', '.join(COMMANDS)} and its arguments, e.g. `megatron-gndpo launch "
+            "--nproc-per-node 2 train parallel.tensor_parallel=2`"
+        )
+    args.training_script_args = [args.training_script, *args.training_script_args]
+    args.training_script = _MODULE
+    args.module = True
+
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    drop = _DropFailureLog()
+    agent_log.addFilter(drop)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode == _USER_ERROR_EXIT:
+            return _USER_ERROR_EXIT  # printed once for the job by the workers already
+        host = socket.getfqdn()
+        print(failure_line(rank, failure.local_rank, host, failure.pid, failure.exitcode),
+              file=sys.stderr, flush=True)  # fmt: skip
+        return exit_code_of(failure.exitcode)
+    except SignalException as err:
+        name = _signal_name(int(err.sigval))
+        print(
+            f"megatron-gndpo: launch: stopped by {name}; its workers were stopped too",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(err.sigval)
+    except RendezvousError as err:
+        endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
+        print(
+            f"megatron-gndpo: error: the workers' rendezvous at {endpoint} failed "
+            f"({type(err).__name__}: {err}). Check that every node reaches that host and port "
+            "(--rdzv-endpoint) and that all nodes were started with the same --nnodes and "
+            "--rdzv-id",
+            file=sys.stderr,
+            flush=True,
+        )
+        return _USER_ERROR_EXIT
+    finally:
+        agent_log.removeFilter(drop)
+    return 0
