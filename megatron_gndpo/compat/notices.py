@@ -52,6 +52,11 @@ OTHER_WARNINGS = (
     "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    # torch 2.14's distributed checkpoint on megatron-core 0.19's one-process load
+    # (``checkpoint.load(state, reader, no_dist=True)``, torch's ShardedTensor inside)
+    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load",
+    "The argument order of load has been changed",
+    "Please use DTensor instead and we are deprecating ShardedTensor",
 )
 KNOWN_WARNINGS = FALLBACK_WARNINGS + OTHER_WARNINGS
 FALLBACK_LINE = (
