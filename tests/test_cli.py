@@ -15,6 +15,7 @@ import yaml
 from megatron_gndpo.cli import main
 from megatron_gndpo.config import load_config, to_dict
 from megatron_gndpo.config.docs import iter_fields
+from megatron_gndpo.methods import METHODS
 from megatron_gndpo.plan import plan
 from tests.test_config import EXAMPLES, example_world_size
 
@@ -207,6 +208,8 @@ def test_config_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert "  algorithm.kl_clip (a number; default 5.0)" in out
     assert "  teacher.model.num_layers (an integer; default 4)" in out  # the teacher's default
     assert all(f"  {f.key} (" in out for f in FIELDS)
+    # the names of the estimator keys come from the method registry, not the schema
+    assert f"One of: {', '.join(METHODS)}." in " ".join(out.split())
 
 
 def test_installed_console_script() -> None:
