@@ -17,7 +17,7 @@ from megatron_gndpo.config import load_config, to_dict
 from megatron_gndpo.config.docs import iter_fields
 from megatron_gndpo.methods import METHODS
 from megatron_gndpo.plan import plan
-from tests.test_config import EXAMPLES, example_world_size
+from tests.examples import EXAMPLES, example_world_size
 
 QWEN3 = Path(__file__).resolve().parent.parent / "examples" / "qwen3-8b_from_32b.yaml"
 # 256 ranks: student TP=8 (DP=32), teacher TP=8 x PP=4 (DP=8); 256 x 16 sequences split over DP.
