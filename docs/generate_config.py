@@ -5,8 +5,10 @@
 
 Every field is documented once, by the string literal under it in
 ``megatron_gndpo/config/schema.py``; this script only lays those out (sections from the
-dataclasses' docstrings, fields with their type and default). ``tests/test_docs.py`` fails when the
-committed file differs from what this writes.
+dataclasses' docstrings, fields with their type and default), with the names the estimator keys
+take read from the method registry (``megatron_gndpo.methods.config_names``), as
+``megatron-gndpo config fields`` prints them. ``tests/test_docs.py`` fails when the committed file
+differs from what this writes.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from megatron_gndpo.config.docs import field_docs
-from megatron_gndpo.config.loader import _type_name
+from megatron_gndpo.config.docs import iter_fields
+from megatron_gndpo.config.loader import type_name
 from megatron_gndpo.config.schema import Config
+from megatron_gndpo.methods import config_names
 
 OUT = Path(__file__).resolve().parent / "CONFIG.md"
 
@@ -68,8 +71,8 @@ def _sections(cls: type, value: Any, prefix: str) -> Iterator[tuple[str, type, A
             yield from _sections(section, getattr(value, f.name) or section(), f"{prefix}{f.name}.")
 
 
-def _section_text(prefix: str, cls: type, value: Any) -> list[str]:
-    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+def _section_text(prefix: str, cls: type, value: Any, docs: dict[str, str]) -> list[str]:
+    hints = typing.get_type_hints(cls)
     leaves = [
         f
         for f in dataclasses.fields(cls)
@@ -81,8 +84,8 @@ def _section_text(prefix: str, cls: type, value: Any) -> list[str]:
     for f in leaves:
         default = _yaml_value(getattr(value, f.name))
         lines.append(
-            f"- **`{prefix}{f.name}`** ({_type_name(hints[f.name])}; default `{default}`): "
-            f"{docs.get(f.name, '')}"
+            f"- **`{prefix}{f.name}`** ({type_name(hints[f.name])}; default `{default}`): "
+            f"{docs[prefix + f.name]}"
         )
     return [*lines, ""]
 
@@ -90,9 +93,10 @@ def _section_text(prefix: str, cls: type, value: Any) -> list[str]:
 def render() -> str:
     """The whole of docs/CONFIG.md."""
     lines = [HEADER]
+    docs = {fd.key: fd.doc for fd in iter_fields(names=config_names())}
     for prefix, cls, value in _sections(Config, Config(), ""):
         if prefix:  # the top level has no leaf fields of its own
-            lines += _section_text(prefix, cls, value)
+            lines += _section_text(prefix, cls, value, docs)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -31,6 +31,7 @@ from megatron_gndpo.checks import validate
 from megatron_gndpo.config import load_config, save_resolved, to_yaml
 from megatron_gndpo.config.docs import format_fields
 from megatron_gndpo.errors import UserError
+from megatron_gndpo.methods import config_names
 from megatron_gndpo.version import __version__
 
 _EPILOG_HEAD = """\
@@ -67,7 +68,7 @@ def _fraction(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fields = _EPILOG_HEAD + format_fields()
+    fields = _EPILOG_HEAD + format_fields(names=config_names())
     parser = argparse.ArgumentParser(
         prog="megatron-gndpo",
         description="On-policy distillation with GNDPO on megatron-core.",
@@ -297,7 +298,7 @@ def _barrier() -> None:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.action == "fields":
-        print(format_fields())
+        print(format_fields(names=config_names()))
         return 0
     cfg = validate(load_config(args.config, args.overrides), args.world_size)
     if args.action == "show":

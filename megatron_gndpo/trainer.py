@@ -270,10 +270,8 @@ class Trainer:
             request = method.teacher_request(student, step_seed)
             if request is not None and request.full_kl:  # the student's output shard meets it
                 request = dataclasses.replace(request, kl_weight=self._student_output_weight())
-            teacher = Scores.of(
-                self.c.teacher.score_batch(
-                    rollout.tokens, rollout.lengths, request, images=rollout.images
-                )
+            teacher = self.c.teacher.score_batch(
+                rollout.tokens, rollout.lengths, request, images=rollout.images
             )
         if student is None:
             with timer.time("old_logprobs"):
@@ -306,9 +304,9 @@ class Trainer:
             pack=self.cfg.trainer.pack_sequences, request=request, images=rollout.images,
         )  # fmt: skip
         device = next(c.student.parameters()).device  # the broadcast goes over NCCL on GPUs
-        specs = request.specs(*rollout.tokens.shape)
-        scores = broadcast_scores(scores, specs, c.student_groups, device)
-        return Scores.of({key: value.to(rollout.tokens.device) for key, value in scores.items()})
+        template = request.template(*rollout.tokens.shape)
+        scores = broadcast_scores(scores, template, c.student_groups, device)
+        return scores.to(rollout.tokens.device)
 
     def _rewards(self, rollout: Rollout, prompts: list[Any]) -> torch.Tensor | None:
         answers = [prompts[int(i)].example.answer for i in rollout.prompt_index]

@@ -15,8 +15,9 @@ import yaml
 from megatron_gndpo.cli import main
 from megatron_gndpo.config import load_config, to_dict
 from megatron_gndpo.config.docs import iter_fields
+from megatron_gndpo.methods import METHODS
 from megatron_gndpo.plan import plan
-from tests.test_config import EXAMPLES, example_world_size
+from tests.examples import EXAMPLES, example_world_size
 
 QWEN3 = Path(__file__).resolve().parent.parent / "examples" / "qwen3-8b_from_32b.yaml"
 # 256 ranks: student TP=8 (DP=32), teacher TP=8 x PP=4 (DP=8); 256 x 16 sequences split over DP.
@@ -207,6 +208,8 @@ def test_config_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert "  algorithm.kl_clip (a number; default 5.0)" in out
     assert "  teacher.model.num_layers (an integer; default 4)" in out  # the teacher's default
     assert all(f"  {f.key} (" in out for f in FIELDS)
+    # the names of the estimator keys come from the method registry, not the schema
+    assert f"One of: {', '.join(METHODS)}." in " ".join(out.split())
 
 
 def test_installed_console_script() -> None:

@@ -27,23 +27,7 @@ from megatron_gndpo.config import (
     to_yaml,
 )
 from megatron_gndpo.config.loader import build
-
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
-EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
-HEADER = re.compile(
-    r"^# megatron-gndpo plan -c examples/(?P<name>\S+\.yaml) -n (?P<n>\d+)\s*$", re.M
-)
-
-
-def example_world_size(path: Path) -> int:
-    """The world size named by the example's ``# megatron-gndpo plan ... -n N`` header line."""
-    match = HEADER.search(path.read_text(encoding="utf-8"))
-    assert match is not None, (
-        f"{path.name} lacks the header line '# megatron-gndpo plan -c examples/{path.name} -n N' "
-        "naming the world size it is meant for"
-    )
-    assert match["name"] == path.name, f"{path.name}'s header names {match['name']}"
-    return int(match["n"])
+from tests.examples import EXAMPLES, EXAMPLES_DIR, example_world_size
 
 
 def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:

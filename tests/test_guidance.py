@@ -96,6 +96,7 @@ def test_guidance_advantage_bonus() -> None:
 def test_token_loss_routes_each_term() -> None:
     """The update's per-token loss g·PG + λ·d·FKL − β·H, against a hand computation."""
     from megatron_gndpo.engine.update import UpdateBatch, policy_loss, token_loss
+    from megatron_gndpo.models.logprob_head import Scores
 
     b = _batch(5)
     lp = b["ls"].float()
@@ -117,7 +118,7 @@ def test_token_loss_routes_each_term() -> None:
         torch.zeros(3, 7, dtype=torch.long), mb["old"], mb["adv"], b["mask"],
         aux_coef=0.3, entropy_coef=0.01,
     )  # fmt: skip
-    output = {"logprobs": lp, "extra_logprobs": extra, "entropy": entropy}
+    output = Scores(lp, extra_logprobs=extra, entropy=entropy)
     loss, info = token_loss(output, mb, batch, cfg)
     pg, _ = policy_loss(lp, mb["old"], mb["adv"], b["mask"], cfg)
     fkl = (logq.exp() * (logq - extra)).sum(-1)
@@ -184,7 +185,7 @@ def test_head_samples_teacher_tokens_like_the_vocab_parallel_sampler() -> None:
     """TGPO's sampled teacher token: the head's draw is vocab_parallel_sample's, per seed."""
     import types
 
-    from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
+    from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
     from megatron_gndpo.parallel.vocab_stats import vocab_parallel_sample
 
     g = torch.Generator().manual_seed(0)
@@ -199,8 +200,8 @@ def test_head_samples_teacher_tokens_like_the_vocab_parallel_sampler() -> None:
         context = ScoreContext(torch.zeros(b, s, dtype=torch.long), sample_seed=seed)
         out = head(hidden_states=hidden, output_layer=layer, output_weight=None,
                    context=context, config=None)  # fmt: skip
-        assert isinstance(out, dict)
-        return out["sampled_ids"]
+        assert isinstance(out, Scores) and out.sampled_ids is not None
+        return out.sampled_ids
 
     want = vocab_parallel_sample(
         hidden.reshape(s * b, h), weight, generator=torch.Generator().manual_seed(5),

@@ -30,7 +30,7 @@ from megatron_gndpo.parallel.vocab_stats import (
     vocab_parallel_sample,
 )
 from tests.harness import run_distributed
-from tests.test_logprobs import MemoryRecorder, make_case, reference_log_softmax
+from tests.logprob_refs import MemoryRecorder, make_case, reference_log_softmax
 
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 

@@ -16,6 +16,7 @@ Skipped, with the reason, when the cluster is not up: run scripts/ci/slurm_up.sh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -169,8 +170,10 @@ def _sbatch(
     steps: int,
     save_interval: int = SAVE_INTERVAL,
     overrides: tuple[str, ...] = (),
+    jobs: list[Job] | None = None,
 ) -> Job:
-    """``sbatch scripts/slurm/gndpo.sbatch`` for the tiny config on this CPU node."""
+    """``sbatch scripts/slurm/gndpo.sbatch`` for the tiny config on this CPU node; the job is
+    also appended to ``jobs`` when given (the ``submit`` fixture cancels those left over)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_env = _slurm_env() | {
         "IMAGE": "none",  # no pyxis/enroot here: the job runs on the host
@@ -189,7 +192,10 @@ def _sbatch(
         command, env=job_env, capture_output=True, text=True, timeout=30, check=False
     )
     assert result.returncode == 0, f"sbatch failed: {result.stderr}"
-    return Job(int(result.stdout.strip().split(";")[0]), run_dir)
+    job = Job(int(result.stdout.strip().split(";")[0]), run_dir)
+    if jobs is not None:
+        jobs.append(job)
+    return job
 
 
 def _cancel_if_queued(job: Job) -> None:
@@ -201,19 +207,7 @@ def _cancel_if_queued(job: Job) -> None:
 def submit(cluster: None) -> Iterator[Callable[..., Job]]:
     """``_sbatch`` for one test; its jobs still queued or running at the end are cancelled."""
     jobs: list[Job] = []
-
-    def _submit(
-        run_dir: Path,
-        *options: str,
-        steps: int,
-        save_interval: int = SAVE_INTERVAL,
-        overrides: tuple[str, ...] = (),
-    ) -> Job:
-        jobs.append(_sbatch(run_dir, *options, steps=steps, save_interval=save_interval,
-                            overrides=overrides))  # fmt: skip
-        return jobs[-1]
-
-    yield _submit
+    yield functools.partial(_sbatch, jobs=jobs)
     for job in jobs:
         _cancel_if_queued(job)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -135,10 +136,10 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     score = trainer.c.teacher.score_batch
 
     def poisoned(tokens: torch.Tensor, lengths: torch.Tensor, request=None, images=None):  # type: ignore[no-untyped-def]
-        scores = dict(score(tokens, lengths, request, images=images))
-        scores["logprobs"] = scores["logprobs"].clone()
-        scores["logprobs"][0, int(lengths[0]) - 1] = float("nan")
-        return scores
+        scores = score(tokens, lengths, request, images=images)
+        logprobs = scores.logprobs.clone()
+        logprobs[0, int(lengths[0]) - 1] = float("nan")
+        return dataclasses.replace(scores, logprobs=logprobs)
 
     trainer.c.teacher.score_batch = poisoned  # type: ignore[method-assign]
     before = snapshot(trainer.c.student)

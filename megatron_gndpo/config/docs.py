@@ -1,7 +1,10 @@
 """Field documentation, read from the string literal under each field in ``schema.py``.
 
-Each field is documented once, where it is defined; ``megatron-gndpo --help`` and
-``megatron-gndpo config fields`` print what this module collects.
+Each field is documented once, where it is defined; ``megatron-gndpo --help``,
+``megatron-gndpo config fields`` and docs/CONFIG.md print what this module collects. A key whose
+names live in a registry outside ``config/`` (``algorithm.estimator``: the methods') says so in
+its doc; the caller, which may import the registry, passes the names (``names``) and they are
+appended, so adding a method never touches the schema.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ import inspect
 import itertools
 import textwrap
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from megatron_gndpo.config.loader import _type_name
+from megatron_gndpo.config.loader import type_name
 from megatron_gndpo.config.schema import Config
 
 
@@ -46,9 +49,20 @@ class FieldDoc:
     doc: str
 
 
-def iter_fields(cls: type = Config, prefix: str = "") -> Iterator[FieldDoc]:
-    """Every leaf field of the config tree, in definition order, with its dotted key."""
-    return _iter_nested(cls, cls(), prefix)
+def with_names(doc: str, names: Sequence[str]) -> str:
+    """A field's doc followed by the names the key takes (none: the doc as it is)."""
+    return f"{doc} One of: {', '.join(names)}." if names else doc
+
+
+def iter_fields(
+    cls: type = Config, prefix: str = "", names: Mapping[str, Sequence[str]] | None = None
+) -> Iterator[FieldDoc]:
+    """Every leaf field of the config tree, in definition order, with its dotted key.
+
+    ``names``: by dotted key, the names a key takes, appended to its doc (:func:`with_names`).
+    """
+    for fd in _iter_nested(cls, cls(), prefix):
+        yield dataclasses.replace(fd, doc=with_names(fd.doc, (names or {}).get(fd.key, ())))
 
 
 def _iter_nested(cls: type, value: Any, prefix: str) -> Iterator[FieldDoc]:
@@ -61,17 +75,18 @@ def _iter_nested(cls: type, value: Any, prefix: str) -> Iterator[FieldDoc]:
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from _iter_nested(tp, sub, f"{prefix}{f.name}.")
             continue
-        yield FieldDoc(f"{prefix}{f.name}", _type_name(tp), sub, docs.get(f.name, ""))
+        yield FieldDoc(f"{prefix}{f.name}", type_name(tp), sub, docs.get(f.name, ""))
         optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         if len(optional) == 1:  # an optional section (model.vision): its keys when it is given
             section = typing.cast(type, optional[0])
             yield from _iter_nested(section, sub or section(), f"{prefix}{f.name}.")
 
 
-def format_fields(width: int = 100) -> str:
-    """A plain-text reference of every field: key, type, default, and its documentation."""
+def format_fields(width: int = 100, names: Mapping[str, Sequence[str]] | None = None) -> str:
+    """A plain-text reference of every field: key, type, default, and its documentation
+    (``names``: as :func:`iter_fields`)."""
     lines = []
-    for fd in iter_fields():
+    for fd in iter_fields(names=names):
         default = "null" if fd.default is None else repr(fd.default)
         lines.append(f"  {fd.key} ({fd.type}; default {default})")
         lines.extend(textwrap.wrap(fd.doc, width=width, initial_indent="      ",

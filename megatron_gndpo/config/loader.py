@@ -126,15 +126,17 @@ def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 # Typed construction
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """How a field's type reads in a message and in the reference ("an integer", "a string or
+    null", "a list of a number")."""
     if tp is type(None):
         return "null"
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if get_origin(tp) in (types.UnionType, typing.Union):
-        return " or ".join(_type_name(a) for a in get_args(tp))
+        return " or ".join(type_name(a) for a in get_args(tp))
     if get_origin(tp) is tuple:
-        return f"a list of {_type_name(get_args(tp)[0])}"
+        return f"a list of {type_name(get_args(tp)[0])}"
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return f"a mapping ({tp.__name__})"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
@@ -169,7 +171,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         result = _try_convert(value, tp, key)
         if result is not _NO_MATCH:
             return result
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def _try_convert(value: Any, tp: Any, key: str) -> Any:

@@ -251,7 +251,8 @@ class AlgorithmConfig:
     """The advantage estimator and policy loss (see ALGORITHMS.md in the docs)."""
 
     estimator: str = "gndpo"
-    """Advantage estimator: gndpo, opd, grpo, reinforce_pp, vopd, mix, tgpo or tropd."""
+    """Advantage estimator: the name of a method in megatron_gndpo.methods.METHODS (docs/methods/
+    has a page for each)."""
     kl_clip: float = 5.0
     """Clamp C on the per-token score teacher_logp - student_logp (release default 5.0)."""
     policy_loss: str = "gspo"
@@ -266,9 +267,10 @@ class AlgorithmConfig:
     aggregation: str = "token-mean"
     """Loss aggregation over the global batch: token-mean or seq-mean-token-mean."""
     distill_estimator: str = "gndpo"
-    """With estimator mix: the distillation part (gndpo, opd or vopd)."""
+    """With estimator mix: the distillation part, a name in
+    megatron_gndpo.methods.mix.DISTILL_PARTS."""
     outcome_estimator: str = "grpo"
-    """With estimator mix: the outcome part (grpo or reinforce_pp)."""
+    """With estimator mix: the outcome part, a name in megatron_gndpo.methods.mix.OUTCOME_PARTS."""
     outcome_weight: float = 0.0
     """With estimator mix: weight w in A = A_distill + w * A_outcome."""
     vopd_top_k: int = 100

@@ -255,7 +255,7 @@ def run_demo(
             teacher, student, task = _prepare_multimodal(cache_dir, s)
         else:
             recipe = models.vllm_student_recipe() if engine == "vllm" else None
-            teacher, student, task = _prepare(cache_dir, s, recipe)
+            teacher, student, task = prepare_models(cache_dir, s, recipe)
         prepare_seconds = time.perf_counter() - started
         runs = {}
         for name in (m for m in ALL_METHODS if m in methods):
@@ -263,7 +263,7 @@ def run_demo(
                 cfg = multimodal_config(name, run_dir, teacher, student, task, s)
             else:
                 cfg = method_config(name, run_dir, cache_dir, teacher, student, task, s)
-            runs[name] = _run_method_in_process(cfg) if engine == "vllm" else _run_method(cfg)
+            runs[name] = _run_method_in_process(cfg) if engine == "vllm" else run_method(cfg)
     summary = Summary(
         run_dir=run_dir, settings=s, teacher=teacher, student=student, methods=runs,
         prepare_seconds=prepare_seconds, wall_seconds=time.perf_counter() - started,
@@ -293,7 +293,7 @@ def _check_engine(engine: str, multimodal: bool) -> None:
         )
 
 
-def _prepare(
+def prepare_models(
     cache_dir: Path, s: Settings, student: models.Recipe | None = None
 ) -> tuple[models.PreparedModel, models.PreparedModel, models.DemoTask]:
     """The teacher and the student (``student``, else :func:`models.student_recipe`)."""
@@ -343,7 +343,9 @@ def _prepare_multimodal(cache_dir: Path, s: Settings) -> tuple[Any, Any, Any]:
     return teacher, student, task
 
 
-def _run_method(cfg: Config) -> MethodRun:
+def run_method(cfg: Config) -> MethodRun:
+    """Train one method's run (``cfg``, validated for one rank) in this process's world: its
+    held-out accuracy before and after, its history and wall time."""
     from megatron.core import parallel_state
 
     from megatron_gndpo.trainer import Trainer
@@ -379,7 +381,7 @@ _WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAS
 
 
 def _run_method_in_process(cfg: Config) -> MethodRun:
-    """:func:`_run_method` in a fresh process (spawned: no state of this one), for engines that
+    """:func:`run_method` in a fresh process (spawned: no state of this one), for engines that
     keep process-wide state until their process ends (vLLM). Its errors come back here: ours
     (:class:`UserError`) as they were raised, others with the child's traceback."""
     context = multiprocessing.get_context("spawn")
@@ -414,7 +416,7 @@ def _method_process(cfg: Config, send: Any) -> None:
     notices.quiet_known_notices()
     try:
         with demo_world():
-            outcome: tuple[str, Any] = ("ok", _run_method(cfg))
+            outcome: tuple[str, Any] = ("ok", run_method(cfg))
     except UserError as err:
         outcome = ("user_error", str(err))
     except Exception:  # sent to the parent, which raises it with this traceback

@@ -45,10 +45,10 @@ from megatron_gndpo.demo import models
 from megatron_gndpo.demo.run import (
     MethodRun,
     Settings,
-    _prepare,
-    _run_method,
     demo_world,
     method_config,
+    prepare_models,
+    run_method,
 )
 
 # The study's variants: (name, algorithm). The same clamp and loss as the main demo.
@@ -138,7 +138,7 @@ def run_stability(
     with demo_world():
         st = settings or stability_settings(quick)
         student = models.student_recipe() if st.quick else models.near_student_recipe()
-        teacher, start, task = _prepare(cache_dir, st.run_settings(st.seeds[0]), student)
+        teacher, start, task = prepare_models(cache_dir, st.run_settings(st.seeds[0]), student)
         outlier_prompts = write_outlier_prompts(run_dir, st.outlier_difficulty)
         prepare_seconds = time.perf_counter() - started
         runs = {}
@@ -147,7 +147,7 @@ def run_stability(
                 cfg = variant_config(
                     name, seed, run_dir, cache_dir, teacher, start, task, st, outlier_prompts
                 )
-                runs[(name, seed)] = _run_method(cfg)
+                runs[(name, seed)] = run_method(cfg)
     study = StabilityStudy(
         run_dir=run_dir, settings=st, teacher=teacher, student=start, runs=runs,
         prepare_seconds=prepare_seconds, wall_seconds=time.perf_counter() - started,

@@ -14,7 +14,10 @@ Two ways to fill a micro-batch, with the same numbers (tests check it):
 
 A :class:`ScoreRequest` asks for more than each token's log-prob, on the same pass: the model's
 top-k at every position, or the log-probs of other given ids (a vOPD teacher scores the
-student's top-k ids; TGPO/TrOPD students are trained towards the teacher's top-k).
+student's top-k ids; TGPO/TrOPD students are trained towards the teacher's top-k). The results
+come back as one typed :class:`Scores` (defined beside the head that fills it,
+``models/logprob_head.py``), from the head through the pipeline broadcast and the teacher's
+exchange to the method: no string-keyed dicts on the way.
 
 Legend: B = rows, S = padded row length, L = micro-batch row length, K = ids per position.
 """
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo import seeding
-from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
+from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 
@@ -58,45 +61,28 @@ class ScoreRequest:
     kl_weight: torch.Tensor | None = None
     sample_seed: int | None = None
 
+    def template(self, rows: int, width: int) -> Scores:
+        """The :class:`Scores` that :func:`score_batch` returns for ``[rows, width]``, as
+        tensors on the meta device (shapes and dtypes, no data); ``hidden``, whose size is the
+        model's, is left out (it stays on the last stage)."""
+        k, extra, seed = self.top_k, self.extra_ids, self.sample_seed
+
+        def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        return Scores(
+            meta(rows, width),
+            topk_ids=meta(rows, width, k, dtype=torch.int64) if k else None,
+            topk_logprobs=meta(rows, width, k) if k else None,
+            extra_logprobs=None if extra is None else meta(rows, width, extra.shape[-1]),
+            entropy=meta(rows, width) if self.entropy else None,
+            kl=meta(rows, width) if self.full_kl else None,
+            sampled_ids=None if seed is None else meta(rows, width, dtype=torch.int64),
+        )
+
     def specs(self, rows: int, width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of every output of :func:`score_batch` for ``[rows, width]``."""
-        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-            "logprobs": ((rows, width), torch.float32)
-        }
-        if self.top_k:
-            out["topk_logprobs"] = ((rows, width, self.top_k), torch.float32)
-            out["topk_ids"] = ((rows, width, self.top_k), torch.int64)
-        if self.extra_ids is not None:
-            out["extra_logprobs"] = ((rows, width, self.extra_ids.shape[-1]), torch.float32)
-        if self.entropy:
-            out["entropy"] = ((rows, width), torch.float32)
-        if self.full_kl:
-            out["kl"] = ((rows, width), torch.float32)
-        if self.sample_seed is not None:
-            out["sampled_ids"] = ((rows, width), torch.int64)
-        return out
-
-
-@dataclasses.dataclass
-class Scores:
-    """One model's scores of a batch, in the scoring convention (``x[:, t]`` belongs to token
-    ``t``): ``logprobs [B, S]`` always, each other field only when the :class:`ScoreRequest`
-    asked for it (its docstring says what each holds; the names are those of
-    :meth:`ScoreRequest.specs`). ``hidden [B, S, H]`` exists on the last stage only."""
-
-    logprobs: torch.Tensor
-    topk_ids: torch.Tensor | None = None  # [B, S, K] int64
-    topk_logprobs: torch.Tensor | None = None  # [B, S, K]
-    extra_logprobs: torch.Tensor | None = None  # [B, S, K]: of the request's extra_ids
-    entropy: torch.Tensor | None = None  # [B, S]
-    kl: torch.Tensor | None = None  # [B, S]: KL(p || this model), full vocabulary
-    sampled_ids: torch.Tensor | None = None  # [B, S] int64
-    hidden: torch.Tensor | None = None  # [B, S, H], the model's dtype
-
-    @classmethod
-    def of(cls, outputs: dict[str, torch.Tensor]) -> Scores:
-        """The typed form of :func:`score_batch`'s (or a broadcast's) outputs."""
-        return cls(**outputs)
+        """Shape and dtype of every :class:`Scores` field of :meth:`template`, by field name."""
+        return {name: (tuple(t.shape), t.dtype) for name, t in self.template(rows, width).items()}
 
 
 def required(value: torch.Tensor | None, what: str) -> torch.Tensor:
@@ -283,7 +269,7 @@ def score_tokens(
     scores = score_batch(
         model, groups, tokens_BS, lengths_B, head=head, token_budget=token_budget, pack=pack
     )
-    return None if scores is None else scores["logprobs"]
+    return None if scores is None else scores.logprobs
 
 
 def score_batch(
@@ -297,10 +283,10 @@ def score_batch(
     pack: bool = False,
     request: ScoreRequest | None = None,
     images: Sequence[torch.Tensor | None] | None = None,
-) -> dict[str, torch.Tensor] | None:
-    """:func:`score_tokens` plus what ``request`` asks for: ``{name: [B, S] or [B, S, K]}``.
-
-    Keys and dtypes as :meth:`ScoreRequest.specs`; every output is 0 at t = 0 and at padding.
+) -> Scores | None:
+    """:func:`score_tokens` plus what ``request`` asks for: :class:`Scores` ``[B, S]`` /
+    ``[B, S, K]`` (as :meth:`ScoreRequest.template`, and ``hidden`` when asked); every field is
+    0 at t = 0 and at padding.
     ``images``: for a vision-language model, each row's image tiles (None for a row without);
     the ids already hold their placeholders, so positions are those of the ids.
     """
@@ -376,19 +362,21 @@ def score_batch(
         model.train(was_training)
     if not groups.is_last_stage:
         return None
-    specs = (request or ScoreRequest()).specs(*tokens_BS.shape)
+    template = (request or ScoreRequest()).template(*tokens_BS.shape)
     if request is not None and request.hidden and outputs:
-        hidden_bLH = outputs[0]["hidden"]
-        specs["hidden"] = ((*tokens_BS.shape, hidden_bLH.shape[-1]), hidden_bLH.dtype)
-    out = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in specs.items()}
+        hidden_bLH = required(outputs[0].hidden, "hidden")
+        template.hidden = torch.empty(
+            (*tokens_BS.shape, hidden_bLH.shape[-1]), dtype=hidden_bLH.dtype, device="meta"
+        )
+    out = template.map(lambda t: torch.zeros_like(t, device="cpu"))
     for mb, output in zip(micro_batches, outputs, strict=True):
-        values = output if isinstance(output, dict) else {"logprobs": output}
+        values = output if isinstance(output, Scores) else Scores(output)
         for row, index, start in mb.segments:
             n = lengths[row]
-            for key, value in values.items():
+            for name, value in values.items():
                 # what position t predicts belongs to token t + 1
-                out[key][row, 1:n] = value[index, start : start + n - 1].cpu()
-    return {key: value.to(tokens_BS.device) for key, value in out.items()}
+                getattr(out, name)[row, 1:n] = value[index, start : start + n - 1].cpu()
+    return out.to(tokens_BS.device)
 
 
 def pad_id_for(image_token_id: int) -> int:
@@ -402,9 +390,9 @@ def row_images(images: Sequence[torch.Tensor | None], rows: Sequence[int]) -> to
     return torch.cat(tiles) if tiles else None
 
 
-def _detached(output: torch.Tensor | dict[str, torch.Tensor]) -> Any:
-    if isinstance(output, dict):
-        return {key: value.detach() for key, value in output.items()}
+def _detached(output: torch.Tensor | Scores) -> Any:
+    if isinstance(output, Scores):
+        return output.map(torch.Tensor.detach)
     return output.detach().float()
 
 
@@ -434,24 +422,24 @@ def broadcast_from_last_stage(
 
 
 def broadcast_scores(
-    scores: dict[str, torch.Tensor] | None,
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    scores: Scores | None,
+    template: Scores,
     groups: ParallelGroups,
     device: torch.device | str = "cpu",
-) -> dict[str, torch.Tensor]:
-    """:func:`broadcast_from_last_stage` for every output of :func:`score_batch` (``specs``);
-    outputs not in ``specs`` (``hidden``) stay on the last stage."""
+) -> Scores:
+    """:func:`broadcast_from_last_stage` for every field of ``template``
+    (:meth:`ScoreRequest.template`: the same fields on every stage, so every rank of the pipeline
+    makes the same broadcasts in the same order); ``hidden``, not in the template, stays on the
+    last stage."""
     if groups.layout.pp == 1:
         assert scores is not None
-        return {key: value.to(device) for key, value in scores.items()}
+        return scores.to(device)
     last = dist.get_process_group_ranks(groups.pp)[-1]
-    out = {k: v for k, v in (scores or {}).items() if k not in specs}
-    for key, (shape, dtype) in specs.items():
-        buffer = (
-            scores[key].to(device)
-            if scores is not None
-            else torch.empty(shape, dtype=dtype, device=device)
-        )
+    if scores is None:  # off the last stage: a buffer for every field of the template
+        scores = template.map(lambda t: torch.empty_like(t, device=device))
+    out = dataclasses.replace(scores)
+    for name, _ in template.items():
+        buffer = getattr(scores, name).to(device)
         dist.broadcast(buffer, src=last, group=groups.pp)
-        out[key] = buffer
+        setattr(out, name, buffer)
     return out

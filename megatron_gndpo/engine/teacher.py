@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.data.datasets import PromptImages
-from megatron_gndpo.engine.scoring import ScoreRequest, broadcast_scores, score_batch
+from megatron_gndpo.engine.scoring import ScoreRequest, Scores, broadcast_scores, score_batch
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups, ParallelLayout
 from megatron_gndpo.rollout.base import Generator, SamplingParams
@@ -254,7 +254,7 @@ class TeacherScorer:
 
     def score(self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor) -> torch.Tensor:
         """Teacher log-probs ``[n, S]`` (scoring convention) of this rank's rows."""
-        return self.score_batch(tokens_nS, lengths_n)["logprobs"]
+        return self.score_batch(tokens_nS, lengths_n).logprobs
 
     def score_batch(
         self,
@@ -262,9 +262,9 @@ class TeacherScorer:
         lengths_n: torch.Tensor,
         request: ScoreRequest | None = None,
         images: list[torch.Tensor | None] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """:func:`score_batch` outputs of this rank's rows (``[n, S]`` / ``[n, S, K]``);
-        ``images``: each row's image tiles, for a vision-language teacher."""
+    ) -> Scores:
+        """:func:`score_batch`'s :class:`Scores` of this rank's rows (``[n, S]`` /
+        ``[n, S, K]``); ``images``: each row's image tiles, for a vision-language teacher."""
         # The exchange runs on the model's device: on GPUs the step batch travels over NCCL.
         device = next(self.model.parameters()).device
         if request is not None and request.sample_seed is not None:
@@ -276,9 +276,8 @@ class TeacherScorer:
                 self.model, self.groups, tokens_nS, lengths_n, head=self.head,
                 token_budget=self.token_budget, pack=self.pack, request=request, images=images,
             )  # fmt: skip
-            specs = (request or ScoreRequest()).specs(*tokens_nS.shape)
-            scores = broadcast_scores(mine, specs, self.groups, device)
-            return {key: value.to(tokens_nS.device) for key, value in scores.items()}
+            template = (request or ScoreRequest()).template(*tokens_nS.shape)
+            return broadcast_scores(mine, template, self.groups, device).to(tokens_nS.device)
         if request is not None and request.full_kl:
             raise ValueError(
                 "a full-vocabulary KL needs the teacher on the student's layout (the same "
@@ -323,12 +322,11 @@ class TeacherScorer:
             token_budget=self.token_budget, pack=self.pack, request=mine_request,
             images=mine_images,
         )  # fmt: skip
-        specs = (mine_request or ScoreRequest()).specs(share, width)
-        mine = broadcast_scores(mine, specs, self.groups, device)
+        template = (mine_request or ScoreRequest()).template(share, width)
+        shares = broadcast_scores(mine, template, self.groups, device)
 
-        return {
-            key: rows_to_students(value, n, self.groups, self.student_groups.layout)[
-                :, :width_n
-            ].to(tokens_nS.device)
-            for key, value in mine.items()
-        }
+        def to_students(share_rows: torch.Tensor) -> torch.Tensor:
+            rows = rows_to_students(share_rows, n, self.groups, self.student_groups.layout)
+            return rows[:, :width_n].to(tokens_nS.device)
+
+        return shares.map(to_students)  # every rank moves the same fields, in field order

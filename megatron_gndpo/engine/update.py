@@ -28,8 +28,8 @@ from megatron_gndpo.algorithms.losses import (
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
 from megatron_gndpo.engine.optimizer import step_optimizer
-from megatron_gndpo.engine.scoring import row_images
-from megatron_gndpo.models.logprob_head import ScoreContext, TokenLogProbs
+from megatron_gndpo.engine.scoring import required, row_images
+from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
 
 
 @dataclasses.dataclass
@@ -120,26 +120,27 @@ def _micro_batches(batch: UpdateBatch, rows: list[int], size: int) -> list[dict[
 
 
 def token_loss(
-    output: torch.Tensor | dict[str, torch.Tensor],
+    output: torch.Tensor | Scores,
     mb: dict[str, torch.Tensor],
     batch: UpdateBatch,
     cfg: AlgorithmConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss ``[b, L]`` = ``g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H`` and its info.
 
-    ``output``: the head's log-probs ``[b, L]`` (plain batches) or its dict with
+    ``output``: the head's log-probs ``[b, L]`` (plain batches) or its :class:`Scores` with
     ``extra_logprobs`` at ``aux_ids`` and ``entropy``.
     """
-    logprobs = output if isinstance(output, torch.Tensor) else output["logprobs"]
+    logprobs = output if isinstance(output, torch.Tensor) else output.logprobs
     loss, info = policy_loss(logprobs, mb["old"], mb["adv"], mb["mask"], cfg)
     if "pg_mask" in mb:
         loss = torch.where(mb["pg_mask"].bool(), loss, 0.0)
-    if isinstance(output, dict) and "aux_ids" in mb and batch.aux_coef:
-        kl = forward_kl_to_targets(output["extra_logprobs"], mb["aux_logq"])
+    if isinstance(output, Scores) and "aux_ids" in mb and batch.aux_coef:
+        extra = required(output.extra_logprobs, "the log-probs at aux_ids")
+        kl = forward_kl_to_targets(extra, mb["aux_logq"])
         loss = loss + batch.aux_coef * torch.where(mb["aux_mask"].bool(), kl, 0.0)
         info["aux"] = kl.detach()
-    if isinstance(output, dict) and batch.entropy_coef:
-        loss = loss - batch.entropy_coef * output["entropy"]
+    if isinstance(output, Scores) and batch.entropy_coef:
+        loss = loss - batch.entropy_coef * required(output.entropy, "the entropy")
     return loss, info
 
 

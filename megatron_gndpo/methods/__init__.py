@@ -3,7 +3,8 @@
 ``METHODS`` maps ``algorithm.estimator`` to its method; the trainer holds
 ``build_method(cfg.algorithm)`` and asks it what to score, in which order, what the update
 receives and how to sample. Adding a method is one module and one line here (docs/DESIGN.md,
-"How to add a method").
+"How to add a method"): validation and the config reference (:func:`config_names`) read the
+names from the registry.
 
     module      methods
     distill     gndpo, opd           (per-token score; also mix's distillation part)
@@ -19,7 +20,7 @@ from __future__ import annotations
 from megatron_gndpo.config.schema import AlgorithmConfig, Config
 from megatron_gndpo.methods.base import BaseMethod, Method, StepBatch, Targets
 from megatron_gndpo.methods.distill import GNDPO, OPD
-from megatron_gndpo.methods.mix import Mix
+from megatron_gndpo.methods.mix import DISTILL_PARTS, OUTCOME_PARTS, Mix
 from megatron_gndpo.methods.outcome import GRPO, ReinforcePP
 from megatron_gndpo.methods.tgpo import TGPO
 from megatron_gndpo.methods.tropd import TrOPD
@@ -28,6 +29,17 @@ from megatron_gndpo.methods.vopd import VOPD
 METHODS: dict[str, type[BaseMethod]] = {
     m.name: m for m in (GNDPO, OPD, GRPO, ReinforcePP, VOPD, Mix, TGPO, TrOPD)
 }
+
+
+def config_names() -> dict[str, tuple[str, ...]]:
+    """The names each estimator key takes, by dotted key, from the registries: the config
+    reference (``megatron-gndpo config fields``, docs/CONFIG.md) lists them, since ``config/``
+    imports nothing of the package."""
+    return {
+        "algorithm.estimator": tuple(METHODS),
+        "algorithm.distill_estimator": tuple(DISTILL_PARTS),
+        "algorithm.outcome_estimator": tuple(OUTCOME_PARTS),
+    }
 
 
 def build_method(cfg: AlgorithmConfig) -> Method:
@@ -69,5 +81,6 @@ __all__ = [
     "StepBatch",
     "Targets",
     "build_method",
+    "config_names",
     "method_problems",
 ]

@@ -15,13 +15,14 @@ hidden states and the (vocab-parallel) output weight to the fused, chunked
 
 A :class:`ScoreContext` instead of the targets asks for more per position, still without
 logits: log-probs of ``K`` other ids (a teacher's top-k, a guidance token), the entropy, and
-(forward only) the model's own top-k. The head then returns a dict of ``[b, s]`` and
-``[b, s, K]`` tensors (keys in :class:`ScoreContext`).
+(forward only) the model's own top-k. The head then returns :class:`Scores`, one ``[b, s]`` or
+``[b, s, K]`` field per output asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -55,14 +56,50 @@ def output_inputs(
     return hidden_states, weight, tp_group
 
 
+@dataclasses.dataclass
+class Scores:
+    """One model's per-token scores: ``logprobs`` always, every other field only when asked for.
+
+    The head returns them by position (``x[:, s]``: what position ``s`` predicts, ``[b, s]``);
+    ``engine/scoring.score_batch`` by token (``x[:, t]`` belongs to token ``t``, ``[B, S]``).
+    :class:`ScoreContext` (the head) and ``engine/scoring.ScoreRequest`` (a batch) say what
+    each field holds. Code that moves scores (broadcasts, exchanges) iterates :meth:`items`,
+    so a new field needs no second list of names.
+    """
+
+    logprobs: torch.Tensor  # [b, s] float32
+    topk_ids: torch.Tensor | None = None  # [b, s, K] int64
+    topk_logprobs: torch.Tensor | None = None  # [b, s, K] float32
+    extra_logprobs: torch.Tensor | None = None  # [b, s, K] float32: of the extra ids
+    entropy: torch.Tensor | None = None  # [b, s] float32
+    kl: torch.Tensor | None = None  # [b, s] float32: KL(p || this model), full vocabulary
+    sampled_ids: torch.Tensor | None = None  # [b, s] int64
+    hidden: torch.Tensor | None = None  # [b, s, H], the model's dtype
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(field name, tensor)`` of every field present, in field order."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                yield f.name, value
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Scores:
+        """``fn`` applied to every field present (absent fields stay None)."""
+        return dataclasses.replace(self, **{name: fn(value) for name, value in self.items()})
+
+    def to(self, device: torch.device | str) -> Scores:
+        return self.map(lambda value: value.to(device))
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoreContext:
     """What the head computes per position beyond the targets' log-probs.
 
-    Output keys: ``logprobs [b, s]`` always; ``extra_logprobs [b, s, K]`` (log-probs of
-    ``extra_ids``) when given; ``entropy [b, s]`` when asked; ``topk_logprobs`` and
-    ``topk_ids [b, s, top_k]`` when ``top_k > 0`` (forward only: no gradient). The log-probs
-    and the entropy are differentiable when the model runs with gradients.
+    Fields of the :class:`Scores` returned: ``logprobs [b, s]`` always; ``extra_logprobs
+    [b, s, K]`` (log-probs of ``extra_ids``) when given; ``entropy [b, s]`` when asked;
+    ``topk_logprobs`` and ``topk_ids [b, s, top_k]`` when ``top_k > 0``; ``hidden``, ``kl``
+    and ``sampled_ids`` as below (all forward only: no gradient). The log-probs and the
+    entropy are differentiable when the model runs with gradients.
     """
 
     targets: torch.Tensor  # [b, s] int64
@@ -113,7 +150,7 @@ class TokenLogProbs:
         context: torch.Tensor,  # targets [b, s]
         config: Any,
         **_: Any,
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
+    ) -> torch.Tensor | Scores:
         if getattr(config, "use_mup", False):
             raise NotImplementedError("MuP logit scaling is not supported by TokenLogProbs")
         hidden_states, weight, tp_group = output_inputs(hidden_states, output_layer, output_weight)
@@ -146,7 +183,7 @@ class TokenLogProbs:
         request: ScoreContext,
         sb: tuple[int, int],
         kwargs: dict[str, Any],
-    ) -> dict[str, torch.Tensor]:
+    ) -> Scores:
         """The :class:`ScoreContext` outputs, ``[b, s]`` / ``[b, s, K]``."""
         targets_T = self._allowed(_tokens_first(request.targets))
         ids = targets_T.unsqueeze(-1)  # one pass for the targets, the K other ids and entropy
@@ -158,22 +195,22 @@ class TokenLogProbs:
             )
         else:
             logp_TK = vocab_parallel_logprobs(hidden_TH, weight, ids, **kwargs)
-        out = {"logprobs": logp_TK[:, 0]}
+        out = Scores(logp_TK[:, 0])
         if request.extra_ids is not None:
-            out["extra_logprobs"] = logp_TK[:, 1:]
+            out.extra_logprobs = logp_TK[:, 1:]
         if request.entropy:
-            out["entropy"] = entropy_T
+            out.entropy = entropy_T
         if request.hidden:
-            out["hidden"] = hidden_TH.detach()
+            out.hidden = hidden_TH.detach()
         if request.sample_seed is not None:
             generator = torch.Generator(device=hidden_TH.device).manual_seed(request.sample_seed)
-            out["sampled_ids"] = vocab_parallel_sample(
+            out.sampled_ids = vocab_parallel_sample(
                 hidden_TH.detach(), weight.detach(), generator=generator, **kwargs
             )
         if request.kl_hidden is not None:
             assert request.kl_weight is not None, "kl_hidden needs kl_weight"
             # this model's logits / τ = (hidden / τ) · Wᵀ: p stays at temperature 1
-            out["kl"] = vocab_parallel_kl(
+            out.kl = vocab_parallel_kl(
                 _tokens_first(request.kl_hidden), request.kl_weight,
                 hidden_TH.detach() / self.temperature, weight.detach(),
                 **(kwargs | {"temperature": 1.0}),
@@ -182,9 +219,8 @@ class TokenLogProbs:
             stats = vocab_parallel_token_stats(
                 hidden_TH.detach(), weight.detach(), targets_T, top_k=request.top_k, **kwargs
             )
-            assert stats.topk_logprobs is not None and stats.topk_ids is not None
-            out["topk_logprobs"], out["topk_ids"] = stats.topk_logprobs, stats.topk_ids
-        return {key: _batch_first(value, sb) for key, value in out.items()}
+            out.topk_logprobs, out.topk_ids = stats.topk_logprobs, stats.topk_ids
+        return out.map(lambda value: _batch_first(value, sb))
 
 
 def _tokens_first(x_bs: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ def score_multimodal(
     )
     if scores is None:
         return None
-    out_BS = scores["logprobs"]
+    out_BS = scores.logprobs
     image_token_id = get_attr_wrapped_model(model, "image_token_index")
     out_BS[tokens_BS == image_token_id] = 0.0  # an image position has no token log-prob
     return out_BS

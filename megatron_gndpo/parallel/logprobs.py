@@ -43,8 +43,9 @@ recomputes each chunk's logits (one extra matmul per chunk, the usual recompute 
 float32 weight-gradient accumulator of the weight's size.
 
 Forward-only argmax, sampling and the full-vocabulary KL between two models live in the sibling
-:mod:`megatron_gndpo.parallel.vocab_stats`, built on this module's per-shard helpers
-(``_ShardMath``, ``_VocabShard``, the chunking and collective wrappers).
+:mod:`megatron_gndpo.parallel.vocab_stats`; both are built on the per-shard helpers of
+:mod:`megatron_gndpo.parallel.vocab_shard` (``VocabShard``, ``ShardMath``, the chunking and
+collective wrappers).
 
 Precision: the chunk matmul runs in the inputs' dtype (on GPUs a bf16 GEMM accumulates in
 float32 and rounds its output to bf16), then the logits are cast to float32 and everything after
@@ -57,33 +58,23 @@ Megatron's column-parallel output layer does.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-# vocab_parallel_logprobs_from_logits receives logits that already exist; its float32 working
-# copies are bounded by this many rows at a time (the same default as the fused path).
-_FROM_LOGITS_CHUNK_TOKENS = 2048
-
-
-@dataclasses.dataclass(frozen=True)
-class _VocabShard:
-    """This rank's slice of the vocabulary and the per-call constants; fixed for one call."""
-
-    group: dist.ProcessGroup | None  # None: this rank holds the whole vocabulary, no collectives
-    start: int  # global id of this shard's first row
-    rows: int  # V: rows of this shard, padding included
-    real_rows: int  # rows of this shard below vocab_size; the rest are padding
-    vocab_size: int  # real (unpadded) size of the full vocabulary
-    temperature: float
-    chunk_tokens: int
-    # columns of this shard (local indices, below real_rows) that take no probability mass:
-    # ids the policy never samples (a VLM's image placeholder)
-    excluded: tuple[int, ...] = ()
+from megatron_gndpo.parallel.vocab_shard import (
+    FROM_LOGITS_CHUNK_TOKENS,
+    ShardMath,
+    VocabShard,
+    check_linear_shapes,
+    token_chunks,
+    tp_all_gather,
+    tp_all_reduce,
+    vocab_shard,
+)
 
 
 @dataclasses.dataclass
@@ -102,166 +93,13 @@ class TokenStats:
     topk_ids: torch.Tensor | None = None
 
 
-class _ShardMath:
-    """Per-shard arithmetic of one chunk: no collectives, no autograd."""
-
-    @staticmethod
-    def scaled_logits(raw_CV: torch.Tensor, shard: _VocabShard, *, owned: bool) -> torch.Tensor:
-        """float32 ``raw / τ`` with padding columns at −inf, ``[C, V]``.
-
-        ``owned``: ``raw_CV`` is a fresh buffer that may be overwritten (a matmul output). A
-        borrowed float32 input is copied first, since ``.float()`` would return it unchanged.
-        """
-        logits_CV = raw_CV.float() if owned else raw_CV.to(torch.float32, copy=True)
-        if shard.temperature != 1.0:
-            logits_CV.div_(shard.temperature)
-        if shard.real_rows < shard.rows:
-            logits_CV[:, shard.real_rows :] = -math.inf
-        if shard.excluded:
-            logits_CV[:, list(shard.excluded)] = -math.inf
-        return logits_CV
-
-    @staticmethod
-    def linear_logits(
-        hidden_CH: torch.Tensor, weight_VH: torch.Tensor, shard: _VocabShard
-    ) -> torch.Tensor:
-        """This shard's logits of one chunk, ``hidden_CH · weight_VHᵀ / τ``: float32 ``[C, V]``."""
-        return _ShardMath.scaled_logits(hidden_CH @ weight_VH.t(), shard, owned=True)
-
-    @staticmethod
-    def local_targets(
-        targets_C: torch.Tensor, shard: _VocabShard
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Targets as column indices into this shard (0 where not owned) and the ownership mask."""
-        local_C = targets_C - shard.start
-        owned_C = (local_C >= 0) & (local_C < shard.rows)
-        return local_C.masked_fill(~owned_C, 0), owned_C
-
-    @staticmethod
-    def shifted_exp_sums(
-        logits_CV: torch.Tensor,
-        max_C: torch.Tensor,
-        targets_CK: torch.Tensor,
-        shard: _VocabShard,
-        *,
-        entropy: bool = False,
-    ) -> torch.Tensor:
-        """This shard's partial sums ``[1 + K, C]`` (``[2 + K, C]`` with ``entropy``), to sum
-        over TP.
-
-        Rows: ``Σ_v exp(z − m)``; for each of the K targets ``z_y − m`` where this shard holds
-        ``y``, else 0; with ``entropy`` last ``Σ_v exp(z − m)·(z − m)``. ``m`` is the global max.
-        Overwrites ``logits_CV`` (it ends holding ``exp(z − m)``).
-        """
-        shifted_CV = logits_CV.sub_(max_C.unsqueeze(-1))
-        local_CK, owned_CK = _ShardMath.local_targets(targets_CK, shard)
-        target_CK = shifted_CV.gather(-1, local_CK).masked_fill_(~owned_CK, 0.0)
-        exp_CV = shifted_CV.exp_()
-        partials = [exp_CV.sum(dim=-1).unsqueeze(0), target_CK.t()]
-        if entropy:
-            # e·log e = e·(z − m), and 0 where e = 0 (padding: z = −inf) instead of 0·(−inf) = NaN.
-            partials.append(torch.special.xlogy(exp_CV, exp_CV).sum(dim=-1).unsqueeze(0))
-        return torch.cat(partials)
-
-    @staticmethod
-    def logprob_and_lse(
-        max_C: torch.Tensor, sums: torch.Tensor, num_targets: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logp [C, K] = (z_y − m) − log S`` and ``lse [C] = m + log S`` from the global max
-        and the summed partials."""
-        log_sum_C = sums[0].log()
-        logp_CK = sums[1 : 1 + num_targets].t() - log_sum_C.unsqueeze(-1)
-        return logp_CK, max_C + log_sum_C
-
-    @staticmethod
-    def entropy(sums: torch.Tensor) -> torch.Tensor:
-        """``H = lse − Σ p·z = log S − Σ exp(z − m)·(z − m) / S`` from the summed partials."""
-        return sums[0].log() - sums[-1] / sums[0]
-
-    @staticmethod
-    def grad_logits_(
-        logits_CV: torch.Tensor,
-        lse_C: torch.Tensor,
-        grad_CK: torch.Tensor | None,
-        targets_CK: torch.Tensor,
-        shard: _VocabShard,
-        entropy: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """``∂L/∂(hidden·Wᵀ)``, written over ``logits_CV`` (a second ``[C, V]`` buffer with
-        ``entropy``).
-
-        ``[Σ_k g_k·(onehot(y_k) − p) − g_H·p·(log p + H)] / τ`` for the upstream gradients
-        ``grad_CK`` of the K target log-probs (``None``: zero) and, with ``entropy = (H_C,
-        g_H_C)``, of the entropy.
-        """
-        if grad_CK is None:
-            scale_CK = torch.zeros_like(targets_CK, dtype=torch.float32)
-        else:
-            scale_CK = grad_CK.float() / shard.temperature
-        scale_C = scale_CK.sum(dim=-1) if scale_CK.shape[-1] != 1 else scale_CK.squeeze(-1)
-        logp_CV = logits_CV.sub_(lse_C.unsqueeze(-1))  # log p; padding: −inf
-        if entropy is None:
-            grad_CV = logp_CV.exp_().mul_(-scale_C.unsqueeze(-1))  # padding: exp(−inf) = 0
-        else:
-            entropy_C, grad_entropy_C = entropy
-            p_CV = logp_CV.exp()
-            # p · [−(g_H/τ)·(log p + H) − Σ_k g_k/τ]
-            grad_CV = logp_CV.add_(entropy_C.unsqueeze(-1))
-            grad_CV.mul_((-grad_entropy_C.float() / shard.temperature).unsqueeze(-1))
-            grad_CV.sub_(scale_C.unsqueeze(-1)).mul_(p_CV)
-            del p_CV
-            # Padding columns: p = 0 times log p = −inf is NaN; their true gradient is 0.
-            grad_CV[:, shard.real_rows :] = 0.0
-            if shard.excluded:
-                grad_CV[:, list(shard.excluded)] = 0.0
-        local_CK, owned_CK = _ShardMath.local_targets(targets_CK, shard)
-        grad_CV.scatter_add_(-1, local_CK, scale_CK * owned_CK)
-        return grad_CV
-
-    @staticmethod
-    def topk_candidates(logits_CV: torch.Tensor, k: int, shard: _VocabShard) -> torch.Tensor:
-        """This shard's best ``min(k, V)`` logits and their global ids, packed ``[2, C, K]``.
-
-        float64 holds both the float32 values and the ids exactly, so one all-gather moves both.
-        Padding columns are −inf and lose to every real entry.
-        """
-        values_CK, index_CK = logits_CV.topk(min(k, shard.rows), dim=-1)
-        return torch.stack([values_CK.double(), (index_CK + shard.start).double()])
-
-    @staticmethod
-    def global_topk(candidates: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The best ``k`` of every rank's candidates ``[P, 2, C, K]``: float32 logits, int64 ids."""
-        values_CPK, ids_CPK = candidates.permute(1, 2, 0, 3).flatten(2).unbind(0)
-        best_CK, position_CK = values_CPK.topk(k, dim=-1)
-        return best_CK.float(), ids_CPK.gather(-1, position_CK).long()
-
-
-def _all_reduce(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> None:
-    if group is not None:
-        dist.all_reduce(tensor, op=op, group=group)
-
-
-def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Every TP rank's ``tensor`` stacked in rank order, ``[P, ...]``."""
-    if group is None:
-        return tensor.unsqueeze(0)
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.stack(parts)
-
-
-def _chunks(num_tokens: int, chunk_tokens: int) -> Iterator[slice]:
-    for start in range(0, num_tokens, chunk_tokens):
-        yield slice(start, min(start + chunk_tokens, num_tokens))
-
-
 def _as_TK(tensor: torch.Tensor) -> torch.Tensor:
     """``[T]`` as ``[T, 1]`` (a view); ``[T, K]`` unchanged."""
     return tensor.unsqueeze(-1) if tensor.dim() == 1 else tensor
 
 
 def _reduce_chunk(
-    logits_CV: torch.Tensor, targets_CK: torch.Tensor, shard: _VocabShard, *, entropy: bool = False
+    logits_CV: torch.Tensor, targets_CK: torch.Tensor, shard: VocabShard, *, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global max ``[C]`` and summed partials ``[1 + K (+1), C]`` of one chunk; overwrites
     logits.
@@ -271,10 +109,10 @@ def _reduce_chunk(
     """
     max_C = logits_CV.max(dim=-1).values
     # The shift must be the same on every shard for the partial sums to add up.
-    _all_reduce(max_C, dist.ReduceOp.MAX, shard.group)
-    sums = _ShardMath.shifted_exp_sums(logits_CV, max_C, targets_CK, shard, entropy=entropy)
+    tp_all_reduce(max_C, dist.ReduceOp.MAX, shard.group)
+    sums = ShardMath.shifted_exp_sums(logits_CV, max_C, targets_CK, shard, entropy=entropy)
     # One reduction for all partials: a target term is nonzero on the one rank that owns y.
-    _all_reduce(sums, dist.ReduceOp.SUM, shard.group)
+    tp_all_reduce(sums, dist.ReduceOp.SUM, shard.group)
     return max_C, sums
 
 
@@ -288,7 +126,7 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden_TH: torch.Tensor,
         weight_VH: torch.Tensor,
         targets: torch.Tensor,
-        shard: _VocabShard,
+        shard: VocabShard,
         with_entropy: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden_TH.shape[0]
@@ -297,14 +135,12 @@ class _LinearLogprobs(torch.autograd.Function):
         logp_TK = _as_TK(logp)
         lse_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
         entropy_T = torch.empty_like(lse_T) if with_entropy else None
-        for rows in _chunks(num_tokens, shard.chunk_tokens):
-            logits_CV = _ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
+        for rows in token_chunks(num_tokens, shard.chunk_tokens):
+            logits_CV = ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
             max_C, sums = _reduce_chunk(logits_CV, targets_TK[rows], shard, entropy=with_entropy)
-            logp_TK[rows], lse_T[rows] = _ShardMath.logprob_and_lse(
-                max_C, sums, targets_TK.shape[1]
-            )
+            logp_TK[rows], lse_T[rows] = ShardMath.logprob_and_lse(max_C, sums, targets_TK.shape[1])
             if entropy_T is not None:
-                entropy_T[rows] = _ShardMath.entropy(sums)
+                entropy_T[rows] = ShardMath.entropy(sums)
             del logits_CV  # free this chunk before the next one is allocated
         if entropy_T is None:
             ctx.save_for_backward(hidden_TH, weight_VH, targets, lse_T)
@@ -320,7 +156,7 @@ class _LinearLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden_TH, weight_VH, targets, lse_T, *saved_entropy = ctx.saved_tensors
-        shard: _VocabShard = ctx.shard
+        shard: VocabShard = ctx.shard
         num_tokens = hidden_TH.shape[0]
         targets_TK = _as_TK(targets)
         grad_TK = None if grads[0] is None else _as_TK(grads[0])
@@ -337,14 +173,14 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_weight_VH = (
             torch.zeros_like(weight_VH, dtype=accumulate_dtype) if want_weight else None
         )
-        for rows in _chunks(num_tokens, shard.chunk_tokens):
-            logits_CV = _ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
+        for rows in token_chunks(num_tokens, shard.chunk_tokens):
+            logits_CV = ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
             entropy = (
                 None
                 if entropy_T is None or grad_entropy_T is None
                 else (entropy_T[rows], grad_entropy_T[rows])
             )
-            grad_CV = _ShardMath.grad_logits_(
+            grad_CV = ShardMath.grad_logits_(
                 logits_CV,
                 lse_T[rows],
                 None if grad_TK is None else grad_TK[rows],
@@ -364,7 +200,7 @@ class _LinearLogprobs(torch.autograd.Function):
             # hidden is replicated over TP and each rank's product covers only its vocab rows:
             # the full gradient is the sum over the TP group. The weight gradient needs no
             # collective: each rank owns its rows.
-            _all_reduce(grad_hidden_TH, dist.ReduceOp.SUM, shard.group)
+            tp_all_reduce(grad_hidden_TH, dist.ReduceOp.SUM, shard.group)
         return (
             grad_hidden_TH,
             grad_weight_VH.to(weight_VH.dtype) if grad_weight_VH is not None else None,
@@ -380,19 +216,17 @@ class _LogitsLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits_TV: torch.Tensor, targets: torch.Tensor, shard: _VocabShard
+        ctx: Any, logits_TV: torch.Tensor, targets: torch.Tensor, shard: VocabShard
     ) -> torch.Tensor:
         num_tokens = logits_TV.shape[0]
         targets_TK = _as_TK(targets)
         logp = logits_TV.new_empty(targets.shape, dtype=torch.float32)
         logp_TK = _as_TK(logp)
         lse_T = logits_TV.new_empty(num_tokens, dtype=torch.float32)
-        for rows in _chunks(num_tokens, shard.chunk_tokens):
-            scaled_CV = _ShardMath.scaled_logits(logits_TV[rows], shard, owned=False)
+        for rows in token_chunks(num_tokens, shard.chunk_tokens):
+            scaled_CV = ShardMath.scaled_logits(logits_TV[rows], shard, owned=False)
             max_C, sums = _reduce_chunk(scaled_CV, targets_TK[rows], shard)
-            logp_TK[rows], lse_T[rows] = _ShardMath.logprob_and_lse(
-                max_C, sums, targets_TK.shape[1]
-            )
+            logp_TK[rows], lse_T[rows] = ShardMath.logprob_and_lse(max_C, sums, targets_TK.shape[1])
             del scaled_CV  # free this chunk before the next one is allocated
         ctx.save_for_backward(logits_TV, targets, lse_T)
         ctx.shard = shard
@@ -402,64 +236,18 @@ class _LogitsLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits_TV, targets, lse_T = ctx.saved_tensors
-        shard: _VocabShard = ctx.shard
+        shard: VocabShard = ctx.shard
         num_tokens = logits_TV.shape[0]
         targets_TK, grad_TK = _as_TK(targets), _as_TK(grad)
         grad_logits_TV = torch.empty_like(logits_TV, memory_format=torch.contiguous_format)
-        for rows in _chunks(num_tokens, shard.chunk_tokens):
-            scaled_CV = _ShardMath.scaled_logits(logits_TV[rows], shard, owned=False)
-            grad_logits_TV[rows] = _ShardMath.grad_logits_(
+        for rows in token_chunks(num_tokens, shard.chunk_tokens):
+            scaled_CV = ShardMath.scaled_logits(logits_TV[rows], shard, owned=False)
+            grad_logits_TV[rows] = ShardMath.grad_logits_(
                 scaled_CV, lse_T[rows], grad_TK[rows], targets_TK[rows], shard
             )
             del scaled_CV  # free this chunk before the next one is allocated
         # No collective: each rank's logits are its own shard.
         return grad_logits_TV, None, None
-
-
-def _vocab_shard(
-    rows: int,
-    tp_group: dist.ProcessGroup | None,
-    vocab_size: int | None,
-    temperature: float,
-    chunk_tokens: int,
-    excluded_ids: Sequence[int] = (),
-) -> _VocabShard:
-    """Validate the per-call settings and locate this rank's rows in the full vocabulary."""
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    if rows < 1:
-        raise ValueError("the weight shard has no vocabulary rows")
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    total_rows = rows * tp_size
-    if vocab_size is None:
-        vocab_size = total_rows
-    if not 1 <= vocab_size <= total_rows:
-        raise ValueError(
-            f"vocab_size={vocab_size} must lie in [1, {total_rows}], the rows of the full output "
-            f"layer ({rows} per rank × TP size {tp_size})"
-        )
-    bad = sorted({int(i) for i in excluded_ids if not 0 <= int(i) < vocab_size})
-    if bad or len(set(excluded_ids)) >= vocab_size:
-        raise ValueError(
-            f"excluded_ids must be ids in [0, vocab_size={vocab_size}) that leave at least one "
-            f"id, got {sorted(set(excluded_ids))}"
-        )
-    start = tp_rank * rows
-    real_rows = min(max(vocab_size - start, 0), rows)
-    return _VocabShard(
-        group=tp_group if tp_size > 1 else None,  # a group of one needs no collective
-        start=start,
-        rows=rows,
-        real_rows=real_rows,
-        vocab_size=vocab_size,
-        temperature=float(temperature),
-        chunk_tokens=chunk_tokens,
-        excluded=tuple(sorted({int(i) - start for i in excluded_ids
-                               if start <= int(i) < start + real_rows})),
-    )  # fmt: skip
 
 
 def _checked_targets(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -478,33 +266,6 @@ def _checked_targets(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return targets
 
 
-def _check_linear_shapes(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None
-) -> None:
-    """hidden ``[T, H]``, weight ``[V/tp, H]`` and (unless ``None``) targets ``[T]``/``[T, K]``."""
-    if (
-        hidden.dim() != 2
-        or weight.dim() != 2
-        or hidden.shape[1] != weight.shape[1]
-        or (
-            targets is not None
-            and (targets.dim() not in (1, 2) or targets.shape[:1] != hidden.shape[:1])
-        )
-    ):
-        raise ValueError(
-            "expected hidden [T, H], weight [V/tp, H] and targets [T] or [T, K] (flatten batch "
-            f"and sequence first), got hidden {tuple(hidden.shape)}, weight "
-            f"{tuple(weight.shape)}"
-            + ("" if targets is None else f", targets {tuple(targets.shape)}")
-        )
-    if targets is not None and targets.dim() == 2 and targets.shape[1] == 0:
-        raise ValueError("targets [T, K] needs K >= 1 ids per token, got K = 0")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(
-            f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}"
-        )
-
-
 def _linear_setup(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -514,10 +275,10 @@ def _linear_setup(
     chunk_tokens: int,
     temperature: float,
     excluded_ids: Sequence[int] = (),
-) -> tuple[_VocabShard, torch.Tensor]:
+) -> tuple[VocabShard, torch.Tensor]:
     """Checked shard and int64 targets; ``targets=None`` gives ``[T, 0]`` (no target ids)."""
-    _check_linear_shapes(hidden, weight, targets)
-    shard = _vocab_shard(
+    check_linear_shapes(hidden, weight, targets)
+    shard = vocab_shard(
         weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
     )
     if targets is None:
@@ -658,8 +419,8 @@ def vocab_parallel_logprobs_from_logits(
         )
     if multi and targets.shape[-1] == 0:
         raise ValueError("targets [..., K] needs K >= 1 ids per position, got K = 0")
-    shard = _vocab_shard(
-        logits.shape[-1], tp_group, vocab_size, temperature, _FROM_LOGITS_CHUNK_TOKENS,
+    shard = vocab_shard(
+        logits.shape[-1], tp_group, vocab_size, temperature, FROM_LOGITS_CHUNK_TOKENS,
         excluded_ids,
     )  # fmt: skip
     targets = _checked_targets(targets, shard.vocab_size)
@@ -715,18 +476,18 @@ def vocab_parallel_token_stats(
     if top_k:
         out.topk_logprobs = hidden.new_empty((num_tokens, top_k), dtype=torch.float32)
         out.topk_ids = hidden.new_empty((num_tokens, top_k), dtype=torch.int64)
-    for rows in _chunks(num_tokens, shard.chunk_tokens):
-        logits_CV = _ShardMath.linear_logits(hidden[rows], weight, shard)
+    for rows in token_chunks(num_tokens, shard.chunk_tokens):
+        logits_CV = ShardMath.linear_logits(hidden[rows], weight, shard)
         # Before _reduce_chunk, which overwrites the logits.
-        candidates = _ShardMath.topk_candidates(logits_CV, top_k, shard) if top_k else None
+        candidates = ShardMath.topk_candidates(logits_CV, top_k, shard) if top_k else None
         max_C, sums = _reduce_chunk(logits_CV, targets_TK[rows], shard, entropy=entropy)
-        logp_TK[rows], lse_C = _ShardMath.logprob_and_lse(max_C, sums, targets_TK.shape[1])
+        logp_TK[rows], lse_C = ShardMath.logprob_and_lse(max_C, sums, targets_TK.shape[1])
         if out.entropy is not None:
-            out.entropy[rows] = _ShardMath.entropy(sums)
+            out.entropy[rows] = ShardMath.entropy(sums)
         if candidates is not None and out.topk_logprobs is not None and out.topk_ids is not None:
             # The top-k of the union of every rank's top-k is the global top-k.
-            top_logits_CK, out.topk_ids[rows] = _ShardMath.global_topk(
-                _all_gather(candidates, shard.group), top_k
+            top_logits_CK, out.topk_ids[rows] = ShardMath.global_topk(
+                tp_all_gather(candidates, shard.group), top_k
             )
             out.topk_logprobs[rows] = top_logits_CK - lse_C.unsqueeze(-1)
         del logits_CV  # free this chunk before the next one is allocated

@@ -1,12 +1,12 @@
 """Forward-only statistics of vocab-parallel distributions: greedy and sampled token ids, and
 the full-vocabulary KL divergence between two models.
 
-Companion of :mod:`megatron_gndpo.parallel.logprobs` (same shape legend, same vocabulary split,
-same chunking, same per-shard helpers): every function here works ``chunk_tokens`` tokens at a
-time, so at most a few ``[C, V]`` float32 buffers exist at once (``[C, V/tp]`` per rank), never
-``[T, V]``; padding rows (ids ≥ ``vocab_size``) are −inf logits: no probability mass, never
-chosen. Nothing here is differentiable (these feed stop-gradient quantities: guidance tokens,
-vOPD's KL advantage term).
+Companion of :mod:`megatron_gndpo.parallel.logprobs` (same shape legend; the same vocabulary
+split, chunking and per-shard helpers, from :mod:`megatron_gndpo.parallel.vocab_shard`): every
+function here works ``chunk_tokens`` tokens at a time, so at most a few ``[C, V]`` float32
+buffers exist at once (``[C, V/tp]`` per rank), never ``[T, V]``; padding rows (ids ≥
+``vocab_size``) are −inf logits: no probability mass, never chosen. Nothing here is
+differentiable (these feed stop-gradient quantities: guidance tokens, vOPD's KL advantage term).
 
 The math, per token t, with ``z_t = hidden_t · W_fullᵀ / τ`` (padding at −inf)::
 
@@ -32,15 +32,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.parallel.logprobs import (
-    _FROM_LOGITS_CHUNK_TOKENS,
-    _all_gather,
-    _all_reduce,
-    _check_linear_shapes,
-    _chunks,
-    _ShardMath,
-    _vocab_shard,
-    _VocabShard,
+from megatron_gndpo.parallel.vocab_shard import (
+    FROM_LOGITS_CHUNK_TOKENS,
+    ShardMath,
+    VocabShard,
+    check_linear_shapes,
+    token_chunks,
+    tp_all_gather,
+    tp_all_reduce,
+    vocab_shard,
 )
 
 # Gumbel noise is drawn in blocks of this many vocabulary ids, the same blocks at every TP size
@@ -53,9 +53,7 @@ class _StatsMath:
     """Per-shard arithmetic of one chunk: no collectives."""
 
     @staticmethod
-    def add_gumbel_(
-        logits_CV: torch.Tensor, shard: _VocabShard, generator: torch.Generator
-    ) -> None:
+    def add_gumbel_(logits_CV: torch.Tensor, shard: VocabShard, generator: torch.Generator) -> None:
         """Add Gumbel(0, 1) noise to this shard's real columns, in place.
 
         Every rank draws the noise of the WHOLE real vocabulary ``[C, vocab_size]``, block by
@@ -87,7 +85,7 @@ class _StatsMath:
         logits_p_CV: torch.Tensor,
         logits_q_CV: torch.Tensor,
         max_2C: torch.Tensor,
-        shard: _VocabShard,
+        shard: VocabShard,
     ) -> torch.Tensor:
         """This shard's ``[S^p, S^q, Σ e·(a − b)]`` partial sums ``[3, C]``; overwrites both
         logits buffers. ``max_2C`` holds the global maxima ``m^p, m^q``."""
@@ -110,11 +108,11 @@ class _StatsMath:
         return weighted_C / sum_p_C - sum_p_C.log() + sum_q_C.log()
 
 
-def _best_ids_chunk(logits_CV: torch.Tensor, shard: _VocabShard) -> torch.Tensor:
+def _best_ids_chunk(logits_CV: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """Global id ``[C]`` of each row's largest logit over the whole vocabulary."""
     # Each rank's best (value, id), one all-gather, the best of those: top-k with k = 1.
-    candidates = _ShardMath.topk_candidates(logits_CV, 1, shard)
-    _, ids_C1 = _ShardMath.global_topk(_all_gather(candidates, shard.group), 1)
+    candidates = ShardMath.topk_candidates(logits_CV, 1, shard)
+    _, ids_C1 = ShardMath.global_topk(tp_all_gather(candidates, shard.group), 1)
     return ids_C1.squeeze(-1)
 
 
@@ -137,11 +135,11 @@ def vocab_parallel_argmax(
     :func:`~megatron_gndpo.parallel.logprobs.vocab_parallel_token_stats` with ``top_k=1``
     gives the same id with its log-prob, in a pass that also scores given targets.
     """
-    _check_linear_shapes(hidden, weight, None)
-    shard = _vocab_shard(weight.shape[0], tp_group, vocab_size, 1.0, chunk_tokens, excluded_ids)
+    check_linear_shapes(hidden, weight, None)
+    shard = vocab_shard(weight.shape[0], tp_group, vocab_size, 1.0, chunk_tokens, excluded_ids)
     ids_T = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-    for rows in _chunks(hidden.shape[0], shard.chunk_tokens):
-        logits_CV = _ShardMath.linear_logits(hidden[rows], weight, shard)
+    for rows in token_chunks(hidden.shape[0], shard.chunk_tokens):
+        logits_CV = ShardMath.linear_logits(hidden[rows], weight, shard)
         ids_T[rows] = _best_ids_chunk(logits_CV, shard)
         del logits_CV  # free this chunk before the next one is allocated
     return ids_T
@@ -171,18 +169,18 @@ def vocab_parallel_sample(
     ``T × vocab_size`` float64 uniforms. Other arguments as in
     :func:`~megatron_gndpo.parallel.logprobs.vocab_parallel_logprobs`.
     """
-    _check_linear_shapes(hidden, weight, None)
+    check_linear_shapes(hidden, weight, None)
     if generator.device.type != hidden.device.type:
         raise ValueError(
             f"generator is on {generator.device} but hidden is on {hidden.device}; pass a "
             "generator of hidden's device (torch.Generator(device=hidden.device))"
         )
-    shard = _vocab_shard(
+    shard = vocab_shard(
         weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
     )
     ids_T = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-    for rows in _chunks(hidden.shape[0], shard.chunk_tokens):
-        logits_CV = _ShardMath.linear_logits(hidden[rows], weight, shard)
+    for rows in token_chunks(hidden.shape[0], shard.chunk_tokens):
+        logits_CV = ShardMath.linear_logits(hidden[rows], weight, shard)
         _StatsMath.add_gumbel_(logits_CV, shard, generator)
         ids_T[rows] = _best_ids_chunk(logits_CV, shard)
         del logits_CV  # free this chunk before the next one is allocated
@@ -190,14 +188,14 @@ def vocab_parallel_sample(
 
 
 def _kl_chunk(
-    logits_p_CV: torch.Tensor, logits_q_CV: torch.Tensor, shard: _VocabShard
+    logits_p_CV: torch.Tensor, logits_q_CV: torch.Tensor, shard: VocabShard
 ) -> torch.Tensor:
     """``KL(p‖q) [C]`` of one chunk from both models' scaled logits; overwrites both."""
     max_2C = torch.stack([logits_p_CV.max(dim=-1).values, logits_q_CV.max(dim=-1).values])
     # Both shifts must be the same on every shard for the partial sums to add up.
-    _all_reduce(max_2C, dist.ReduceOp.MAX, shard.group)
+    tp_all_reduce(max_2C, dist.ReduceOp.MAX, shard.group)
     sums_3C = _StatsMath.kl_partials(logits_p_CV, logits_q_CV, max_2C, shard)
-    _all_reduce(sums_3C, dist.ReduceOp.SUM, shard.group)
+    tp_all_reduce(sums_3C, dist.ReduceOp.SUM, shard.group)
     return _StatsMath.kl(sums_3C)
 
 
@@ -225,21 +223,21 @@ def vocab_parallel_kl(
     chunks' logits (one per model) plus one more ``[C, V]`` buffer at a time. Other arguments
     as in :func:`~megatron_gndpo.parallel.logprobs.vocab_parallel_logprobs`.
     """
-    _check_linear_shapes(hidden_p, weight_p, None)
-    _check_linear_shapes(hidden_q, weight_q, None)
+    check_linear_shapes(hidden_p, weight_p, None)
+    check_linear_shapes(hidden_q, weight_q, None)
     if hidden_p.shape[0] != hidden_q.shape[0] or weight_p.shape[0] != weight_q.shape[0]:
         raise ValueError(
             "p and q must cover the same tokens and the same vocabulary rows per rank, got "
             f"hidden_p {tuple(hidden_p.shape)}, weight_p {tuple(weight_p.shape)}, hidden_q "
             f"{tuple(hidden_q.shape)}, weight_q {tuple(weight_q.shape)}"
         )
-    shard = _vocab_shard(
+    shard = vocab_shard(
         weight_p.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
     )
     kl_T = torch.empty(hidden_p.shape[0], dtype=torch.float32, device=hidden_p.device)
-    for rows in _chunks(hidden_p.shape[0], shard.chunk_tokens):
-        logits_p_CV = _ShardMath.linear_logits(hidden_p[rows], weight_p, shard)
-        logits_q_CV = _ShardMath.linear_logits(hidden_q[rows], weight_q, shard)
+    for rows in token_chunks(hidden_p.shape[0], shard.chunk_tokens):
+        logits_p_CV = ShardMath.linear_logits(hidden_p[rows], weight_p, shard)
+        logits_q_CV = ShardMath.linear_logits(hidden_q[rows], weight_q, shard)
         kl_T[rows] = _kl_chunk(logits_p_CV, logits_q_CV, shard)
         del logits_p_CV, logits_q_CV  # free this chunk before the next one is allocated
     return kl_T
@@ -263,21 +261,21 @@ def vocab_parallel_kl_from_logits(
             "expected logits_p and logits_q of the same shape [..., V/tp], got "
             f"{tuple(logits_p.shape)} and {tuple(logits_q.shape)}"
         )
-    shard = _vocab_shard(
+    shard = vocab_shard(
         logits_p.shape[-1],
         tp_group,
         vocab_size,
         temperature,
-        _FROM_LOGITS_CHUNK_TOKENS,
+        FROM_LOGITS_CHUNK_TOKENS,
         excluded_ids,
     )
     logits_p_TV = logits_p.reshape(-1, logits_p.shape[-1])
     logits_q_TV = logits_q.reshape(-1, logits_q.shape[-1])
     kl_T = torch.empty(logits_p_TV.shape[0], dtype=torch.float32, device=logits_p.device)
-    for rows in _chunks(logits_p_TV.shape[0], shard.chunk_tokens):
+    for rows in token_chunks(logits_p_TV.shape[0], shard.chunk_tokens):
         kl_T[rows] = _kl_chunk(
-            _ShardMath.scaled_logits(logits_p_TV[rows], shard, owned=False),
-            _ShardMath.scaled_logits(logits_q_TV[rows], shard, owned=False),
+            ShardMath.scaled_logits(logits_p_TV[rows], shard, owned=False),
+            ShardMath.scaled_logits(logits_q_TV[rows], shard, owned=False),
             shard,
         )
     return kl_T.view(logits_p.shape[:-1])

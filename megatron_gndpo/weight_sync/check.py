@@ -80,7 +80,7 @@ def check_engine(
         model, groups, tokens_BS, lengths, head=TokenLogProbs(vocab_size),
         token_budget=len(tokens), images=[None] if vision_language else None,
     )  # fmt: skip
-    ours = None if scores is None else scores["logprobs"]
+    ours = None if scores is None else scores.logprobs
     ours = broadcast_from_last_stage(ours, tokens_BS.shape, groups)[0, 1:].float().cpu()
     diff = 0.0
     if engine is not None:
