@@ -9,7 +9,9 @@ when a worker fails differs. Plain torchrun ends with its own ``ChildFailedError
 a failure box, and exits with 1 whatever its workers' codes were. Here:
 
 - a worker that failed with one of our errors has already printed it once for the job
-  (``megatron-gndpo: error: ...``, exit code 2): nothing more is printed, and the exit code is 2;
+  (``megatron-gndpo: error: ...``, exit code 2): nothing more is printed, and the exit code is 2
+  (also when another worker failed first: the heartbeat watchdog kills a stopped rank, then
+  says so);
 - any other failure (a crash, a signal, the OOM killer) gets one line naming the process that
   failed first, which the Slurm script quotes (``scripts/slurm/gndpo.sbatch``):
   ``megatron-gndpo: launch: rank 1 (local rank 1 on HOST, pid N) failed first: exit code -9
@@ -34,11 +36,13 @@ _USER_ERROR_EXIT = 2  # cli.main's exit code for an error we raise on purpose
 
 
 class _DropFailureLog(logging.Filter):
-    """torchrun's agent logs the first failure ("failed (exitcode: ...)") before raising it; the
-    launcher reports it itself, once."""
+    """torchrun's agent logs the first failure ("failed (exitcode: ...)") and each worker it
+    stops ("Sending process N closing signal SIGTERM") before raising; the launcher reports the
+    failure itself, once."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("failed (exitcode")
+        message = record.getMessage()
+        return not message.startswith(("failed (exitcode", "Sending process"))
 
 
 def _usage_error(message: str) -> int:
@@ -107,9 +111,11 @@ def main(argv: Sequence[str]) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as err:
+        if any(f.exitcode == _USER_ERROR_EXIT for f in err.failures.values()):
+            # One of our errors, printed once for the job by the workers already. It may not be
+            # the first failure: the heartbeat watchdog SIGKILLs a stopped rank, then says why.
+            return _USER_ERROR_EXIT
         rank, failure = err.get_first_failure()
-        if failure.exitcode == _USER_ERROR_EXIT:
-            return _USER_ERROR_EXIT  # printed once for the job by the workers already
         host = socket.getfqdn()
         print(failure_line(rank, failure.local_rank, host, failure.pid, failure.exitcode),
               file=sys.stderr, flush=True)  # fmt: skip
