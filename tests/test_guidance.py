@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -137,10 +138,14 @@ def test_config_rules_for_guidance_methods() -> None:
     from megatron_gndpo.config import load_config
     from megatron_gndpo.config.loader import ConfigError
     from megatron_gndpo.config.schema import Config
+    from megatron_gndpo.methods import build_method
 
-    assert AlgorithmConfig(estimator="tgpo").entropy_bonus == 0.001
-    assert AlgorithmConfig(estimator="gndpo").entropy_bonus == 0.0
-    assert AlgorithmConfig(estimator="tgpo", entropy_coef=0.0).entropy_bonus == 0.0
+    def beta(**algorithm: Any) -> float:
+        return build_method(AlgorithmConfig(**algorithm)).entropy_coef
+
+    assert beta(estimator="tgpo") == 0.001  # the method's default
+    assert (beta(estimator="gndpo"), beta(estimator="mix")) == (0.0, 0.0)
+    assert beta(estimator="tgpo", entropy_coef=0.0) == 0.0
     cfg = load_config(
         None,
         [

@@ -285,18 +285,12 @@ class AlgorithmConfig:
     batch-mean baseline (the "baseline only" ablation, docs/methods/gndpo.md)."""
     entropy_coef: float | None = None
     """Entropy bonus beta: the loss subtracts beta * H_t of the student; null means the
-    method's default (0.001 for tgpo, as its release; 0 otherwise)."""
+    method's default (its class's ``default_entropy_coef``: 0.001 for tgpo, as its release; 0
+    for the others)."""
     tgpo: TGPOConfig = dataclasses.field(default_factory=TGPOConfig)
     """TGPO settings (estimator tgpo)."""
     tropd: TrOPDConfig = dataclasses.field(default_factory=TrOPDConfig)
     """TrOPD settings (estimator tropd)."""
-
-    @property
-    def entropy_bonus(self) -> float:
-        """beta: entropy_coef, or the method's default when it is null."""
-        if self.entropy_coef is not None:
-            return self.entropy_coef
-        return 0.001 if self.estimator == "tgpo" else 0.0
 
 
 @dataclasses.dataclass(frozen=True)

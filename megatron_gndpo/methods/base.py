@@ -59,6 +59,11 @@ class Method(Protocol):
     name: ClassVar[str]
 
     @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus beta: ``algorithm.entropy_coef``, else the method's default."""
+        ...
+
+    @property
     def student_first(self) -> bool:
         """Whether the student's old-log-prob pass runs before the teacher's (vOPD)."""
         ...
@@ -111,9 +116,16 @@ class BaseMethod:
     entropy (a metric), on-policy rollouts, nothing else to check."""
 
     name: ClassVar[str] = ""
+    default_entropy_coef: ClassVar[float] = 0.0  # beta when algorithm.entropy_coef is null
 
     def __init__(self, cfg: AlgorithmConfig) -> None:
         self.cfg = cfg
+
+    @property
+    def entropy_coef(self) -> float:
+        """beta: ``algorithm.entropy_coef``, or this method's default when it is null."""
+        beta = self.cfg.entropy_coef
+        return self.default_entropy_coef if beta is None else beta
 
     @property
     def student_first(self) -> bool:

@@ -25,7 +25,7 @@ class DistillMethod(BaseMethod):
 
     def targets(self, batch: StepBatch) -> tuple[Targets, dict[str, float]]:
         advantages, metrics = self.distill(batch)
-        return Targets(advantages, entropy_coef=self.cfg.entropy_bonus), metrics
+        return Targets(advantages, entropy_coef=self.entropy_coef), metrics
 
 
 class GNDPO(DistillMethod):

@@ -64,7 +64,7 @@ class Mix(BaseMethod):
         advantages = adv.mix_advantages(
             a_distill, a_outcome, outcome_weight=self.cfg.outcome_weight
         )
-        return Targets(advantages, entropy_coef=self.cfg.entropy_bonus), metrics
+        return Targets(advantages, entropy_coef=self.entropy_coef), metrics
 
     def problems(self, cfg: Config, world_size: int | None) -> list[str]:
         a, p = cfg.algorithm, list[str]()

@@ -25,7 +25,7 @@ class OutcomeMethod(BaseMethod):
 
     def targets(self, batch: StepBatch) -> tuple[Targets, dict[str, float]]:
         advantages = self.outcome(batch, needs_rewards(self.name, batch.rewards))
-        return Targets(advantages, entropy_coef=self.cfg.entropy_bonus), {}
+        return Targets(advantages, entropy_coef=self.entropy_coef), {}
 
 
 class GRPO(OutcomeMethod):

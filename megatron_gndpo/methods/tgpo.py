@@ -30,6 +30,7 @@ class TGPO(BaseMethod):
     """Teacher-guided policy optimisation on a verifiable reward."""
 
     name: ClassVar[str] = "tgpo"
+    default_entropy_coef: ClassVar[float] = 0.001  # the release's
 
     def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:
         t = self.cfg.tgpo
@@ -45,7 +46,7 @@ class TGPO(BaseMethod):
         return ScoreRequest(entropy=True)
 
     def targets(self, batch: StepBatch) -> tuple[Targets, dict[str, float]]:
-        t, beta, mask = self.cfg.tgpo, self.cfg.entropy_bonus, batch.response_mask
+        t, beta, mask = self.cfg.tgpo, self.entropy_coef, batch.response_mask
         rewards = needs_rewards(self.name, batch.rewards)
         outcome = adv.grpo_advantages(rewards, mask.float(), group_size=batch.group_size)
         coef = guidance.linear_decay(batch.step, t.coef_start, t.coef_decay)

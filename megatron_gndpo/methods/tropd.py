@@ -55,7 +55,7 @@ class TrOPD(BaseMethod):
             kl_mask = kl_mask + written.float() * mask.float()
         trusted = guidance.trusted_tokens(teacher.logprobs, student.logprobs, t.trust_threshold)
         metrics = {"tropd/trusted_frac": global_mean(trusted.float(), on_policy, batch.group)}
-        beta = self.cfg.entropy_bonus
+        beta = self.entropy_coef
         if teacher.topk_ids is None:  # outlier rule mask or clip, no prefix: no KL term
             return Targets(advantages, pg_mask=pg_mask, entropy_coef=beta), metrics
         targets = Targets(
