@@ -125,6 +125,18 @@ def run_of(directory: str | Path) -> str | None:
     return run_id if isinstance(run_id, str) else None
 
 
+def saved_tensors(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (global shape, dtype)}`` of every tensor saved in a step directory, read from its
+    dist-checkpointing metadata alone (no tensor data; any process, no collective)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(directory))
+    except Exception as err:  # megatron raises its own CheckpointingException and OSErrors
+        raise CheckpointError(f"cannot read the tensor metadata of {directory}: {err}") from err
+    return {key: (tuple(t.global_shape), t.dtype) for key, t in meta.items()}
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
