@@ -150,6 +150,95 @@ def test_save_kill_load_restores_model_and_optimizer_and_reshards(tmp_path: Path
     torch.testing.assert_close(tp1["logits"], first[0]["logits"], rtol=1e-5, atol=1e-5)
 
 
+def _tiny_logprobs(net) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Log-probs over the tiny example's 128 real tokens, ``[b, s, 128]``."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = net(tokens, torch.arange(16).expand(2, -1), None)
+    return logits[..., :128].double().log_softmax(-1)
+
+
+def _other_padding(rank: int, world: int, root: str) -> dict[str, object]:
+    """The tiny example (128 tokens) saved with its embedding padded to 256 rows, loaded as
+    init and teacher by a run padding to 128 (rows dropped) and back (rows added)."""
+    from megatron_gndpo.checkpoint.convert import describe_checkpoints
+    from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
+    from megatron_gndpo.models.gpt import build_gpt
+    from tests.trainers import reset_megatron, tiny_trainer
+
+    def save(name: str, net, model) -> None:  # type: ignore[no-untyped-def]
+        save_checkpoint(f"{root}/{name}", 0, net)
+        describe_checkpoints(f"{root}/{name}", model)  # as training and conversion write it
+
+    def rows(trainer) -> list[int]:  # type: ignore[no-untyped-def]
+        nets = (trainer.c.student, trainer.c.teacher.model)
+        return [net.output_layer.weight.shape[0] for net in nets]
+
+    out: dict[str, object] = {}
+    wide = [f"{m}.make_vocab_size_divisible_by=256" for m in ("model", "teacher.model")]
+    first = tiny_trainer(f"{root}/run_wide", *wide)
+    save("init", first.c.student, first.cfg.model)
+    save("teacher", first.c.teacher.model, first.cfg.teacher.model)
+    save_checkpoint(f"{root}/bare", 0, first.c.teacher.model)  # nothing beside it
+    out["wide"] = [_tiny_logprobs(first.c.student), _tiny_logprobs(first.c.teacher.model)]
+    out["wide_rows"] = rows(first)
+    first.c.logger.close()
+    reset_megatron()
+
+    # Padding rows 128..255 hold random init (not zeros); model_config.yaml says they are padding.
+    load = [f"checkpoint.init={root}/init", f"teacher.load={root}/teacher"]
+    second = tiny_trainer(f"{root}/run_narrow", *load)
+    out["narrow"] = [_tiny_logprobs(second.c.student), _tiny_logprobs(second.c.teacher.model)]
+    out["narrow_rows"] = rows(second)
+    try:
+        load_checkpoint(f"{root}/bare", second.c.teacher.model, vocab_size=128)
+    except CheckpointError as err:
+        out["bare"] = str(err)
+    save("narrow_init", second.c.student, second.cfg.model)
+    narrow_model = second.cfg.model
+    save("narrow_teacher", second.c.teacher.model, second.cfg.teacher.model)
+    second.c.logger.close()
+    reset_megatron()
+
+    back = [f"checkpoint.init={root}/narrow_init", f"teacher.load={root}/narrow_teacher"]
+    third = tiny_trainer(f"{root}/run_back", *wide, *back)
+    out["back"] = [_tiny_logprobs(third.c.student), _tiny_logprobs(third.c.teacher.model)]
+    out["back_padding"] = float(third.c.student.output_layer.weight[128:].detach().abs().max())
+    try:
+        load_checkpoint(f"{root}/narrow_init", third.c.student, vocab_size=200)
+    except CheckpointError as err:
+        out["too_few"] = str(err)
+    # Zero padding rows (as converters write them) are dropped with nothing beside them.
+    save_checkpoint(f"{root}/zero_padded", 0, third.c.student)
+    narrow = build_gpt(narrow_model, ParallelConfig(), third.c.student_groups)
+    load_checkpoint(f"{root}/zero_padded", narrow, vocab_size=128)
+    out["zero_padded"] = _tiny_logprobs(narrow)
+    third.c.logger.close()
+    reset_megatron()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_a_checkpoint_with_another_vocab_padding_loads_as_init_and_teacher(
+    tmp_path: Path,
+) -> None:
+    out = run_distributed(_other_padding, 1, args=(str(tmp_path),), timeout_s=300)[0]
+    assert out["wide_rows"] == [256, 256] and out["narrow_rows"] == [128, 128]
+    for name in ("narrow", "back"):
+        for original, loaded in zip(out["wide"], out[name], strict=True):  # student, teacher
+            torch.testing.assert_close(loaded, original, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["zero_padded"], out["wide"][0], rtol=0, atol=1e-6)
+    assert out["back_padding"] == 0.0  # rows the checkpoint lacks load as zeros
+    bare = out.get("bare", "")
+    assert re.search(r"embedding\.word_embeddings\.weight in .*bare/iter_0000000 has 256 rows",
+                     bare), bare  # fmt: skip
+    assert "rows 128..255 (128 of those it would drop) are not zero" in bare
+    assert f"write its model config to {tmp_path / 'bare' / 'model_config.yaml'}" in bare
+    too_few = out.get("too_few", "")
+    assert "has 128 rows, fewer than the model's vocab_size (200)" in too_few, too_few
+
+
 def test_latest_and_resolve_errors_name_the_fix(tmp_path: Path) -> None:
     assert latest_step(tmp_path) is None
     with pytest.raises(CheckpointError, match="no checkpoint"):
@@ -397,3 +486,35 @@ def test_set_aside_moves_what_the_run_does_not_continue(tmp_path: Path) -> None:
     assert sorted(p.name for p in save.iterdir()) == sorted(p.name for p in save.glob("previous-*"))
     assert not metrics.exists()
     assert set_aside(fresh, Resumed(0, "run-c", None), metrics) is None  # nothing left to move
+
+
+def test_vocab_rows_problem_names_rows_and_the_fix() -> None:
+    from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
+
+    key = "output_layer.weight"
+    saved = {key: ((256, 8), torch.float32)}
+
+    def problem(shape: tuple[int, ...], **kw) -> str:  # type: ignore[no-untyped-def]
+        args = {"vocab_size": 100, "saved_vocab": None, "read": _no_read,
+                "config_path": Path("ck/model_config.yaml")} | kw  # fmt: skip
+        return vocab_rows_problem(Path("ck/iter_0000001"), {key: shape}, saved, **args)
+
+    assert problem((256, 8)) == ""  # same rows: nothing read
+    assert "has shape [256, 8], the model's [128, 16]" in problem((128, 16))
+    assert "fewer than the model's vocab_size (300): rows 256..299 would load" in problem(
+        (384, 8), vocab_size=300
+    )
+    assert problem((128, 8), saved_vocab=120) == ""  # rows 128..255 are padding of 120 tokens
+    assert "tokens 128..199 would be dropped. Set vocab_size to 200" in problem(
+        (128, 8), saved_vocab=200
+    )
+    tail = torch.zeros(256, 8)
+    assert problem((128, 8), read=lambda _: tail) == ""  # zero rows are padding
+    tail[130, 3] = tail[140, 0] = 1.0
+    assert "rows 130..140 (2 of those it would drop) are not zero" in problem(
+        (128, 8), read=lambda _: tail
+    )
+
+
+def _no_read(key: str) -> torch.Tensor:
+    raise AssertionError(f"{key} was read")

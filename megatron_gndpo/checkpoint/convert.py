@@ -28,7 +28,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import hf_mapping
-from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint, saved_tensors
+from megatron_gndpo.checkpoint.dist import (
+    MODEL_CONFIG_FILE,
+    load_checkpoint,
+    resolve,
+    save_checkpoint,
+    saved_tensors,
+)
 from megatron_gndpo.config.loader import to_yaml
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
@@ -36,7 +42,6 @@ from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
-MODEL_CONFIG_FILE = "model_config.yaml"
 VISION_CONFIG_FILE = "vision_config.yaml"  # a VLM's, beside its model_config.yaml
 HF_CONFIG_FILE = "hf_config.json"
 _SAFETENSORS = "model.safetensors"

@@ -8,6 +8,7 @@ Layout of a checkpoint root::
         megatron_gndpo.json      step, run id, extra state (data position, ...), and the size and
                                  SHA-256 of every other file of the step
       latest                     text: the newest complete step ("100")
+      model_config.yaml          the architecture (written by training and conversion)
 
 A step is written into ``iter_XXXXXXX.tmp`` and renamed by rank 0 only after every rank has
 finished and the checksums are written, then ``latest`` is replaced atomically: a run killed
@@ -37,10 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
 from megatron_gndpo.errors import UserError
 
 _LATEST = "latest"
 _META = "megatron_gndpo.json"
+MODEL_CONFIG_FILE = "model_config.yaml"
+BRIDGE_RUN_CONFIG = "run_config.yaml"  # Megatron-Bridge's, in each step directory
 _STEP_NAME = re.compile(r"iter_(\d{7})")
 _READ_CHUNK = 8 << 20  # bytes hashed at a time (hashlib releases the GIL for large updates)
 # Optimizer sharding that reloads at another data-parallel size; "fully_reshardable" failed to
@@ -435,10 +439,19 @@ def resolve(path: str | Path) -> Path:
 
 
 def load_checkpoint(
-    path: str | Path, model: Any, *, optimizer: Any = None, verify: bool = True
+    path: str | Path,
+    model: Any,
+    *,
+    optimizer: Any = None,
+    verify: bool = True,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """Load ``model`` (and ``optimizer``) from a root or step directory, at any TP/PP.
 
+    A checkpoint with another vocabulary padding (another TP size or padding multiple, or
+    Megatron-Bridge's exact row count) loads: missing rows are zeros, extra rows are dropped
+    after checking that they are not tokens (``checkpoint/vocab_rows.py``; ``vocab_size``, the
+    model's real vocabulary, also refuses a checkpoint with fewer rows than it).
     With ``verify`` every file is first checked against the checksums saved with it. Returns the
     stored metadata (``step``, ``extra``, ``run_id``, and ``verified``: whether checksums were
     checked). A file that does not match, or a loaded weight that is not finite, is a
@@ -458,6 +471,7 @@ def load_checkpoint(
         )
     meta["verified"] = verify_step(directory) if verify else False
     sharded = {"model": _model_state(model)}
+    _check_vocab_rows(directory, sharded["model"], vocab_size)
     if optimizer is not None:
         _init_empty_optimizer_state(optimizer)
         sharded["optimizer"] = optimizer.sharded_state_dict(
@@ -495,6 +509,73 @@ def load_checkpoint(
             f"{directory} holds non-finite values (NaN or inf) in {_shown(bad)}"
         )
     return meta
+
+
+def _check_vocab_rows(
+    directory: Path, sharded_model: dict[str, Any], vocab_size: int | None
+) -> None:
+    """Refuse a load that would lose or invent vocabulary rows (``checkpoint/vocab_rows.py``).
+
+    Collective: the ranks pool the shapes of their row-flexible tensors (the embedding and the
+    output layer live on different pipeline stages); rank 0 reads the checkpoint and decides.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    mine = {
+        t.key: tuple(t.global_shape)
+        for t in nested_values(sharded_model)
+        if isinstance(t, ShardedTensor) and t.allow_shape_mismatch
+    }
+    flexible = {key: shape for part in _gather(mine) for key, shape in part.items()}
+    problem = None
+    if _rank() == 0 and flexible:
+        saved = saved_tensors(directory)
+        problem = vocab_rows_problem(
+            directory, flexible, saved, vocab_size=vocab_size,
+            saved_vocab=saved_vocab_size(directory),
+            read=lambda key: _read_tensor(directory, key, *saved[key]),
+            config_path=directory.parent / MODEL_CONFIG_FILE,
+        )  # fmt: skip
+    problem = _from_rank0(problem)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def saved_vocab_size(directory: str | Path) -> int | None:
+    """The vocabulary size written beside a step directory, or None where nothing tells it: the
+    ``model_config.yaml`` at its root (ours), or Megatron-Bridge's ``run_config.yaml`` (its
+    model section) in the step itself."""
+    import yaml
+
+    directory = Path(directory)
+    for path, section in (
+        (directory.parent / MODEL_CONFIG_FILE, None),
+        (directory / BRIDGE_RUN_CONFIG, "model"),
+    ):
+        if not path.is_file():
+            continue
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # unreadable: as if absent, the zero-row check then decides
+        if section is not None:
+            data = data.get(section) if isinstance(data, dict) else None
+        value = data.get("vocab_size") if isinstance(data, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _read_tensor(
+    directory: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """One whole saved tensor, read by this process alone (no collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    out = torch.empty(shape, dtype=dtype)
+    dcp.load({key: out}, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    return out
 
 
 def _reason(err: BaseException) -> str:
