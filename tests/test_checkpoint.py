@@ -478,11 +478,17 @@ def test_set_aside_moves_what_the_run_does_not_continue(tmp_path: Path) -> None:
         "metrics.jsonl",
     ]
     assert (save / "latest").read_text().strip() == "1" and metrics.exists()
+    # the trackers of Megatron-LM and Megatron-Bridge follow `latest`
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert torch.load(save / "latest_train_state.pt", weights_only=True)["step"].item() == 1
     # a fresh start moves everything, metrics included
     fresh = StartPlan(save, (), explicit=False, start_fresh=True)
     aside = set_aside(fresh, Resumed(0, "run-b", None), metrics)
     assert aside is not None
-    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000001", "latest", "metrics.jsonl"]
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "iter_0000001", "latest", "latest_checkpointed_iteration.txt", "latest_train_state.pt",
+        "metrics.jsonl",
+    ]  # fmt: skip
     assert sorted(p.name for p in save.iterdir()) == sorted(p.name for p in save.glob("previous-*"))
     assert not metrics.exists()
     assert set_aside(fresh, Resumed(0, "run-c", None), metrics) is None  # nothing left to move
@@ -500,7 +506,7 @@ def test_vocab_rows_problem_names_rows_and_the_fix() -> None:
         return vocab_rows_problem(Path("ck/iter_0000001"), {key: shape}, saved, **args)
 
     assert problem((256, 8)) == ""  # same rows: nothing read
-    assert "has shape [256, 8], the model's [128, 16]" in problem((128, 16))
+    assert problem((128, 16)) == ""  # another width: the other tensors' shape check refuses it
     assert "fewer than the model's vocab_size (300): rows 256..299 would load" in problem(
         (384, 8), vocab_size=300
     )
@@ -518,3 +524,95 @@ def test_vocab_rows_problem_names_rows_and_the_fix() -> None:
 
 def _no_read(key: str) -> torch.Tensor:
     raise AssertionError(f"{key} was read")
+
+
+# ---------------------------------------------------------------------------------------------
+# What Megatron-LM and Megatron-Bridge read beside the tensors (checkpoint/interop.py)
+
+# args fields Megatron-LM reads: load_args_from_checkpoint (model args), check_checkpoint_args,
+# load_checkpoint (layout, what the checkpoint holds); megatron/training/checkpointing.py
+_MEGATRON_LM_ARGS = {
+    "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+    "num_query_groups": 2, "group_query_attention": True, "kv_channels": 8,
+    "max_position_embeddings": 32, "position_embedding_type": "rope",
+    "add_position_embedding": False, "use_rotary_position_embeddings": True, "swiglu": True,
+    "normalization": "RMSNorm", "add_bias_linear": False, "add_qkv_bias": False,
+    "untie_embeddings_and_output_weights": True, "make_vocab_size_divisible_by": 64,
+    "padded_vocab_size": 128, "params_dtype": torch.float32, "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1, "world_size": 1, "data_parallel_size": 1,
+    "no_save_optim": True, "no_save_rng": True, "consumed_train_samples": 0,
+}  # fmt: skip
+# TrainState.state_dict() of megatron/bridge/training/state.py: name -> dtype
+_BRIDGE_TRAIN_STATE = {
+    "step": torch.int64, "consumed_train_samples": torch.int64,
+    "skipped_train_samples": torch.int64, "consumed_valid_samples": torch.int64,
+    "floating_point_operations_so_far": torch.float64, "do_train": torch.bool,
+    "do_valid": torch.bool, "do_test": torch.bool,
+}  # fmt: skip
+
+
+def _save_for_other_tools(rank: int, world: int, root: str) -> dict[str, object]:
+    from megatron.core import dist_checkpointing
+
+    from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    groups = build_student_groups(ParallelLayout(world), seed=1)
+    model = build_gpt(MODEL, ParallelConfig(), groups)
+    save_checkpoint(root, 3, model, model_config=MODEL)
+    step = str(step_dir(root, 3))
+    common = dist_checkpointing.load_common_state_dict(step)
+    fresh = build_gpt(MODEL, ParallelConfig(), groups)
+    meta = load_checkpoint(root, fresh)  # ours still loads it, every new file checksummed
+    return {
+        "is_dist": dist_checkpointing.check_is_distributed_checkpoint(step),
+        "args": vars(common["args"]), "version": common["checkpoint_version"],
+        "iteration": common["iteration"], "verified": meta["verified"],
+        "content": dist_checkpointing.load_content_metadata(preloaded_state_dict=common),
+        "same": all(torch.equal(p, q) for p, q in
+                    zip(model.parameters(), fresh.parameters(), strict=True)),
+    }  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_a_save_carries_what_megatron_lm_and_bridge_read(tmp_path: Path) -> None:
+    import yaml
+
+    root = tmp_path / "ckpt"
+    out = run_distributed(_save_for_other_tools, 1, args=(str(root),), timeout_s=300)[0]
+    step = step_dir(root, 3)
+    # Megatron-LM: the tracker (read_metadata: int of the stripped text), a torch_dist step,
+    # and args / checkpoint_version / iteration / content metadata in its common state.
+    assert int((root / "latest_checkpointed_iteration.txt").read_text().strip()) == 3
+    assert out["is_dist"] and out["version"] == 3.0 and out["iteration"] == 3
+    args = out["args"]
+    assert isinstance(args, dict)
+    assert {k: args.get(k) for k in _MEGATRON_LM_ARGS} == _MEGATRON_LM_ARGS
+    assert out["content"] == {"distrib_optim_sharding_type": "dp_reshardable"}
+    # Megatron-Bridge: train_state.pt in the step and latest_train_state.pt at the root, loaded
+    # as read_train_state does (weights_only); run_config.yaml's model and checkpoint sections.
+    for path in (root / "latest_train_state.pt", step / "train_state.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        assert {k: v.dtype for k, v in state.items()} == _BRIDGE_TRAIN_STATE, path
+        assert state["step"].item() == 3
+    run_config = yaml.safe_load((step / "run_config.yaml").read_text())
+    provider = run_config["model"]
+    assert provider["_target_"] == "megatron.bridge.models.gpt_provider.GPTModelProvider"
+    assert provider["tensor_model_parallel_size"] == provider["pipeline_model_parallel_size"] == 1
+    assert provider["vocab_size"] == VOCAB and provider["should_pad_vocab"] is False
+    assert provider["params_dtype"] == {"_target_": "torch.float32", "_call_": False}
+    assert provider["activation_func"] == {"_target_": "torch.nn.functional.silu", "_call_": False}
+    assert provider["num_query_groups"] == 2 and provider["kv_channels"] == 8
+    assert provider["share_embeddings_and_output_weights"] is False
+    checkpoint = run_config["checkpoint"]
+    assert checkpoint["save_optim"] is checkpoint["save_rng"] is False
+    assert checkpoint["fully_parallel_save"] is False
+    assert out["verified"] and out["same"]
+    files = json.loads((step / "megatron_gndpo.json").read_text())["files"]
+    assert {"run_config.yaml", "train_state.pt"} <= set(files)
+    assert not list(root.glob("*.tmp"))

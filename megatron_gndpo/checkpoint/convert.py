@@ -211,7 +211,7 @@ def convert_hf_to_mcore(
     if _rank() == 0:
         out_root.mkdir(parents=True, exist_ok=True)
     _barrier()
-    save_checkpoint(out_root, 0, net)
+    save_checkpoint(out_root, 0, net, model_config=model)
     if _rank() == 0:
         describe_checkpoints(out_root, model)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))

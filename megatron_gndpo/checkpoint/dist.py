@@ -7,18 +7,24 @@ Layout of a checkpoint root::
         <dist-checkpointing files>
         megatron_gndpo.json      step, run id, extra state (data position, ...), and the size and
                                  SHA-256 of every other file of the step
+        train_state.pt           Megatron-Bridge's train state; with the architecture known,
+        run_config.yaml          also its run config (and Megatron-LM's ``args`` in the common
+                                 state): see checkpoint/interop.py
       latest                     text: the newest complete step ("100")
+      latest_checkpointed_iteration.txt   the same, for Megatron-LM
+      latest_train_state.pt      the same, for Megatron-Bridge
       model_config.yaml          the architecture (written by training and conversion)
 
 A step is written into ``iter_XXXXXXX.tmp`` and renamed by rank 0 only after every rank has
 finished and the checksums are written, then ``latest`` is replaced atomically: a run killed
 mid-save leaves the previous checkpoint as ``latest``, and the half-written ``.tmp`` directory is
-ignored (and removed by the next save). Nothing is saved when the student's weights or optimizer
-state hold a NaN or an infinity. A load first checks every file against its checksum (the ranks
-share the reading) and refuses a step that does not match, naming the file; after loading, the
-weights are checked to be finite. Loading works at any TP/PP: dist-checkpointing reshards the
-saved tensors onto the model it is given. Only the model is needed to load a teacher; the student
-also saves its optimizer state.
+ignored (and removed by the next save); the trackers of the other tools are replaced the same
+way, with ``latest`` (:func:`write_latest`). Nothing is saved when the student's weights or
+optimizer state hold a NaN or an infinity. A load first checks every file against its checksum
+(the ranks share the reading) and refuses a step that does not match, naming the file; after
+loading, the weights are checked to be finite. Loading works at any TP/PP: dist-checkpointing
+reshards the saved tensors onto the model it is given. Only the model is needed to load a
+teacher; the student also saves its optimizer state.
 
 Pruning (``keep_last``) only removes steps written by the same run (``run_id``, kept across
 resumes), never another run's.
@@ -38,13 +44,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.checkpoint import interop
 from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
+from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.errors import UserError
 
 _LATEST = "latest"
 _META = "megatron_gndpo.json"
 MODEL_CONFIG_FILE = "model_config.yaml"
-BRIDGE_RUN_CONFIG = "run_config.yaml"  # Megatron-Bridge's, in each step directory
+# Root files pointing at the newest step, for us and for the other tools; moved with `latest`.
+TRACKERS = (_LATEST, interop.MEGATRON_LM_TRACKER, interop.BRIDGE_TRACKER)
 _STEP_NAME = re.compile(r"iter_(\d{7})")
 _READ_CHUNK = 8 << 20  # bytes hashed at a time (hashlib releases the GIL for large updates)
 # Optimizer sharding that reloads at another data-parallel size; "fully_reshardable" failed to
@@ -321,11 +330,14 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
     run_id: str | None = None,
+    model_config: ModelConfig | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) at ``step`` under ``root`` on every rank; atomic.
 
     ``extra`` (JSON-serialisable: data position, RNG seeds, metrics) is stored beside the tensors;
     ``run_id`` names the run, whose own older steps beyond ``keep_last`` are then deleted.
+    ``model_config`` (a text model's) also writes what Megatron-LM and Megatron-Bridge need to
+    load the weights: their ``args`` and ``run_config.yaml`` (``checkpoint/interop.py``).
     Raises :class:`CheckpointError`, writing nothing, when a weight or optimizer value is not
     finite or ``root`` holds this step from another run. Returns the final step directory.
     """
@@ -341,13 +353,20 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    sharded = {"model": _model_state(model)}
+    sharded: dict[str, Any] = {"model": _model_state(model)}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(
             sharded["model"], metadata=_OPTIMIZER_METADATA
         )
-    dist_checkpointing.save(sharded, str(tmp))
+    tp, pp = _tp_pp(model)
+    text_model = model_config if model_config is not None and model_config.vision is None else None
+    # Megatron-LM's entries of the common state (args, iteration, checkpoint_version)
+    sharded.update(interop.megatron_lm_common(text_model, step=step, tp=tp, pp=pp,
+                                              world_size=_world()))  # fmt: skip
+    dist_checkpointing.save(sharded, str(tmp), content_metadata=_OPTIMIZER_METADATA)
     _barrier()
+    if _rank() == 0:  # before the checksums: they cover these too
+        interop.write_bridge_step_files(tmp, step, text_model, tp=tp, pp=pp)
     files = _manifest(tmp)
     if _rank() == 0:
         meta = {
@@ -366,10 +385,28 @@ def save_checkpoint(
 
 
 def write_latest(root: str | Path, step: int) -> None:
-    """Point ``latest`` at ``step`` atomically (rank 0 only)."""
-    tmp = Path(root) / (_LATEST + ".tmp")
-    tmp.write_text(f"{step}\n")
-    os.replace(tmp, Path(root) / _LATEST)
+    """Point ``latest``, and the trackers of Megatron-LM and Megatron-Bridge, at ``step``
+    (rank 0 only), each replaced atomically; ``latest`` last, so that what we resume from is
+    never ahead of the others."""
+    root = Path(root)
+    _replace_file(root / interop.MEGATRON_LM_TRACKER, f"{step}".encode())
+    _replace_file(root / interop.BRIDGE_TRACKER, interop.bridge_train_state_bytes(step))
+    _replace_file(root / _LATEST, f"{step}\n".encode())
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically: a reader sees the old file or the new one, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _tp_pp(model: Any) -> tuple[int, int]:
+    """The tensor- and pipeline-parallel sizes ``model`` was built at (1, 1 when not megatron)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    pp = getattr(config, "pipeline_model_parallel_size", 1)
+    return (tp, pp) if isinstance(tp, int) and isinstance(pp, int) else (1, 1)
 
 
 def _prune(root: Path, keep_last: int, run_id: str | None) -> None:
@@ -551,7 +588,7 @@ def saved_vocab_size(directory: str | Path) -> int | None:
     directory = Path(directory)
     for path, section in (
         (directory.parent / MODEL_CONFIG_FILE, None),
-        (directory / BRIDGE_RUN_CONFIG, "model"),
+        (directory / interop.BRIDGE_RUN_CONFIG, "model"),
     ):
         if not path.is_file():
             continue
