@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,15 @@ def test_latest_and_resolve_errors_name_the_fix(tmp_path: Path) -> None:
     assert latest_step(tmp_path) == 7
     assert resolve(tmp_path) == done
     assert resolve(done) == done
+    # Megatron-LM's tracker, when there is no `latest`, must name a complete dist checkpoint
+    other = tmp_path / "mlm"
+    other.mkdir()
+    (other / "latest_checkpointed_iteration.txt").write_text("5")
+    with pytest.raises(CheckpointError, match=r"tracker names step 5 but .*iter_0000005 is not a"):
+        resolve(other)
+    step_dir(other, 5).mkdir()
+    (step_dir(other, 5) / "metadata.json").write_text("{}")
+    assert resolve(other) == step_dir(other, 5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,7 +578,21 @@ def _save_for_other_tools(rank: int, world: int, root: str) -> dict[str, object]
     common = dist_checkpointing.load_common_state_dict(step)
     fresh = build_gpt(MODEL, ParallelConfig(), groups)
     meta = load_checkpoint(root, fresh)  # ours still loads it, every new file checksummed
+    # The same step as the other tools leave it (no megatron_gndpo.json, no `latest`): found
+    # through Megatron-LM's or Megatron-Bridge's tracker, loaded as initial weights.
+    foreign = {}
+    for tool, tracker in (("mlm", "latest_checkpointed_iteration.txt"),
+                          ("bridge", "latest_train_state.pt")):  # fmt: skip
+        shutil.copytree(step, f"{root}_{tool}/iter_0000003")
+        Path(f"{root}_{tool}/iter_0000003/megatron_gndpo.json").unlink()
+        shutil.copy(Path(root) / tracker, f"{root}_{tool}/{tracker}")
+        other = build_gpt(MODEL, ParallelConfig(), groups)
+        loaded = load_checkpoint(f"{root}_{tool}", other)
+        foreign[tool] = (loaded["step"], loaded["verified"], all(
+            torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters(), strict=True)
+        ))  # fmt: skip
     return {
+        "foreign": foreign,
         "is_dist": dist_checkpointing.check_is_distributed_checkpoint(step),
         "args": vars(common["args"]), "version": common["checkpoint_version"],
         "iteration": common["iteration"], "verified": meta["verified"],
@@ -613,6 +637,7 @@ def test_a_save_carries_what_megatron_lm_and_bridge_read(tmp_path: Path) -> None
     assert checkpoint["save_optim"] is checkpoint["save_rng"] is False
     assert checkpoint["fully_parallel_save"] is False
     assert out["verified"] and out["same"]
+    assert out["foreign"] == {"mlm": (3, False, True), "bridge": (3, False, True)}
     files = json.loads((step / "megatron_gndpo.json").read_text())["files"]
     assert {"run_config.yaml", "train_state.pt"} <= set(files)
     assert not list(root.glob("*.tmp"))

@@ -52,6 +52,7 @@ from megatron_gndpo.errors import UserError
 _LATEST = "latest"
 _META = "megatron_gndpo.json"
 MODEL_CONFIG_FILE = "model_config.yaml"
+_DIST_MARKER = "metadata.json"  # in every megatron-core dist checkpoint, whoever wrote it
 # Root files pointing at the newest step, for us and for the other tools; moved with `latest`.
 TRACKERS = (_LATEST, interop.MEGATRON_LM_TRACKER, interop.BRIDGE_TRACKER)
 _STEP_NAME = re.compile(r"iter_(\d{7})")
@@ -462,17 +463,56 @@ def _restore_torch_adam_step(optimizer: Any, loaded: Any) -> None:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint root (use its latest step) or a step directory -> the step directory."""
+    """A checkpoint root (use its latest step) or a step directory -> the step directory.
+
+    Also a root or step written by Megatron-LM or Megatron-Bridge: a megatron-core dist
+    checkpoint found through their trackers (``latest_checkpointed_iteration.txt``,
+    ``latest_train_state.pt``) when there is no ``latest``."""
     path = Path(path)
     if (path / _META).is_file():
         return path
+    if (path / _DIST_MARKER).is_file() and not path.name.endswith(".tmp"):  # not ours mid-save
+        return path
     step = latest_step(path)
     if step is None:
+        step = _foreign_latest(path)
+    if step is None:
         raise CheckpointError(
-            f"no checkpoint at {path}: expected a directory with a '{_LATEST}' file or an "
-            f"iter_* step directory containing {_META}"
+            f"no checkpoint at {path}: expected a directory with a '{_LATEST}' file (or "
+            f"Megatron-LM's {interop.MEGATRON_LM_TRACKER}, Megatron-Bridge's "
+            f"{interop.BRIDGE_TRACKER}) or an iter_* step directory"
         )
-    return step_dir(path, step)
+    directory = step_dir(path, step)
+    if not (directory / _META).is_file() and not (directory / _DIST_MARKER).is_file():
+        raise CheckpointError(
+            f"{path}'s tracker names step {step} but {directory} is not a complete checkpoint "
+            f"(no {_META} or {_DIST_MARKER}); point --load/teacher.load at a step directory"
+        )
+    return directory
+
+
+def _foreign_latest(root: Path) -> int | None:
+    """The step Megatron-LM's or Megatron-Bridge's tracker at ``root`` names (None: neither)."""
+    tracker = root / interop.MEGATRON_LM_TRACKER
+    if tracker.is_file() and tracker.read_text().strip().isdigit():
+        return int(tracker.read_text().strip())
+    tracker = root / interop.BRIDGE_TRACKER
+    if tracker.is_file():
+        try:
+            return int(torch.load(tracker, map_location="cpu", weights_only=True)["step"])
+        except Exception as err:  # a pickle, key or type error: not a train state
+            raise CheckpointError(
+                f"{tracker} is not a Megatron-Bridge train state ({err})"
+            ) from err
+    return None
+
+
+def _foreign_meta(directory: Path) -> dict[str, Any]:
+    """What :func:`load_checkpoint` returns for a step another tool wrote (no checksums, no
+    optimizer state in our layout, no run state)."""
+    match = _STEP_NAME.fullmatch(directory.name)
+    step = int(match.group(1)) if match else 0
+    return {"step": step, "run_id": None, "has_optimizer": False, "extra": {}, "foreign": True}
 
 
 def load_checkpoint(
@@ -500,13 +540,14 @@ def load_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     directory = resolve(path)
-    meta = read_meta(directory)
+    ours = (directory / _META).is_file()
+    meta = read_meta(directory) if ours else _foreign_meta(directory)
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(
             f"{directory} holds no optimizer state (a model-only checkpoint, e.g. converted from "
             "Hugging Face); load it as initial weights, not as a resume point"
         )
-    meta["verified"] = verify_step(directory) if verify else False
+    meta["verified"] = verify_step(directory) if verify and ours else False
     sharded = {"model": _model_state(model)}
     _check_vocab_rows(directory, sharded["model"], vocab_size)
     if optimizer is not None:
