@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,95 @@ def test_save_kill_load_restores_model_and_optimizer_and_reshards(tmp_path: Path
     torch.testing.assert_close(tp1["logits"], first[0]["logits"], rtol=1e-5, atol=1e-5)
 
 
+def _tiny_logprobs(net) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Log-probs over the tiny example's 128 real tokens, ``[b, s, 128]``."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = net(tokens, torch.arange(16).expand(2, -1), None)
+    return logits[..., :128].double().log_softmax(-1)
+
+
+def _other_padding(rank: int, world: int, root: str) -> dict[str, object]:
+    """The tiny example (128 tokens) saved with its embedding padded to 256 rows, loaded as
+    init and teacher by a run padding to 128 (rows dropped) and back (rows added)."""
+    from megatron_gndpo.checkpoint.convert import describe_checkpoints
+    from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
+    from megatron_gndpo.models.gpt import build_gpt
+    from tests.trainers import reset_megatron, tiny_trainer
+
+    def save(name: str, net, model) -> None:  # type: ignore[no-untyped-def]
+        save_checkpoint(f"{root}/{name}", 0, net)
+        describe_checkpoints(f"{root}/{name}", model)  # as training and conversion write it
+
+    def rows(trainer) -> list[int]:  # type: ignore[no-untyped-def]
+        nets = (trainer.c.student, trainer.c.teacher.model)
+        return [net.output_layer.weight.shape[0] for net in nets]
+
+    out: dict[str, object] = {}
+    wide = [f"{m}.make_vocab_size_divisible_by=256" for m in ("model", "teacher.model")]
+    first = tiny_trainer(f"{root}/run_wide", *wide)
+    save("init", first.c.student, first.cfg.model)
+    save("teacher", first.c.teacher.model, first.cfg.teacher.model)
+    save_checkpoint(f"{root}/bare", 0, first.c.teacher.model)  # nothing beside it
+    out["wide"] = [_tiny_logprobs(first.c.student), _tiny_logprobs(first.c.teacher.model)]
+    out["wide_rows"] = rows(first)
+    first.c.logger.close()
+    reset_megatron()
+
+    # Padding rows 128..255 hold random init (not zeros); model_config.yaml says they are padding.
+    load = [f"checkpoint.init={root}/init", f"teacher.load={root}/teacher"]
+    second = tiny_trainer(f"{root}/run_narrow", *load)
+    out["narrow"] = [_tiny_logprobs(second.c.student), _tiny_logprobs(second.c.teacher.model)]
+    out["narrow_rows"] = rows(second)
+    try:
+        load_checkpoint(f"{root}/bare", second.c.teacher.model, vocab_size=128)
+    except CheckpointError as err:
+        out["bare"] = str(err)
+    save("narrow_init", second.c.student, second.cfg.model)
+    narrow_model = second.cfg.model
+    save("narrow_teacher", second.c.teacher.model, second.cfg.teacher.model)
+    second.c.logger.close()
+    reset_megatron()
+
+    back = [f"checkpoint.init={root}/narrow_init", f"teacher.load={root}/narrow_teacher"]
+    third = tiny_trainer(f"{root}/run_back", *wide, *back)
+    out["back"] = [_tiny_logprobs(third.c.student), _tiny_logprobs(third.c.teacher.model)]
+    out["back_padding"] = float(third.c.student.output_layer.weight[128:].detach().abs().max())
+    try:
+        load_checkpoint(f"{root}/narrow_init", third.c.student, vocab_size=200)
+    except CheckpointError as err:
+        out["too_few"] = str(err)
+    # Zero padding rows (as converters write them) are dropped with nothing beside them.
+    save_checkpoint(f"{root}/zero_padded", 0, third.c.student)
+    narrow = build_gpt(narrow_model, ParallelConfig(), third.c.student_groups)
+    load_checkpoint(f"{root}/zero_padded", narrow, vocab_size=128)
+    out["zero_padded"] = _tiny_logprobs(narrow)
+    third.c.logger.close()
+    reset_megatron()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_a_checkpoint_with_another_vocab_padding_loads_as_init_and_teacher(
+    tmp_path: Path,
+) -> None:
+    out = run_distributed(_other_padding, 1, args=(str(tmp_path),), timeout_s=300)[0]
+    assert out["wide_rows"] == [256, 256] and out["narrow_rows"] == [128, 128]
+    for name in ("narrow", "back"):
+        for original, loaded in zip(out["wide"], out[name], strict=True):  # student, teacher
+            torch.testing.assert_close(loaded, original, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["zero_padded"], out["wide"][0], rtol=0, atol=1e-6)
+    assert out["back_padding"] == 0.0  # rows the checkpoint lacks load as zeros
+    bare = out.get("bare", "")
+    assert re.search(r"embedding\.word_embeddings\.weight in .*bare/iter_0000000 has 256 rows",
+                     bare), bare  # fmt: skip
+    assert "rows 128..255 (128 of those it would drop) are not zero" in bare
+    assert f"write its model config to {tmp_path / 'bare' / 'model_config.yaml'}" in bare
+    too_few = out.get("too_few", "")
+    assert "has 128 rows, fewer than the model's vocab_size (200)" in too_few, too_few
+
+
 def test_latest_and_resolve_errors_name_the_fix(tmp_path: Path) -> None:
     assert latest_step(tmp_path) is None
     with pytest.raises(CheckpointError, match="no checkpoint"):
@@ -166,6 +256,15 @@ def test_latest_and_resolve_errors_name_the_fix(tmp_path: Path) -> None:
     assert latest_step(tmp_path) == 7
     assert resolve(tmp_path) == done
     assert resolve(done) == done
+    # Megatron-LM's tracker, when there is no `latest`, must name a complete dist checkpoint
+    other = tmp_path / "mlm"
+    other.mkdir()
+    (other / "latest_checkpointed_iteration.txt").write_text("5")
+    with pytest.raises(CheckpointError, match=r"tracker names step 5 but .*iter_0000005 is not a"):
+        resolve(other)
+    step_dir(other, 5).mkdir()
+    (step_dir(other, 5) / "metadata.json").write_text("{}")
+    assert resolve(other) == step_dir(other, 5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,11 +488,156 @@ def test_set_aside_moves_what_the_run_does_not_continue(tmp_path: Path) -> None:
         "metrics.jsonl",
     ]
     assert (save / "latest").read_text().strip() == "1" and metrics.exists()
+    # the trackers of Megatron-LM and Megatron-Bridge follow `latest`
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert torch.load(save / "latest_train_state.pt", weights_only=True)["step"].item() == 1
     # a fresh start moves everything, metrics included
     fresh = StartPlan(save, (), explicit=False, start_fresh=True)
     aside = set_aside(fresh, Resumed(0, "run-b", None), metrics)
     assert aside is not None
-    assert sorted(p.name for p in aside.iterdir()) == ["iter_0000001", "latest", "metrics.jsonl"]
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "iter_0000001", "latest", "latest_checkpointed_iteration.txt", "latest_train_state.pt",
+        "metrics.jsonl",
+    ]  # fmt: skip
     assert sorted(p.name for p in save.iterdir()) == sorted(p.name for p in save.glob("previous-*"))
     assert not metrics.exists()
     assert set_aside(fresh, Resumed(0, "run-c", None), metrics) is None  # nothing left to move
+
+
+def test_vocab_rows_problem_names_rows_and_the_fix() -> None:
+    from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
+
+    key = "output_layer.weight"
+    saved = {key: ((256, 8), torch.float32)}
+
+    def problem(shape: tuple[int, ...], **kw) -> str:  # type: ignore[no-untyped-def]
+        args = {"vocab_size": 100, "saved_vocab": None, "read": _no_read,
+                "config_path": Path("ck/model_config.yaml")} | kw  # fmt: skip
+        return vocab_rows_problem(Path("ck/iter_0000001"), {key: shape}, saved, **args)
+
+    assert problem((256, 8)) == ""  # same rows: nothing read
+    assert problem((128, 16)) == ""  # another width: the other tensors' shape check refuses it
+    assert "fewer than the model's vocab_size (300): rows 256..299 would load" in problem(
+        (384, 8), vocab_size=300
+    )
+    assert problem((128, 8), saved_vocab=120) == ""  # rows 128..255 are padding of 120 tokens
+    assert "tokens 128..199 would be dropped. Set vocab_size to 200" in problem(
+        (128, 8), saved_vocab=200
+    )
+    tail = torch.zeros(256, 8)
+    assert problem((128, 8), read=lambda _: tail) == ""  # zero rows are padding
+    tail[130, 3] = tail[140, 0] = 1.0
+    assert "rows 130..140 (2 of those it would drop) are not zero" in problem(
+        (128, 8), read=lambda _: tail
+    )
+
+
+def _no_read(key: str) -> torch.Tensor:
+    raise AssertionError(f"{key} was read")
+
+
+# ---------------------------------------------------------------------------------------------
+# What Megatron-LM and Megatron-Bridge read beside the tensors (checkpoint/interop.py)
+
+# args fields Megatron-LM reads: load_args_from_checkpoint (model args), check_checkpoint_args,
+# load_checkpoint (layout, what the checkpoint holds); megatron/training/checkpointing.py
+_MEGATRON_LM_ARGS = {
+    "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
+    "num_query_groups": 2, "group_query_attention": True, "kv_channels": 8,
+    "max_position_embeddings": 32, "position_embedding_type": "rope",
+    "add_position_embedding": False, "use_rotary_position_embeddings": True, "swiglu": True,
+    "normalization": "RMSNorm", "add_bias_linear": False, "add_qkv_bias": False,
+    "untie_embeddings_and_output_weights": True, "make_vocab_size_divisible_by": 64,
+    "padded_vocab_size": 128, "params_dtype": torch.float32, "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1, "world_size": 1, "data_parallel_size": 1,
+    "no_save_optim": True, "no_save_rng": True, "consumed_train_samples": 0,
+}  # fmt: skip
+# TrainState.state_dict() of megatron/bridge/training/state.py: name -> dtype
+_BRIDGE_TRAIN_STATE = {
+    "step": torch.int64, "consumed_train_samples": torch.int64,
+    "skipped_train_samples": torch.int64, "consumed_valid_samples": torch.int64,
+    "floating_point_operations_so_far": torch.float64, "do_train": torch.bool,
+    "do_valid": torch.bool, "do_test": torch.bool,
+}  # fmt: skip
+
+
+def _save_for_other_tools(rank: int, world: int, root: str) -> dict[str, object]:
+    from megatron.core import dist_checkpointing
+
+    from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    groups = build_student_groups(ParallelLayout(world), seed=1)
+    model = build_gpt(MODEL, ParallelConfig(), groups)
+    save_checkpoint(root, 3, model, model_config=MODEL)
+    step = str(step_dir(root, 3))
+    common = dist_checkpointing.load_common_state_dict(step)
+    fresh = build_gpt(MODEL, ParallelConfig(), groups)
+    meta = load_checkpoint(root, fresh)  # ours still loads it, every new file checksummed
+    # The same step as the other tools leave it (no megatron_gndpo.json, no `latest`): found
+    # through Megatron-LM's or Megatron-Bridge's tracker, loaded as initial weights.
+    foreign = {}
+    for tool, tracker in (("mlm", "latest_checkpointed_iteration.txt"),
+                          ("bridge", "latest_train_state.pt")):  # fmt: skip
+        shutil.copytree(step, f"{root}_{tool}/iter_0000003")
+        Path(f"{root}_{tool}/iter_0000003/megatron_gndpo.json").unlink()
+        shutil.copy(Path(root) / tracker, f"{root}_{tool}/{tracker}")
+        other = build_gpt(MODEL, ParallelConfig(), groups)
+        loaded = load_checkpoint(f"{root}_{tool}", other)
+        foreign[tool] = (loaded["step"], loaded["verified"], all(
+            torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters(), strict=True)
+        ))  # fmt: skip
+    return {
+        "foreign": foreign,
+        "is_dist": dist_checkpointing.check_is_distributed_checkpoint(step),
+        "args": vars(common["args"]), "version": common["checkpoint_version"],
+        "iteration": common["iteration"], "verified": meta["verified"],
+        "content": dist_checkpointing.load_content_metadata(preloaded_state_dict=common),
+        "same": all(torch.equal(p, q) for p, q in
+                    zip(model.parameters(), fresh.parameters(), strict=True)),
+    }  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_a_save_carries_what_megatron_lm_and_bridge_read(tmp_path: Path) -> None:
+    import yaml
+
+    root = tmp_path / "ckpt"
+    out = run_distributed(_save_for_other_tools, 1, args=(str(root),), timeout_s=300)[0]
+    step = step_dir(root, 3)
+    # Megatron-LM: the tracker (read_metadata: int of the stripped text), a torch_dist step,
+    # and args / checkpoint_version / iteration / content metadata in its common state.
+    assert int((root / "latest_checkpointed_iteration.txt").read_text().strip()) == 3
+    assert out["is_dist"] and out["version"] == 3.0 and out["iteration"] == 3
+    args = out["args"]
+    assert isinstance(args, dict)
+    assert {k: args.get(k) for k in _MEGATRON_LM_ARGS} == _MEGATRON_LM_ARGS
+    assert out["content"] == {"distrib_optim_sharding_type": "dp_reshardable"}
+    # Megatron-Bridge: train_state.pt in the step and latest_train_state.pt at the root, loaded
+    # as read_train_state does (weights_only); run_config.yaml's model and checkpoint sections.
+    for path in (root / "latest_train_state.pt", step / "train_state.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        assert {k: v.dtype for k, v in state.items()} == _BRIDGE_TRAIN_STATE, path
+        assert state["step"].item() == 3
+    run_config = yaml.safe_load((step / "run_config.yaml").read_text())
+    provider = run_config["model"]
+    assert provider["_target_"] == "megatron.bridge.models.gpt_provider.GPTModelProvider"
+    assert provider["tensor_model_parallel_size"] == provider["pipeline_model_parallel_size"] == 1
+    assert provider["vocab_size"] == VOCAB and provider["should_pad_vocab"] is False
+    assert provider["params_dtype"] == {"_target_": "torch.float32", "_call_": False}
+    assert provider["activation_func"] == {"_target_": "torch.nn.functional.silu", "_call_": False}
+    assert provider["num_query_groups"] == 2 and provider["kv_channels"] == 8
+    assert provider["share_embeddings_and_output_weights"] is False
+    checkpoint = run_config["checkpoint"]
+    assert checkpoint["save_optim"] is checkpoint["save_rng"] is False
+    assert checkpoint["fully_parallel_save"] is False
+    assert out["verified"] and out["same"]
+    assert out["foreign"] == {"mlm": (3, False, True), "bridge": (3, False, True)}
+    files = json.loads((step / "megatron_gndpo.json").read_text())["files"]
+    assert {"run_config.yaml", "train_state.pt"} <= set(files)
+    assert not list(root.glob("*.tmp"))

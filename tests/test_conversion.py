@@ -352,3 +352,46 @@ def test_dataclass_fields_survive_yaml(tmp_path: Path) -> None:
     model = dataclasses.replace(ModelConfig(), kv_channels=24, rotary_scaling_factor=8.0)
     (tmp_path / MODEL_CONFIG_FILE).write_text(to_yaml(model))
     assert read_model_config(tmp_path) == model
+
+
+def _save_fp32_and_export(rank: int, world_size: int, root: str) -> None:
+    from megatron_gndpo.checkpoint import convert_cli
+    from megatron_gndpo.checkpoint.convert import describe_checkpoints
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from tests.tiny import tiny_model
+
+    model = tiny_model(vocab_size=VOCAB)  # fp32
+    groups = build_student_groups(ParallelLayout(world_size), seed=7)
+    save_checkpoint(Path(root) / "ckpt", 3, build_gpt(model, ParallelConfig(), groups))
+    describe_checkpoints(Path(root) / "ckpt", model)
+    # A model config claiming bf16 does not make the export bf16: the saved tensors are fp32.
+    claims_bf16 = dataclasses.replace(model, params_dtype="bf16")
+    convert_mcore_to_hf(Path(root) / "ckpt", Path(root) / "api", model=claims_bf16, family="llama")
+    convert_mcore_to_hf(Path(root) / "ckpt", Path(root) / "bf16", family="llama", dtype="bf16")
+    # Last: the CLI ends the job's process groups.
+    convert_cli.mcore_to_hf_main(
+        ["--mcore-dir", str(Path(root) / "ckpt"), "--out", str(Path(root) / "cli"),
+         "--family", "llama"]
+    )  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_export_defaults_to_the_saved_dtype(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    run_distributed(_save_fp32_and_export, 1, args=(str(tmp_path),), timeout_s=300)
+    for name, expected in (
+        ("cli", torch.float32),
+        ("api", torch.float32),
+        ("bf16", torch.bfloat16),
+    ):
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["torch_dtype"] == str(expected).removeprefix("torch."), name
+        dtypes = {t.dtype for t in load_file(str(tmp_path / name / "model.safetensors")).values()}
+        assert dtypes == {expected}, name

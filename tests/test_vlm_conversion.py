@@ -221,11 +221,9 @@ def _convert_score_export(rank: int, world_size: int, root: str, rows: Any) -> d
         out[name] = _score(net, layout_groups, rows)
     # Export in the same job (saves a launch) through the CLI, which finds vision_config.yaml
     # beside the checkpoint: every rank loads a TP=1 VLM, rank 0 writes. It ends the job's
-    # process groups, so it comes last.
+    # process groups, so it comes last. No --dtype: the export keeps the saved fp32.
     export = Path(root) / "export"
-    convert_cli.mcore_to_hf_main(
-        ["--mcore-dir", str(ckpt), "--out", str(export), "--dtype", "fp32"]
-    )
+    convert_cli.mcore_to_hf_main(["--mcore-dir", str(ckpt), "--out", str(export)])
     return out
 
 

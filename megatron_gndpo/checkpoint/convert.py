@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,7 +28,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import hf_mapping
-from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
+from megatron_gndpo.checkpoint.dist import (
+    MODEL_CONFIG_FILE,
+    load_checkpoint,
+    resolve,
+    save_checkpoint,
+    saved_tensors,
+)
 from megatron_gndpo.config.loader import to_yaml
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
@@ -35,12 +42,13 @@ from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
 from megatron_gndpo.parallel.groups import ParallelGroups
 
-MODEL_CONFIG_FILE = "model_config.yaml"
 VISION_CONFIG_FILE = "vision_config.yaml"  # a VLM's, beside its model_config.yaml
 HF_CONFIG_FILE = "hf_config.json"
 _SAFETENSORS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_DTYPES: dict[Dtype, torch.dtype] = {
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+}  # fmt: skip
 # Largest output file before the safetensors are split (transformers' default is 5 GB too).
 _MAX_SHARD_BYTES = 5 * 1024**3
 # Token ids carried from the source config.json into the exported one.
@@ -203,7 +211,7 @@ def convert_hf_to_mcore(
     if _rank() == 0:
         out_root.mkdir(parents=True, exist_ok=True)
     _barrier()
-    save_checkpoint(out_root, 0, net)
+    save_checkpoint(out_root, 0, net, model_config=model)
     if _rank() == 0:
         describe_checkpoints(out_root, model)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
@@ -235,6 +243,24 @@ def _source_hf_config(base: Path, tokenizer_dir: Path | None) -> dict[str, Any] 
             data = json.loads(candidate.read_text())
             return data if isinstance(data, dict) else None
     return None
+
+
+def source_dtype(step: Path, model: ModelConfig) -> Dtype:
+    """The dtype a checkpoint's weights were saved in: that of most of its model tensors (the
+    optimizer's fp32 master weights aside), else ``model.params_dtype``."""
+    elements: dict[torch.dtype, int] = {}
+    for key, (shape, dtype) in saved_tensors(step).items():
+        if not key.startswith("optimizer") and dtype.is_floating_point:
+            elements[dtype] = elements.get(dtype, 0) + math.prod(shape)
+    if not elements:
+        return model.params_dtype
+    most = max(elements, key=elements.__getitem__)
+    return next((name for name, d in _TORCH_DTYPES.items() if d == most), model.params_dtype)
+
+
+def _check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in _TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
 
 
 def _export_groups() -> tuple[ParallelGroups, bool]:
@@ -303,7 +329,7 @@ def convert_mcore_to_hf(
     *,
     model: ModelConfig | None = None,
     family: str | None = None,
-    dtype: Dtype = "bf16",
+    dtype: Dtype | None = None,
     tokenizer_dir: str | Path | None = None,
     max_shard_bytes: int = _MAX_SHARD_BYTES,
 ) -> Path:
@@ -312,17 +338,20 @@ def convert_mcore_to_hf(
     Meant for one process (a larger world loads the full model on every rank; rank 0 writes).
     ``model`` defaults to the checkpoint's ``model_config.yaml`` and ``family`` to the source
     ``config.json``'s model_type (both written by :func:`convert_hf_to_mcore`); tokenizer files
-    come from ``tokenizer_dir`` or, by default, from beside the checkpoint. A missing or corrupt
-    checkpoint is a ``CheckpointError``. Returns ``out_dir``.
+    come from ``tokenizer_dir`` or, by default, from beside the checkpoint. ``dtype`` defaults
+    to the one the weights were saved in (:func:`source_dtype`). A missing or corrupt checkpoint
+    is a ``CheckpointError``. Returns ``out_dir``.
     """
     from megatron_gndpo.models.gpt import build_gpt
 
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
+    _check_dtype(dtype)
     step = resolve(mcore_root)  # a CheckpointError before anything is built
     # The checkpoint root (beside which conversion wrote its config and tokenizer files).
     base = Path(mcore_root) if step != Path(mcore_root) else step.parent
     model = model if model is not None else read_model_config(base)
+    # Built in the saved dtype, so the load is exact and only the export casts.
+    model = dataclasses.replace(model, params_dtype=source_dtype(step, model))
+    dtype = dtype or model.params_dtype
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     source = _source_hf_config(base, tok_dir)
     if family is None:  # the source's config.json, else the model config's own family

@@ -9,8 +9,9 @@
 hf-to-mcore: every rank builds and fills its own shard; the checkpoint loads at any TP/PP.
 mcore-to-hf: one process; the architecture comes from the checkpoint's model_config.yaml
 (written by hf-to-mcore and by training) unless --model-config names a YAML file holding a
-ModelConfig or a whole run config (its ``model`` section is used). With ``--fp8-out`` the BF16
-export is then quantized to FP8 by ModelOpt (``checkpoint/export_fp8.py``).
+ModelConfig or a whole run config (its ``model`` section is used). The weights keep the dtype
+they were saved in unless ``--dtype`` casts them. With ``--fp8-out`` the export is then
+quantized to FP8 by ModelOpt (``checkpoint/export_fp8.py``).
 
 Vision-language models (``checkpoint/vlm_convert.py``) take the same commands: hf-to-mcore
 converts an InternVL directory (``model_type: internvl``, transformers' native format) to a VLM
@@ -87,7 +88,11 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
         help="HF model family, of the language model for a VLM (default: the source model's, "
         "if conversion saved it)",
     )
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+        help="dtype of the exported weights (default: the one the checkpoint's weights were "
+        "saved in)",
+    )  # fmt: skip
     parser.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here")
     parser.add_argument("--model-config", default=None, help="YAML file with the ModelConfig")
     parser.add_argument(

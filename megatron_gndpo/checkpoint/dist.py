@@ -7,17 +7,24 @@ Layout of a checkpoint root::
         <dist-checkpointing files>
         megatron_gndpo.json      step, run id, extra state (data position, ...), and the size and
                                  SHA-256 of every other file of the step
+        train_state.pt           Megatron-Bridge's train state; with the architecture known,
+        run_config.yaml          also its run config (and Megatron-LM's ``args`` in the common
+                                 state): see checkpoint/interop.py
       latest                     text: the newest complete step ("100")
+      latest_checkpointed_iteration.txt   the same, for Megatron-LM
+      latest_train_state.pt      the same, for Megatron-Bridge
+      model_config.yaml          the architecture (written by training and conversion)
 
 A step is written into ``iter_XXXXXXX.tmp`` and renamed by rank 0 only after every rank has
 finished and the checksums are written, then ``latest`` is replaced atomically: a run killed
 mid-save leaves the previous checkpoint as ``latest``, and the half-written ``.tmp`` directory is
-ignored (and removed by the next save). Nothing is saved when the student's weights or optimizer
-state hold a NaN or an infinity. A load first checks every file against its checksum (the ranks
-share the reading) and refuses a step that does not match, naming the file; after loading, the
-weights are checked to be finite. Loading works at any TP/PP: dist-checkpointing reshards the
-saved tensors onto the model it is given. Only the model is needed to load a teacher; the student
-also saves its optimizer state.
+ignored (and removed by the next save); the trackers of the other tools are replaced the same
+way, with ``latest`` (:func:`write_latest`). Nothing is saved when the student's weights or
+optimizer state hold a NaN or an infinity. A load first checks every file against its checksum
+(the ranks share the reading) and refuses a step that does not match, naming the file; after
+loading, the weights are checked to be finite. Loading works at any TP/PP: dist-checkpointing
+reshards the saved tensors onto the model it is given. Only the model is needed to load a
+teacher; the student also saves its optimizer state.
 
 Pruning (``keep_last``) only removes steps written by the same run (``run_id``, kept across
 resumes), never another run's.
@@ -37,10 +44,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.checkpoint import interop
+from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
+from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.errors import UserError
 
 _LATEST = "latest"
 _META = "megatron_gndpo.json"
+MODEL_CONFIG_FILE = "model_config.yaml"
+_DIST_MARKER = "metadata.json"  # in every megatron-core dist checkpoint, whoever wrote it
+# Root files pointing at the newest step, for us and for the other tools; moved with `latest`.
+TRACKERS = (_LATEST, interop.MEGATRON_LM_TRACKER, interop.BRIDGE_TRACKER)
 _STEP_NAME = re.compile(r"iter_(\d{7})")
 _READ_CHUNK = 8 << 20  # bytes hashed at a time (hashlib releases the GIL for large updates)
 # Optimizer sharding that reloads at another data-parallel size; "fully_reshardable" failed to
@@ -123,6 +137,18 @@ def run_of(directory: str | Path) -> str | None:
     except CorruptCheckpointError:
         return None
     return run_id if isinstance(run_id, str) else None
+
+
+def saved_tensors(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (global shape, dtype)}`` of every tensor saved in a step directory, read from its
+    dist-checkpointing metadata alone (no tensor data; any process, no collective)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(directory))
+    except Exception as err:  # megatron raises its own CheckpointingException and OSErrors
+        raise CheckpointError(f"cannot read the tensor metadata of {directory}: {err}") from err
+    return {key: (tuple(t.global_shape), t.dtype) for key, t in meta.items()}
 
 
 def _rank() -> int:
@@ -305,11 +331,14 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
     run_id: str | None = None,
+    model_config: ModelConfig | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) at ``step`` under ``root`` on every rank; atomic.
 
     ``extra`` (JSON-serialisable: data position, RNG seeds, metrics) is stored beside the tensors;
     ``run_id`` names the run, whose own older steps beyond ``keep_last`` are then deleted.
+    ``model_config`` (a text model's) also writes what Megatron-LM and Megatron-Bridge need to
+    load the weights: their ``args`` and ``run_config.yaml`` (``checkpoint/interop.py``).
     Raises :class:`CheckpointError`, writing nothing, when a weight or optimizer value is not
     finite or ``root`` holds this step from another run. Returns the final step directory.
     """
@@ -325,13 +354,20 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    sharded = {"model": _model_state(model)}
+    sharded: dict[str, Any] = {"model": _model_state(model)}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(
             sharded["model"], metadata=_OPTIMIZER_METADATA
         )
-    dist_checkpointing.save(sharded, str(tmp))
+    tp, pp = _tp_pp(model)
+    text_model = model_config if model_config is not None and model_config.vision is None else None
+    # Megatron-LM's entries of the common state (args, iteration, checkpoint_version)
+    sharded.update(interop.megatron_lm_common(text_model, step=step, tp=tp, pp=pp,
+                                              world_size=_world()))  # fmt: skip
+    dist_checkpointing.save(sharded, str(tmp), content_metadata=_OPTIMIZER_METADATA)
     _barrier()
+    if _rank() == 0:  # before the checksums: they cover these too
+        interop.write_bridge_step_files(tmp, step, text_model, tp=tp, pp=pp)
     files = _manifest(tmp)
     if _rank() == 0:
         meta = {
@@ -350,10 +386,28 @@ def save_checkpoint(
 
 
 def write_latest(root: str | Path, step: int) -> None:
-    """Point ``latest`` at ``step`` atomically (rank 0 only)."""
-    tmp = Path(root) / (_LATEST + ".tmp")
-    tmp.write_text(f"{step}\n")
-    os.replace(tmp, Path(root) / _LATEST)
+    """Point ``latest``, and the trackers of Megatron-LM and Megatron-Bridge, at ``step``
+    (rank 0 only), each replaced atomically; ``latest`` last, so that what we resume from is
+    never ahead of the others."""
+    root = Path(root)
+    _replace_file(root / interop.MEGATRON_LM_TRACKER, f"{step}".encode())
+    _replace_file(root / interop.BRIDGE_TRACKER, interop.bridge_train_state_bytes(step))
+    _replace_file(root / _LATEST, f"{step}\n".encode())
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically: a reader sees the old file or the new one, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _tp_pp(model: Any) -> tuple[int, int]:
+    """The tensor- and pipeline-parallel sizes ``model`` was built at (1, 1 when not megatron)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    pp = getattr(config, "pipeline_model_parallel_size", 1)
+    return (tp, pp) if isinstance(tp, int) and isinstance(pp, int) else (1, 1)
 
 
 def _prune(root: Path, keep_last: int, run_id: str | None) -> None:
@@ -409,24 +463,72 @@ def _restore_torch_adam_step(optimizer: Any, loaded: Any) -> None:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint root (use its latest step) or a step directory -> the step directory."""
+    """A checkpoint root (use its latest step) or a step directory -> the step directory.
+
+    Also a root or step written by Megatron-LM or Megatron-Bridge: a megatron-core dist
+    checkpoint found through their trackers (``latest_checkpointed_iteration.txt``,
+    ``latest_train_state.pt``) when there is no ``latest``."""
     path = Path(path)
     if (path / _META).is_file():
         return path
+    if (path / _DIST_MARKER).is_file() and not path.name.endswith(".tmp"):  # not ours mid-save
+        return path
     step = latest_step(path)
     if step is None:
+        step = _foreign_latest(path)
+    if step is None:
         raise CheckpointError(
-            f"no checkpoint at {path}: expected a directory with a '{_LATEST}' file or an "
-            f"iter_* step directory containing {_META}"
+            f"no checkpoint at {path}: expected a directory with a '{_LATEST}' file (or "
+            f"Megatron-LM's {interop.MEGATRON_LM_TRACKER}, Megatron-Bridge's "
+            f"{interop.BRIDGE_TRACKER}) or an iter_* step directory"
         )
-    return step_dir(path, step)
+    directory = step_dir(path, step)
+    if not (directory / _META).is_file() and not (directory / _DIST_MARKER).is_file():
+        raise CheckpointError(
+            f"{path}'s tracker names step {step} but {directory} is not a complete checkpoint "
+            f"(no {_META} or {_DIST_MARKER}); point --load/teacher.load at a step directory"
+        )
+    return directory
+
+
+def _foreign_latest(root: Path) -> int | None:
+    """The step Megatron-LM's or Megatron-Bridge's tracker at ``root`` names (None: neither)."""
+    tracker = root / interop.MEGATRON_LM_TRACKER
+    if tracker.is_file() and tracker.read_text().strip().isdigit():
+        return int(tracker.read_text().strip())
+    tracker = root / interop.BRIDGE_TRACKER
+    if tracker.is_file():
+        try:
+            return int(torch.load(tracker, map_location="cpu", weights_only=True)["step"])
+        except Exception as err:  # a pickle, key or type error: not a train state
+            raise CheckpointError(
+                f"{tracker} is not a Megatron-Bridge train state ({err})"
+            ) from err
+    return None
+
+
+def _foreign_meta(directory: Path) -> dict[str, Any]:
+    """What :func:`load_checkpoint` returns for a step another tool wrote (no checksums, no
+    optimizer state in our layout, no run state)."""
+    match = _STEP_NAME.fullmatch(directory.name)
+    step = int(match.group(1)) if match else 0
+    return {"step": step, "run_id": None, "has_optimizer": False, "extra": {}, "foreign": True}
 
 
 def load_checkpoint(
-    path: str | Path, model: Any, *, optimizer: Any = None, verify: bool = True
+    path: str | Path,
+    model: Any,
+    *,
+    optimizer: Any = None,
+    verify: bool = True,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """Load ``model`` (and ``optimizer``) from a root or step directory, at any TP/PP.
 
+    A checkpoint with another vocabulary padding (another TP size or padding multiple, or
+    Megatron-Bridge's exact row count) loads: missing rows are zeros, extra rows are dropped
+    after checking that they are not tokens (``checkpoint/vocab_rows.py``; ``vocab_size``, the
+    model's real vocabulary, also refuses a checkpoint with fewer rows than it).
     With ``verify`` every file is first checked against the checksums saved with it. Returns the
     stored metadata (``step``, ``extra``, ``run_id``, and ``verified``: whether checksums were
     checked). A file that does not match, or a loaded weight that is not finite, is a
@@ -438,14 +540,16 @@ def load_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     directory = resolve(path)
-    meta = read_meta(directory)
+    ours = (directory / _META).is_file()
+    meta = read_meta(directory) if ours else _foreign_meta(directory)
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(
             f"{directory} holds no optimizer state (a model-only checkpoint, e.g. converted from "
             "Hugging Face); load it as initial weights, not as a resume point"
         )
-    meta["verified"] = verify_step(directory) if verify else False
+    meta["verified"] = verify_step(directory) if verify and ours else False
     sharded = {"model": _model_state(model)}
+    _check_vocab_rows(directory, sharded["model"], vocab_size)
     if optimizer is not None:
         _init_empty_optimizer_state(optimizer)
         sharded["optimizer"] = optimizer.sharded_state_dict(
@@ -483,6 +587,73 @@ def load_checkpoint(
             f"{directory} holds non-finite values (NaN or inf) in {_shown(bad)}"
         )
     return meta
+
+
+def _check_vocab_rows(
+    directory: Path, sharded_model: dict[str, Any], vocab_size: int | None
+) -> None:
+    """Refuse a load that would lose or invent vocabulary rows (``checkpoint/vocab_rows.py``).
+
+    Collective: the ranks pool the shapes of their row-flexible tensors (the embedding and the
+    output layer live on different pipeline stages); rank 0 reads the checkpoint and decides.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    mine = {
+        t.key: tuple(t.global_shape)
+        for t in nested_values(sharded_model)
+        if isinstance(t, ShardedTensor) and t.allow_shape_mismatch
+    }
+    flexible = {key: shape for part in _gather(mine) for key, shape in part.items()}
+    problem = None
+    if _rank() == 0 and flexible:
+        saved = saved_tensors(directory)
+        problem = vocab_rows_problem(
+            directory, flexible, saved, vocab_size=vocab_size,
+            saved_vocab=saved_vocab_size(directory),
+            read=lambda key: _read_tensor(directory, key, *saved[key]),
+            config_path=directory.parent / MODEL_CONFIG_FILE,
+        )  # fmt: skip
+    problem = _from_rank0(problem)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def saved_vocab_size(directory: str | Path) -> int | None:
+    """The vocabulary size written beside a step directory, or None where nothing tells it: the
+    ``model_config.yaml`` at its root (ours), or Megatron-Bridge's ``run_config.yaml`` (its
+    model section) in the step itself."""
+    import yaml
+
+    directory = Path(directory)
+    for path, section in (
+        (directory.parent / MODEL_CONFIG_FILE, None),
+        (directory / interop.BRIDGE_RUN_CONFIG, "model"),
+    ):
+        if not path.is_file():
+            continue
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # unreadable: as if absent, the zero-row check then decides
+        if section is not None:
+            data = data.get(section) if isinstance(data, dict) else None
+        value = data.get("vocab_size") if isinstance(data, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _read_tensor(
+    directory: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """One whole saved tensor, read by this process alone (no collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    out = torch.empty(shape, dtype=dtype)
+    dcp.load({key: out}, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    return out
 
 
 def _reason(err: BaseException) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gndpo.checkpoint.dist import (
+    TRACKERS,
     CheckpointError,
     CorruptCheckpointError,
     complete_steps,
@@ -216,7 +217,7 @@ def set_aside(plan: StartPlan, resumed: Resumed, metrics: Path) -> Path | None:
     )
     if plan.start_fresh or resumed.directory is None:
         moved = [step_dir(save_dir, s) for s in complete_steps(save_dir)]
-        moved += [save_dir / name for name in (_LATEST, *_DESCRIPTIONS)]
+        moved += [save_dir / name for name in (*TRACKERS, *_DESCRIPTIONS)]
     elif in_save_dir:
         moved = [step_dir(save_dir, s) for s in complete_steps(save_dir) if s > resumed.step]
     else:

@@ -30,11 +30,11 @@ import torch
 
 from megatron_gndpo.checkpoint import vlm_mapping
 from megatron_gndpo.checkpoint.convert import (
-    _TORCH_DTYPES,
     HF_CONFIG_FILE,
     VISION_CONFIG_FILE,
     HFCheckpoint,
     _barrier,
+    _check_dtype,
     _check_layout,
     _rank,
     _source_hf_config,
@@ -42,6 +42,7 @@ from megatron_gndpo.checkpoint.convert import (
     export_checkpoint,
     read_hf_config,
     read_model_config,
+    source_dtype,
 )
 from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
 from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, global_names, shard_for_rank
@@ -194,7 +195,7 @@ def convert_vlm_mcore_to_hf(
     model: ModelConfig | None = None,
     vision: VisionConfig | None = None,
     family: str | None = None,
-    dtype: Dtype = "bf16",
+    dtype: Dtype | None = None,
     tokenizer_dir: str | Path | None = None,
     max_shard_bytes: int = _MAX_SHARD_BYTES,
 ) -> Path:
@@ -204,15 +205,17 @@ def convert_vlm_mcore_to_hf(
     ``model`` and ``vision`` default to the configs written beside the checkpoint, ``family``
     (the language model's: llama, qwen2, qwen3) to the source ``config.json``'s
     ``text_config.model_type``. Token ids come from the source config; tokenizer and processor
-    files from ``tokenizer_dir`` or from beside the checkpoint. Returns ``out_dir``.
+    files from ``tokenizer_dir`` or from beside the checkpoint; ``dtype`` defaults to the one
+    the weights were saved in. Returns ``out_dir``.
     """
     from megatron_gndpo.models.vlm import build_vlm
 
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
+    _check_dtype(dtype)
     step = resolve(mcore_root)  # a CheckpointError before anything is built
     base = Path(mcore_root) if step != Path(mcore_root) else step.parent
     model = model if model is not None else read_model_config(base)
+    model = dataclasses.replace(model, params_dtype=source_dtype(step, model))
+    dtype = dtype or model.params_dtype
     vision = vision if vision is not None else read_vision_config(base)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     source = _source_hf_config(base, tok_dir)

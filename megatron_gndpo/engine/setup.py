@@ -279,13 +279,17 @@ def build_components(cfg: Config) -> Components:
     student = _build_student(cfg, student_groups)
     verify = cfg.checkpoint.verify
     if cfg.checkpoint.init is not None:
-        load_checkpoint(cfg.checkpoint.init, student, verify=verify)
+        load_checkpoint(
+            cfg.checkpoint.init, student, verify=verify, vocab_size=cfg.model.vocab_size
+        )
     ddp = wrap_ddp(student, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optimizer)
     torch.manual_seed(cfg.trainer.seed + 1)
     teacher_model = _build_teacher(cfg, teacher_groups)
     if cfg.teacher.load is not None:
-        load_checkpoint(cfg.teacher.load, teacher_model, verify=verify)
+        load_checkpoint(
+            cfg.teacher.load, teacher_model, verify=verify, vocab_size=cfg.teacher.model.vocab_size
+        )
 
     # A VLM's image placeholder is never sampled: neither model gives it probability mass, so
     # the student trains the distribution it samples from (and the teacher scores that support)
