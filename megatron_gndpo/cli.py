@@ -246,6 +246,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gndpo.parallel.distributed import (
         DEFAULT_TIMEOUT_S,
         Watchdog,
+        barrier,
         init_distributed,
         report_error,
         shutdown_distributed,
@@ -283,17 +284,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         if watchdog is not None:
             watchdog.stop()
-            _barrier()  # no rank exits (maybe taking the store along) before all have stopped
+            barrier()  # no rank exits (maybe taking the store along) before all have stopped
     finally:
         shutdown_distributed()
     return 0
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

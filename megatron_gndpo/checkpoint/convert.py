@@ -40,6 +40,7 @@ from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
+from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 VISION_CONFIG_FILE = "vision_config.yaml"  # a VLM's, beside its model_config.yaml
@@ -128,16 +129,7 @@ class HFCheckpoint:
         self.close()
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
     if model.query_groups % tp or model.num_attention_heads % tp:
         raise ValueError(
@@ -202,21 +194,21 @@ def convert_hf_to_mcore(
 
     hf_config = read_hf_config(hf_dir)
     model = hf_mapping.model_config_from_hf(hf_config)
-    _check_layout(model, parallel)
+    check_layout(model, parallel)
     with HFCheckpoint(hf_dir) as hf:
         hf_mapping.check_hf_names(hf.names, model, where=str(hf_dir))
         net = build_gpt(model, parallel, groups)
         fill_from_hf(net, hf, model, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"])
     out_root = Path(out_root)
-    if _rank() == 0:
+    if rank() == 0:
         out_root.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    barrier()
     save_checkpoint(out_root, 0, net, model_config=model)
-    if _rank() == 0:
+    if rank() == 0:
         describe_checkpoints(out_root, model)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
         copy_tokenizer_files(hf_dir, out_root)
-    _barrier()
+    barrier()
     return model
 
 
@@ -233,7 +225,7 @@ def read_model_config(mcore_root: str | Path) -> ModelConfig:
     return build(ModelConfig, read_yaml(path), prefix="model.")
 
 
-def _source_hf_config(base: Path, tokenizer_dir: Path | None) -> dict[str, Any] | None:
+def source_hf_config(base: Path, tokenizer_dir: Path | None) -> dict[str, Any] | None:
     """The source model's config.json: saved beside the checkpoint, or in the tokenizer dir."""
     candidates = [base / HF_CONFIG_FILE]
     if tokenizer_dir is not None:
@@ -258,7 +250,7 @@ def source_dtype(step: Path, model: ModelConfig) -> Dtype:
     return next((name for name, d in _TORCH_DTYPES.items() if d == most), model.params_dtype)
 
 
-def _check_dtype(dtype: str | None) -> None:
+def check_dtype(dtype: str | None) -> None:
     if dtype is not None and dtype not in _TORCH_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
 
@@ -344,7 +336,7 @@ def convert_mcore_to_hf(
     """
     from megatron_gndpo.models.gpt import build_gpt
 
-    _check_dtype(dtype)
+    check_dtype(dtype)
     step = resolve(mcore_root)  # a CheckpointError before anything is built
     # The checkpoint root (beside which conversion wrote its config and tokenizer files).
     base = Path(mcore_root) if step != Path(mcore_root) else step.parent
@@ -353,7 +345,7 @@ def convert_mcore_to_hf(
     model = dataclasses.replace(model, params_dtype=source_dtype(step, model))
     dtype = dtype or model.params_dtype
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    source = _source_hf_config(base, tok_dir)
+    source = source_hf_config(base, tok_dir)
     if family is None:  # the source's config.json, else the model config's own family
         family = (source or {}).get("model_type") or model.family
         if family is None:
@@ -406,7 +398,7 @@ def export_checkpoint(
         load_checkpoint(step, net)
         state = {k: v for k, v in net.state_dict().items() if not hf_mapping.is_extra_state(k)}
         del net  # the state dict is now the only owner: consuming it frees memory as we write
-        if _rank() == 0:
+        if rank() == 0:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)
             out_dtype = _TORCH_DTYPES[dtype]
@@ -418,7 +410,7 @@ def export_checkpoint(
             _write_safetensors(tensors, out, max_shard_bytes)
             (out / "config.json").write_text(json.dumps(config, indent=2))
             copy_side_files(side_files, out)
-        _barrier()
+        barrier()
     finally:
         if created_state:
             from megatron.core import parallel_state

@@ -48,6 +48,7 @@ from megatron_gndpo.checkpoint import interop
 from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
 from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.errors import UserError
+from megatron_gndpo.parallel.distributed import barrier, rank, world_size
 
 _LATEST = "latest"
 _META = "megatron_gndpo.json"
@@ -151,19 +152,6 @@ def saved_tensors(directory: str | Path) -> dict[str, tuple[tuple[int, ...], tor
     return {key: (tuple(t.global_shape), t.dtype) for key, t in meta.items()}
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _gather(value: Any) -> list[Any]:
     """Every rank's ``value``, in rank order, on every rank (CPU objects)."""
     if not dist.is_initialized():
@@ -205,10 +193,10 @@ def _sha256(path: Path) -> str:
 
 def _manifest(directory: Path) -> dict[str, dict[str, Any]]:
     """``{file: {"bytes", "sha256"}}`` of a step, the files shared out over the ranks."""
-    names = _from_rank0(_files(directory) if _rank() == 0 else None)
+    names = _from_rank0(_files(directory) if rank() == 0 else None)
     mine = {
         name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
-        for name in names[_rank() :: _world()]
+        for name in names[rank() :: world_size()]
     }
     return {name: entry for part in _gather(mine) for name, entry in part.items()}
 
@@ -236,7 +224,7 @@ def verify_step(directory: str | Path) -> bool:
     if files is None:
         return False
     names = sorted(files)
-    mine = [_file_problem(directory, n, files[n]) for n in names[_rank() :: _world()]]
+    mine = [_file_problem(directory, n, files[n]) for n in names[rank() :: world_size()]]
     problems = [p for part in _gather(mine) for p in part if p is not None]
     if problems:
         raise CorruptCheckpointError(f"{directory} is corrupt: {'; '.join(problems)}")
@@ -310,7 +298,7 @@ def _save_refusal(root: Path, step: int, model: Any, optimizer: Any, run_id: str
         )
     final = step_dir(root, step)
     other = None
-    if _rank() == 0 and (final / _META).is_file():
+    if rank() == 0 and (final / _META).is_file():
         theirs = run_of(final)
         other = theirs if theirs != run_id else None
     other = _from_rank0(other)
@@ -350,10 +338,10 @@ def save_checkpoint(
 
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     sharded: dict[str, Any] = {"model": _model_state(model)}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(
@@ -363,13 +351,13 @@ def save_checkpoint(
     text_model = model_config if model_config is not None and model_config.vision is None else None
     # Megatron-LM's entries of the common state (args, iteration, checkpoint_version)
     sharded.update(interop.megatron_lm_common(text_model, step=step, tp=tp, pp=pp,
-                                              world_size=_world()))  # fmt: skip
+                                              world_size=world_size()))  # fmt: skip
     dist_checkpointing.save(sharded, str(tmp), content_metadata=_OPTIMIZER_METADATA)
-    _barrier()
-    if _rank() == 0:  # before the checksums: they cover these too
+    barrier()
+    if rank() == 0:  # before the checksums: they cover these too
         interop.write_bridge_step_files(tmp, step, text_model, tp=tp, pp=pp)
     files = _manifest(tmp)
-    if _rank() == 0:
+    if rank() == 0:
         meta = {
             "step": step, "run_id": run_id, "has_optimizer": optimizer is not None,
             "extra": extra or {}, "files": files,
@@ -381,7 +369,7 @@ def save_checkpoint(
         write_latest(root, step)
         if keep_last:
             _prune(root, keep_last, run_id)
-    _barrier()
+    barrier()
     return final
 
 
@@ -607,7 +595,7 @@ def _check_vocab_rows(
     }
     flexible = {key: shape for part in _gather(mine) for key, shape in part.items()}
     problem = None
-    if _rank() == 0 and flexible:
+    if rank() == 0 and flexible:
         saved = saved_tensors(directory)
         problem = vocab_rows_problem(
             directory, flexible, saved, vocab_size=vocab_size,

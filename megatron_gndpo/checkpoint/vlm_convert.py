@@ -33,16 +33,14 @@ from megatron_gndpo.checkpoint.convert import (
     HF_CONFIG_FILE,
     VISION_CONFIG_FILE,
     HFCheckpoint,
-    _barrier,
-    _check_dtype,
-    _check_layout,
-    _rank,
-    _source_hf_config,
+    check_dtype,
+    check_layout,
     describe_checkpoints,
     export_checkpoint,
     read_hf_config,
     read_model_config,
     source_dtype,
+    source_hf_config,
 )
 from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
 from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, global_names, shard_for_rank
@@ -50,6 +48,7 @@ from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import MissingFileError
+from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 # The image processor's files, carried beside the tokenizer's.
@@ -74,7 +73,7 @@ def read_vlm_configs(hf_dir: str | Path) -> tuple[dict[str, Any], ModelConfig, V
 
 
 def _check_vlm_layout(model: ModelConfig, vision: VisionConfig, parallel: ParallelConfig) -> None:
-    _check_layout(model, parallel)
+    check_layout(model, parallel)
     tp = parallel.tensor_parallel
     if vision.num_attention_heads % tp:
         raise ValueError(
@@ -148,15 +147,15 @@ def convert_vlm_hf_to_mcore(
             net, hf, model, vision, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"]
         )
     out_root = Path(out_root)
-    if _rank() == 0:
+    if rank() == 0:
         out_root.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    barrier()
     save_checkpoint(out_root, 0, net)
-    if _rank() == 0:
+    if rank() == 0:
         describe_checkpoints(out_root, model, vision)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
         _copy_side_files(hf_dir, out_root)
-    _barrier()
+    barrier()
     return model, vision
 
 
@@ -210,7 +209,7 @@ def convert_vlm_mcore_to_hf(
     """
     from megatron_gndpo.models.vlm import build_vlm
 
-    _check_dtype(dtype)
+    check_dtype(dtype)
     step = resolve(mcore_root)  # a CheckpointError before anything is built
     base = Path(mcore_root) if step != Path(mcore_root) else step.parent
     model = model if model is not None else read_model_config(base)
@@ -218,7 +217,7 @@ def convert_vlm_mcore_to_hf(
     dtype = dtype or model.params_dtype
     vision = vision if vision is not None else read_vision_config(base)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    source = _source_hf_config(base, tok_dir)
+    source = source_hf_config(base, tok_dir)
     family = _lm_family(source, family, base, model)
     # config.json names the dtype the weights are written in
     out_model = dataclasses.replace(model, params_dtype=dtype)

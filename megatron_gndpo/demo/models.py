@@ -23,8 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from megatron_gndpo.checkpoint.dist import latest_step, save_checkpoint
 from megatron_gndpo.config import to_dict
 from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
@@ -33,6 +31,7 @@ from megatron_gndpo.data.tokenizer import SentencePieceTokenizer
 from megatron_gndpo.demo.evaluate import greedy_accuracy
 from megatron_gndpo.demo.tokenizer import task_corpus, train_tokenizer
 from megatron_gndpo.engine.sft import encode_sft, sft_train
+from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 # The supervised data: drawn from its own seed, with every held-out prompt removed.
@@ -237,9 +236,9 @@ def prepare(
     )  # fmt: skip
     eval_seconds = time.perf_counter() - started
 
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(directory, ignore_errors=True)
-    _barrier()
+    barrier()
     save_checkpoint(directory / _CHECKPOINT, recipe.steps, trained.model)
     meta = {
         "key": key,
@@ -251,9 +250,9 @@ def prepare(
         "world_size": groups.layout.world_size,
         "losses": [m["loss"] for m in history],
     }
-    if _rank() == 0:  # written last: its presence marks a complete cache entry
+    if rank() == 0:  # written last: its presence marks a complete cache entry
         (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")
-    _barrier()
+    barrier()
     return _prepared(directory, recipe, meta, cached=False)
 
 
@@ -283,12 +282,3 @@ def _prepared(
         losses=[float(x) for x in meta["losses"]],
         cached=cached,
     )
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

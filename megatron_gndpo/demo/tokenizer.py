@@ -21,9 +21,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from megatron_gndpo.data.tokenizer import QA_PREFIX, QA_SUFFIX, SentencePieceTokenizer
+from megatron_gndpo.parallel.distributed import barrier, rank
 
 MODEL_FILE = "tokenizer.model"
 META_FILE = "tokenizer.json"
@@ -75,15 +74,10 @@ def train_tokenizer(
     directory = Path(directory)
     settings = _settings(vocab_size)
     digest = _digest(corpus, settings)
-    if _rank() == 0 and not _cached(directory, digest):
+    if rank() == 0 and not _cached(directory, digest):
         _train(directory, corpus, settings, digest)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return SentencePieceTokenizer(directory / MODEL_FILE)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _cached(directory: Path, digest: str) -> bool:

@@ -63,6 +63,22 @@ class DistributedEnv:
     launcher: Launcher
 
 
+def rank() -> int:
+    """This process's global rank; 0 before torch.distributed starts (one process)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of processes; 1 before torch.distributed starts."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """A barrier over every process once torch.distributed runs; nothing in one process."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def free_port() -> int:
     """A TCP port that was free on localhost a moment ago (for single-process and test runs)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
