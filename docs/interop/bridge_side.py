@@ -1,6 +1,7 @@
-"""Megatron-Bridge's side of the CPU round trips (run in .venv-bridge; see README.md).
+"""Megatron-Bridge's side of the CPU round trips (run with the Bridge venv's python, this
+checkout on PYTHONPATH; see README.md; tests/test_bridge.py runs it).
 
-    python bridge_side.py WORK make_hf                    # a tiny random Qwen2 in WORK/hf
+    python bridge_side.py WORK make_hf FAMILY             # a tiny random qwen2/qwen3/llama in WORK/hf
     python bridge_side.py WORK import                     # HF -> Bridge checkpoint WORK/bridge_ckpt
     python bridge_side.py WORK export CKPT OUT            # a megatron checkpoint -> HF via Bridge
 """
@@ -15,6 +16,19 @@ t0 = time.time()
 from megatron.bridge import AutoBridge
 sys.path.remove(STUB)  # spawned helper processes (dist-checkpointing's Manager) must not see it
 print("bridge import", round(time.time() - t0, 1), "s", flush=True)
+
+# Megatron-core's fusions that need a GPU (apex's fused wgrad, fused kernels).
+FUSIONS = ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
+           "cross_entropy_loss_fusion", "persist_layer_norm", "apply_rope_fusion",
+           "bias_dropout_fusion")
+# Tiny models of each family: 2 layers, hidden 64, 4 heads (2 KV groups), vocabulary 1000.
+FAMILIES = {
+    "qwen2": dict(rope_theta=1e6),
+    "qwen3": dict(rope_theta=1e6, head_dim=16),
+    "llama": dict(rope_theta=5e5, attention_bias=False, mlp_bias=False),
+}
+
+
 def _cpu_copy(ckpt):
     """A copy of a checkpoint whose run_config.yaml asks Bridge for megatron-core's local layers
     without fusions: its defaults (Transformer Engine layers, apex's fused wgrad) need a GPU."""
@@ -26,58 +40,70 @@ def _cpu_copy(ckpt):
         d = yaml.safe_load(open(path))
         d["model"]["transformer_layer_spec"] = {
             "_target_": "megatron.bridge.models.gpt_provider.local_layer_spec", "_call_": False}
-        for k in ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
-                  "cross_entropy_loss_fusion", "persist_layer_norm", "apply_rope_fusion",
-                  "bias_dropout_fusion"):
+        for k in FUSIONS:
             d["model"][k] = False
         yaml.safe_dump(d, open(path, "w"), sort_keys=False)
     return out
 
 
+def make_hf(root, family):
+    cfg = transformers.AutoConfig.for_model(
+        family, vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        max_position_embeddings=256, tie_word_embeddings=False, dtype="float32",
+        bos_token_id=1, eos_token_id=2, **FAMILIES[family])
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # away from the init's zeros and ones (norm weights, biases)
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    m.save_pretrained(f"{root}/hf")
+    # A word-level tokenizer of the model's vocabulary: Bridge's export saves the source's
+    # tokenizer beside the weights, and for Llama transformers has no fallback without one.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(1000)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+    ).save_pretrained(f"{root}/hf")
+
+
+def bridge_import(root):
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    bridge = AutoBridge.from_hf_pretrained(f"{root}/hf", torch_dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    provider.transformer_layer_spec = local_layer_spec  # no Transformer Engine on a CPU
+    for flag in FUSIONS:
+        if hasattr(provider, flag):
+            setattr(provider, flag, False)
+    provider.finalize()
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    print("rows", tuple(model[0].embedding.word_embeddings.weight.shape), flush=True)
+    bridge.save_megatron_model(model, f"{root}/bridge_ckpt", hf_tokenizer_path=None)
+
+
 def main():
-    root = sys.argv[1]
-    what = sys.argv[2]
-    import os
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29533")
-    if what == "import":
+    root, what = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if what == "import":  # Bridge would call torch.cuda.set_device and NCCL with no world
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
     from megatron_gndpo.compat import cpu
     cpu.enable()
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # Bridge's save reads the CUDA RNG unconditionally
-    if what == "import":
-        parallel_state.initialize_model_parallel()
-    what = sys.argv[2]
+    t0 = time.time()
     if what == "make_hf":
-        cfg = transformers.AutoConfig.for_model("qwen2", vocab_size=1000, hidden_size=64, intermediate_size=96,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-            max_position_embeddings=256, rope_theta=1e6, tie_word_embeddings=False, dtype="float32",
-            bos_token_id=1, eos_token_id=2)
-        torch.manual_seed(0)
-        m = transformers.AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():
-            for p in m.parameters(): p.add_(torch.randn_like(p) * 0.05)
-        m.save_pretrained(f"{root}/hf")
+        make_hf(root, sys.argv[3])
     elif what == "import":
-        t0 = time.time()
-        from megatron.bridge.models.gpt_provider import local_layer_spec
-        bridge = AutoBridge.from_hf_pretrained(f"{root}/hf", torch_dtype=torch.float32)
-        provider = bridge.to_megatron_provider(load_weights=True)
-        provider.transformer_layer_spec = local_layer_spec  # no Transformer Engine on a CPU
-        for flag in ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
-                     "cross_entropy_loss_fusion", "persist_layer_norm", "apply_rope_fusion", "bias_dropout_fusion"):
-            if hasattr(provider, flag):
-                setattr(provider, flag, False)
-        provider.finalize()
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-        print("rows", model[0].embedding.word_embeddings.weight.shape, flush=True)
-        bridge.save_megatron_model(model, f"{root}/bridge_ckpt", hf_tokenizer_path=None)
-        print("import_ckpt", round(time.time() - t0, 1), "s", flush=True)
-    elif what == "export":
-        t0 = time.time()
+        parallel_state.initialize_model_parallel()
+        bridge_import(root)
+    elif what == "export":  # export_ckpt makes its own gloo world
         b = AutoBridge.from_hf_pretrained(f"{root}/hf", torch_dtype=torch.float32)
         b.export_ckpt(_cpu_copy(sys.argv[3]), sys.argv[4])
-        print("export_ckpt", round(time.time() - t0, 1), "s", flush=True)
+    else:
+        sys.exit(f"bridge_side.py: unknown step {what!r}")
+    print(what, round(time.time() - t0, 1), "s", flush=True)
 
 
 if __name__ == "__main__":

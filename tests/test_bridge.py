@@ -1,0 +1,144 @@
+"""Round trips against Megatron-Bridge itself (0.6.2 on CPU), in both directions, for tiny
+Qwen2, Qwen3 and Llama models (2 layers, hidden 64, vocabulary 1000, untied, fp32):
+
+- HF -> Bridge (``to_megatron_provider`` + ``save_megatron_model``) -> our teacher: the checkpoint
+  Bridge writes (its tracker, 1000 embedding rows) loads through ``load_checkpoint`` (padded to
+  our 1024 rows) and scores transformers' log-probs within ``LOGP_TOL``;
+- HF -> ours (``convert hf-to-mcore``) -> Bridge ``AutoBridge.export_ckpt`` -> HF: every tensor
+  equal to our own ``convert mcore-to-hf`` export and to the source.
+
+The Bridge tier: Bridge pins transformers<=5.12.1, so its side runs in its own environment
+(``scripts/ci/install_bridge_cpu.sh VENV``, which borrows the main venv's torch), as a subprocess
+of ``docs/interop/bridge_side.py`` (what it takes to run Bridge on a CPU is there and in
+``docs/interop/README.md``); our side runs here. The Bridge venv is ``MEGATRON_GNDPO_BRIDGE_VENV``
+or ``.venv-bridge`` beside this checkout. The default ``pytest`` deselects these tests
+(``-m "not bridge"`` in pyproject.toml): they run with ``pytest -m bridge``, as ``.ci/run`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+BRIDGE_SIDE = ROOT / "docs" / "interop" / "bridge_side.py"
+BRIDGE_VENV = Path(os.environ.get("MEGATRON_GNDPO_BRIDGE_VENV", ROOT / ".venv-bridge"))
+BRIDGE_PYTHON = BRIDGE_VENV / "bin" / "python"
+VOCAB = 1000
+# fp32 end to end; both sides are megatron-core's local layers over the same weights.
+LOGP_TOL = 1e-4
+FAMILIES = ["qwen2", "qwen3", "llama"]
+
+pytestmark = [
+    pytest.mark.bridge,
+    pytest.mark.megatron,
+    pytest.mark.skipif(
+        not BRIDGE_PYTHON.exists(),
+        reason=f"the Megatron-Bridge venv is not installed at {BRIDGE_VENV}: "
+        "scripts/ci/install_bridge_cpu.sh VENV (or set MEGATRON_GNDPO_BRIDGE_VENV)",
+    ),
+]
+
+
+def _bridge(work: Path, *step: str) -> None:
+    """One step of bridge_side.py in the Bridge venv, this checkout importable (compat.cpu)."""
+    for _attempt in range(3):  # the free port may be taken before Bridge's gloo world binds it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        result = subprocess.run(
+            [str(BRIDGE_PYTHON), str(BRIDGE_SIDE), str(work), *step],
+            env=env, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        if "EADDRINUSE" not in result.stderr:
+            break
+    assert result.returncode == 0, f"bridge_side.py {' '.join(step)}:\n{result.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random HF model of the family, written by transformers 5.12.1 (Bridge's)."""
+    work = tmp_path_factory.mktemp(request.param)
+    _bridge(work, "make_hf", request.param)
+    return work
+
+
+def _teacher_logprobs(
+    rank: int, world: int, work: str, ckpt: str, tokens: torch.Tensor
+) -> torch.Tensor:
+    """Rank 0 of a 1-rank world: the checkpoint loaded as our teacher; its log-probs [b, s, v]."""
+    from megatron_gndpo.checkpoint import hf_mapping
+    from megatron_gndpo.checkpoint.convert import read_hf_config
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.compat import cpu
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    cpu.enable()
+    model = hf_mapping.model_config_from_hf(read_hf_config(f"{work}/hf"))
+    groups = build_student_groups(ParallelLayout(1), seed=1)
+    teacher = build_teacher(model, ParallelConfig(), groups)
+    load_checkpoint(ckpt, teacher, vocab_size=model.vocab_size)
+    positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        logits = teacher(tokens, positions, None)  # [b, s, padded v]
+    return logits[..., :VOCAB].double().log_softmax(-1)
+
+
+def _hf_logprobs(work: Path, tokens: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        return hf.eval()(input_ids=tokens).logits.double().log_softmax(-1)
+
+
+def test_bridge_import_loads_as_our_teacher(hf_model: Path) -> None:
+    _bridge(hf_model, "import")
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    ckpt = str(hf_model / "bridge_ckpt")
+    [ours] = run_distributed(
+        _teacher_logprobs, 1, args=(str(hf_model), ckpt, tokens), timeout_s=300
+    )
+    diff = (ours - _hf_logprobs(hf_model, tokens)).abs().max().item()
+    print(
+        f"{hf_model.name}: Bridge import as our teacher vs transformers, max |dlogp| = {diff:.3g}"
+    )
+    assert diff < LOGP_TOL
+
+
+def _convert_both_ways(rank: int, world: int, work: str) -> None:
+    from megatron_gndpo.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf
+    from megatron_gndpo.compat import cpu
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+    cpu.enable()
+    groups = build_student_groups(ParallelLayout(1), seed=1)
+    convert_hf_to_mcore(f"{work}/hf", f"{work}/ours_ckpt", groups=groups, parallel=ParallelConfig())
+    convert_mcore_to_hf(f"{work}/ours_ckpt", f"{work}/ours_export")
+
+
+def test_bridge_exports_our_checkpoint(hf_model: Path) -> None:
+    from safetensors.torch import load_file
+
+    run_distributed(_convert_both_ways, 1, args=(str(hf_model),), timeout_s=300)
+    _bridge(hf_model, "export", str(hf_model / "ours_ckpt"), str(hf_model / "bridge_export"))
+    source = load_file(hf_model / "hf" / "model.safetensors")
+    ours = load_file(hf_model / "ours_export" / "model.safetensors")
+    bridge = load_file(hf_model / "bridge_export" / "model.safetensors")
+    assert set(bridge) == set(ours) == set(source)
+    assert bridge["model.embed_tokens.weight"].shape == (VOCAB, 64)  # our padding rows trimmed
+    differ = [k for k in source if not torch.equal(bridge[k], ours[k])]
+    assert not differ, f"Bridge's export of our checkpoint differs from ours in {differ}"
+    assert all(torch.equal(bridge[k], source[k]) for k in source)
