@@ -245,18 +245,31 @@ def test_checkpoints_on_a_real_run_lose_nothing(tmp_path: Path) -> None:
 # The CLI under torchrun: a stopped rank during training
 
 
+def _training_under_launch(
+    run: Path, *overrides: str
+) -> tuple[subprocess.Popen[str], dict[int, int]]:
+    """The tiny config training for 1000 steps under ``megatron-gndpo launch`` (2 ranks), once
+    it has logged a step; its workers' pids by rank."""
+    proc = _torchrun(
+        "train", "-c", str(TINY), f"logging.run_dir={run}", "trainer.steps=1000", *overrides,
+        out=run.parent, launcher="launch",
+    )  # fmt: skip
+    try:
+        _wait_for([run / "metrics.jsonl"], 240)
+        return proc, _rank_pids(proc.pid)
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
 @pytest.mark.distributed
 @pytest.mark.megatron
 def test_train_under_launch_ends_when_a_rank_stops(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = _torchrun(
-        "train", "-c", str(TINY), f"logging.run_dir={run}", "trainer.steps=1000",
-        "trainer.heartbeat_timeout_s=4", "trainer.collective_timeout_s=60",
-        out=tmp_path, launcher="launch",
-    )  # fmt: skip
+    proc, rank_of = _training_under_launch(
+        run, "trainer.heartbeat_timeout_s=4", "trainer.collective_timeout_s=60"
+    )
     try:
-        _wait_for([run / "metrics.jsonl"], 240)
-        rank_of = _rank_pids(proc.pid)
         workers = list(rank_of.values())
         os.kill(rank_of[1], signal.SIGSTOP)
         stopped = time.monotonic()
@@ -302,13 +315,8 @@ def test_launch_prints_an_error_every_rank_raises_once_and_exits_2(tmp_path: Pat
 @pytest.mark.megatron
 def test_launch_names_a_killed_rank_in_one_line_with_its_exit_code(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = _torchrun(
-        "train", "-c", str(TINY), f"logging.run_dir={run}", "trainer.steps=1000",
-        out=tmp_path, launcher="launch",
-    )  # fmt: skip
+    proc, rank_of = _training_under_launch(run)
     try:
-        _wait_for([run / "metrics.jsonl"], 240)
-        rank_of = _rank_pids(proc.pid)
         os.kill(rank_of[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
