@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from collections.abc import Sequence
@@ -48,6 +47,7 @@ from megatron_gndpo.checkpoint import interop
 from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
 from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.errors import UserError
+from megatron_gndpo.fileio import write_atomic
 from megatron_gndpo.parallel.distributed import barrier, rank, world_size
 
 _LATEST = "latest"
@@ -378,16 +378,9 @@ def write_latest(root: str | Path, step: int) -> None:
     (rank 0 only), each replaced atomically; ``latest`` last, so that what we resume from is
     never ahead of the others."""
     root = Path(root)
-    _replace_file(root / interop.MEGATRON_LM_TRACKER, f"{step}".encode())
-    _replace_file(root / interop.BRIDGE_TRACKER, interop.bridge_train_state_bytes(step))
-    _replace_file(root / _LATEST, f"{step}\n".encode())
-
-
-def _replace_file(path: Path, data: bytes) -> None:
-    """Write ``path`` atomically: a reader sees the old file or the new one, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_atomic(root / interop.MEGATRON_LM_TRACKER, f"{step}".encode())
+    write_atomic(root / interop.BRIDGE_TRACKER, interop.bridge_train_state_bytes(step))
+    write_atomic(root / _LATEST, f"{step}\n".encode())
 
 
 def _tp_pp(model: Any) -> tuple[int, int]:

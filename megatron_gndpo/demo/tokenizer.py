@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gndpo.data.tokenizer import QA_PREFIX, QA_SUFFIX, SentencePieceTokenizer
+from megatron_gndpo.fileio import write_atomic
 from megatron_gndpo.parallel.distributed import barrier, rank
 
 MODEL_FILE = "tokenizer.model"
@@ -97,12 +98,6 @@ def _train(directory: Path, corpus: Sequence[str], settings: dict[str, Any], dig
         sentence_iterator=iter(corpus), model_writer=model, minloglevel=2, **settings
     )
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(directory / MODEL_FILE, model.getvalue())
+    write_atomic(directory / MODEL_FILE, model.getvalue())
     meta = {"digest": digest, "lines": len(corpus), "settings": settings}
-    _write_atomic(directory / META_FILE, json.dumps(meta, indent=2).encode())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_atomic(directory / META_FILE, json.dumps(meta, indent=2).encode())

@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO, cast
 
+from megatron_gndpo.fileio import write_atomic
+
 if TYPE_CHECKING:
     # Only a type here: importing megatron_gndpo.config pulls in torch, and this package stays
     # cheap to import.
@@ -187,9 +189,7 @@ class JsonlSink:
                 kept.append(line + "\n")
         if dropped_unreadable:
             logger.warning("dropped %d unreadable lines from %s", dropped_unreadable, self.path)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(kept).encode("utf-8"))
 
     def close(self) -> None:
         if self._file is not None:
