@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from megatron_gndpo.config.docs import iter_fields
+from megatron_gndpo.config.docs import iter_fields, list_entry
 from megatron_gndpo.config.loader import type_name
 from megatron_gndpo.config.schema import Config
 from megatron_gndpo.methods import config_names
@@ -65,6 +65,10 @@ def _sections(cls: type, value: Any, prefix: str) -> Iterator[tuple[str, type, A
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from _sections(tp, getattr(value, f.name), f"{prefix}{f.name}.")
+        entry = list_entry(tp)
+        if entry is not None:  # a list of sections (teachers): one entry's keys
+            yield from _sections(entry, entry(), f"{prefix}{f.name}[].")
+            continue
         optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         if len(optional) == 1:  # an optional section (model.vision): its keys when given
             section = typing.cast(type, optional[0])
@@ -77,6 +81,7 @@ def _section_text(prefix: str, cls: type, value: Any, docs: dict[str, str]) -> l
         f
         for f in dataclasses.fields(cls)
         if not (isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]))
+        and list_entry(hints[f.name]) is None
     ]
     if not leaves:
         return []

@@ -202,12 +202,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         gpu_memory_gib=args.gpu_memory_gib, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
         hbm_bytes_per_s=args.hbm_tbps * 1e12,
     )  # fmt: skip
-    student, teacher = planner.plan(cfg, args.world_size)
+    student, _ = planner.plan(cfg, args.world_size)
     memory = planner.estimate_memory(cfg, args.world_size, hw)
     warnings = planner.fit_warnings(memory, hw)
     print(f"megatron-gndpo {__version__} plan for {args.world_size} ranks")
     print(planner.format_model_plan(student, per_rank=args.ranks))
-    print(planner.format_model_plan(teacher, per_rank=args.ranks))
+    for teacher in planner.teacher_plans(cfg, args.world_size):
+        print(planner.format_model_plan(teacher, per_rank=args.ranks))
     print(planner.format_memory(cfg, memory, hw))
     print("\n".join(warnings) if warnings else "every rank fits")
     step_time = planner.estimate_step_time(cfg, args.world_size, hw)

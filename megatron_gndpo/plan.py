@@ -17,7 +17,14 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_gndpo.checks import layout_of
-from megatron_gndpo.config.schema import Config, ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_gndpo.config.schema import (
+    Config,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TeacherConfig,
+    teacher_sections,
+)
 from megatron_gndpo.logging.throughput import PEAK_BF16_FLOPS, model_flops_per_token
 from megatron_gndpo.parallel.groups import ParallelLayout
 
@@ -114,11 +121,23 @@ def plan_model(name: str, model: ModelConfig, parallel: ParallelConfig, world: i
 
 
 def plan(cfg: Config, world_size: int) -> tuple[ModelPlan, ModelPlan]:
-    """Plans of the student and the teacher (validate the config first)."""
-    return (
-        plan_model("student", cfg.model, cfg.parallel, world_size),
-        plan_model("teacher", cfg.teacher.model, cfg.teacher.parallel, world_size),
-    )
+    """Plans of the student and the (first) teacher (validate the config first)."""
+    return plan_model("student", cfg.model, cfg.parallel, world_size), teacher_plans(
+        cfg, world_size
+    )[0]
+
+
+def teacher_plans(cfg: Config, world_size: int) -> list[ModelPlan]:
+    """A plan per teacher, each on its own layout (several teachers: ``teacher NAME``)."""
+    return [
+        plan_model(_teacher_label(t), t.model, t.parallel, world_size)
+        for _, t in teacher_sections(cfg)
+    ]
+
+
+def _teacher_label(t: TeacherConfig) -> str:
+    name = getattr(t, "name", "")
+    return f"teacher {name}" if name else "teacher"
 
 
 def _human(n: int) -> str:
@@ -266,11 +285,12 @@ def sequence_length(cfg: Config) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RankMemory:
-    """Estimated bytes on one rank holding student stage ``stage`` and teacher stage
-    ``teacher_stage``."""
+    """Estimated bytes on one rank holding student stage ``stage`` and each teacher's stage
+    ``teacher_stages`` (several teachers: all of their weights stay, their scoring passes run
+    one after another)."""
 
     stage: int
-    teacher_stage: int
+    teacher_stages: tuple[int, ...]
     weights: float
     grads: float
     optimizer: float
@@ -278,6 +298,12 @@ class RankMemory:
     rollout: float
     scoring: float
     training: float
+
+    @property
+    def teacher_stage(self) -> int | str:
+        """The teacher's stage; with several teachers theirs, comma-separated."""
+        stages = self.teacher_stages
+        return stages[0] if len(stages) == 1 else ",".join(map(str, stages))
 
     @property
     def persistent(self) -> float:
@@ -368,35 +394,43 @@ def _rollout_bytes(cfg: Config, layout: ParallelLayout, hw: Hardware, seq: int) 
 def estimate_memory(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> list[RankMemory]:
     """Per-rank memory of every (student stage, teacher stage) pair that some rank holds."""
     s_layout = layout_of(cfg.parallel, world_size)
-    t_layout = layout_of(cfg.teacher.parallel, world_size)
+    teachers = [t for _, t in teacher_sections(cfg)]
+    t_layouts = [layout_of(t.parallel, world_size) for t in teachers]
     seq = sequence_length(cfg)
     # A scoring micro-batch holds up to scoring_token_budget tokens, and at least one whole row.
     score_tokens = max(cfg.trainer.scoring_token_budget, seq)
-    teacher = cfg.teacher.model
     pairs = sorted(
-        {(s_layout.coords(r)["pp"], t_layout.coords(r)["pp"]) for r in range(world_size)}
+        {
+            (s_layout.coords(r)["pp"], tuple(t.coords(r)["pp"] for t in t_layouts))
+            for r in range(world_size)
+        }
     )
     rollout = _rollout_bytes(cfg, s_layout, hw, seq)
     out = []
-    for stage, t_stage in pairs:
+    for stage, t_stages in pairs:
         student = _student_memory(cfg, s_layout, stage, seq)
-        scoring = max(
+        scoring = max(  # one model's scoring pass at a time
             _forward_working_set(
                 cfg.model, cfg.parallel, s_layout, stage, tokens=score_tokens, seq=seq
             ),
-            _forward_working_set(
-                teacher, cfg.teacher.parallel, t_layout, t_stage, tokens=score_tokens, seq=seq
+            *(
+                _forward_working_set(
+                    t.model, t.parallel, t_layout, t_stage, tokens=score_tokens, seq=seq
+                )
+                for t, t_layout, t_stage in zip(teachers, t_layouts, t_stages, strict=True)
             ),
         )
         out.append(
             RankMemory(
                 stage=stage,
-                teacher_stage=t_stage,
+                teacher_stages=t_stages,
                 weights=student["weights"],
                 grads=student["grads"],
                 optimizer=student["optimizer"],
-                teacher_weights=stage_params(teacher, t_layout, t_stage)
-                * BYTES[teacher.params_dtype],
+                teacher_weights=sum(
+                    stage_params(t.model, t_layout, t_stage) * BYTES[t.model.params_dtype]
+                    for t, t_layout, t_stage in zip(teachers, t_layouts, t_stages, strict=True)
+                ),
                 rollout=rollout,
                 scoring=scoring,
                 training=student["training"],
@@ -433,10 +467,13 @@ def estimate_step_time(cfg: Config, world_size: int, hw: Hardware = Hardware()) 
     """
     seq = sequence_length(cfg)
     tokens = cfg.rollout.rollout_batch_size * seq
-    student, teacher = cfg.model, cfg.teacher.model
+    student = cfg.model
     forward = model_flops_per_token(student, seq, training=False)
     training = model_flops_per_token(student, seq, training=True)
-    scoring = forward + model_flops_per_token(teacher, seq, training=False)
+    # several teachers: each row is scored by one; the costliest bounds the step (all rows to it)
+    scoring = forward + max(
+        model_flops_per_token(t.model, seq, training=False) for _, t in teacher_sections(cfg)
+    )
     rate = world_size * hw.peak_flops * hw.mfu  # FLOP/s of the whole job
     layout = layout_of(cfg.parallel, world_size)
     rows = cfg.rollout.rollout_batch_size // layout.dp
@@ -532,7 +569,8 @@ def format_step_time(st: StepTime, world_size: int, hw: Hardware) -> str:
         f"  rollout   {st.rollout_s:8.1f} s  (2N FLOPs/token: {st.generation_flops_s:.1f} s; "
         f"decode floor, weights + KV cache read at {hw.hbm_bytes_per_s / 1e12:g} TB/s per step: "
         f"{st.decode_floor_s:.1f} s)",
-        f"  scoring   {st.scoring_s:8.1f} s  (teacher + student forward, 2N FLOPs/token each)",
+        f"  scoring   {st.scoring_s:8.1f} s  (teacher + student forward, 2N FLOPs/token each; "
+        "several teachers: the costliest)",
         f"  training  {st.training_s:8.1f} s  (6N FLOPs/token)",
         f"  total     {st.total_s:8.1f} s per step, {st.tokens / st.total_s:,.0f} tokens/s",
     ])  # fmt: skip

@@ -21,7 +21,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo import seeding
-from megatron_gndpo.algorithms.metrics import StabilityMonitor, advantage_metrics, score_metrics
+from megatron_gndpo.algorithms.metrics import (
+    StabilityMonitor,
+    advantage_metrics,
+    score_metrics,
+    teacher_metrics,
+)
 from megatron_gndpo.checkpoint.convert import describe_checkpoints
 from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
 from megatron_gndpo.checkpoint.resume import (
@@ -117,12 +122,13 @@ class Trainer:
             rollout = self._sample(prompts)
             if hasattr(c.generator, "sleep"):
                 c.generator.sleep()  # give the GPU memory to scoring and training
-        teacher, student = self._score(rollout)  # timed inside: the order depends on the method
+        routes = self.c.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
+        teacher, student = self._score(rollout, routes)  # timed inside: the method sets the order
         skip = self._nonfinite(teacher.logprobs, rollout.response_mask)  # before any use of them
         with timer.time("advantages"):
             rewards = self._rewards(rollout, prompts)
             if not skip:
-                targets, metrics = self._targets(rollout, teacher, student, rewards)
+                targets, metrics = self._targets(rollout, teacher, student, rewards, routes)
         if skip:  # every rank skips together
             metrics = {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
         else:
@@ -257,9 +263,10 @@ class Trainer:
             vision_language=model.vision is not None,
         )  # fmt: skip
 
-    def _score(self, rollout: Rollout) -> tuple[Scores, Scores]:
-        """Teacher and student (rollout-weight) scores of the rollout; the method says what
-        each scores besides the sampled tokens, and which goes first (vOPD: the student)."""
+    def _score(self, rollout: Rollout, routes: torch.Tensor) -> tuple[Scores, Scores]:
+        """Teacher and student (rollout-weight) scores of the rollout, row ``i`` by teacher
+        ``routes[i]``; the method says what each scores besides the sampled tokens, and which
+        goes first (vOPD: the student)."""
         method, timer = self.method, self.c.timer
         student = None
         if method.student_first:
@@ -271,8 +278,9 @@ class Trainer:
             if request is not None and request.full_kl:  # the student's output shard meets it
                 request = dataclasses.replace(request, kl_weight=self._student_output_weight())
             teacher = self.c.teacher.score_batch(
-                rollout.tokens, rollout.lengths, request, images=rollout.images
-            )
+                rollout.tokens, rollout.lengths, request, images=rollout.images,
+                routes=routes,
+            )  # fmt: skip
         if student is None:
             with timer.time("old_logprobs"):
                 student = self._student_scores(rollout, method.student_request(teacher))
@@ -319,7 +327,12 @@ class Trainer:
         return torch.tensor([reward(t, a) for t, a in zip(texts, answers, strict=True)])
 
     def _targets(
-        self, rollout: Rollout, teacher: Scores, student: Scores, rewards: torch.Tensor | None
+        self,
+        rollout: Rollout,
+        teacher: Scores,
+        student: Scores,
+        rewards: torch.Tensor | None,
+        routes: torch.Tensor,
     ) -> tuple[Targets, dict[str, float]]:
         mask = rollout.response_mask
         group = self.c.student_groups.dp_cp
@@ -327,13 +340,27 @@ class Trainer:
             teacher.logprobs, student.logprobs, mask.float(), kl_clip=self.cfg.algorithm.kl_clip,
             group=group,
         )  # fmt: skip
+        teachers = self.c.teacher
+        several = len(teachers) > 1
+        per_teacher = several and self.cfg.algorithm.teacher_stats == "teacher"
         targets, extra = self.method.targets(
             StepBatch(
                 teacher, student, mask, rewards, group_size=self.params.samples_per_prompt,
                 group=group, step=self.step_count + 1, tokens=rollout.tokens,
                 teacher_written=rollout.teacher_written,
+                stat_groups=routes if per_teacher else None,
+                num_stat_groups=len(teachers) if per_teacher else 1,
             )
         )  # fmt: skip
+        if several:
+            metrics |= teacher_metrics(
+                teacher.logprobs, student.logprobs, mask, routes, teachers.names,
+                kl_clip=self.cfg.algorithm.kl_clip, group=group,
+            )  # fmt: skip
+            weights = torch.tensor(teachers.weights, dtype=targets.advantages.dtype)
+            if bool((weights != 1.0).any()):  # each teacher's share of the policy gradient
+                row_weight = weights[routes].to(targets.advantages.device)
+                targets.advantages = targets.advantages * row_weight[:, None]
         metrics |= extra | advantage_metrics(targets.advantages, mask.float(), group=group)
         return targets, metrics
 

@@ -135,8 +135,8 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     trainer.step()
     score = trainer.c.teacher.score_batch
 
-    def poisoned(tokens: torch.Tensor, lengths: torch.Tensor, request=None, images=None):  # type: ignore[no-untyped-def]
-        scores = score(tokens, lengths, request, images=images)
+    def poisoned(tokens: torch.Tensor, lengths: torch.Tensor, request=None, **kw):  # type: ignore[no-untyped-def]
+        scores = score(tokens, lengths, request, **kw)
         logprobs = scores.logprobs.clone()
         logprobs[0, int(lengths[0]) - 1] = float("nan")
         return dataclasses.replace(scores, logprobs=logprobs)

@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.algorithms.scores import distillation_scores
-from megatron_gndpo.algorithms.stats import check_same_shape, masked_values, masked_whiten
+from megatron_gndpo.algorithms.stats import (
+    check_same_shape,
+    global_sum,
+    masked_values,
+    masked_whiten,
+)
 
 # verl's GRPO default (``norm_adv_by_std_in_grpo``): keeps a zero-variance group finite.
 _GRPO_STD_EPS = 1e-6
@@ -67,6 +72,39 @@ def gndpo_advantages(
     return masked_whiten(
         c_BT, response_mask, group=group, subtract_mean=subtract_mean, divide_std=divide_std
     )
+
+
+def gndpo_advantages_by_group(
+    teacher_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    groups_B: torch.Tensor,
+    num_groups: int,
+    *,
+    kl_clip: float = 5.0,
+    group: dist.ProcessGroup | None = None,
+    subtract_mean: bool = True,
+    divide_std: bool = True,
+) -> torch.Tensor:
+    """:func:`gndpo_advantages` with the mean and std of each group of rows (``groups_B [B]``,
+    in ``[0, num_groups)``) over that group's valid tokens of the whole step batch, instead of
+    the batch's (several teachers, ``algorithm.teacher_stats: teacher``). A group with fewer
+    than two valid tokens in the batch gets advantages 0 (no statistics to whiten by).
+    One extra all-reduce (the groups' token counts), then one per group present.
+    """
+    rows = groups_B.to(response_mask.device)
+    masks = [
+        response_mask * (rows == j)[:, None].to(response_mask.dtype) for j in range(num_groups)
+    ]
+    counts = global_sum(torch.stack([m.double().sum() for m in masks]), group).tolist()
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    for mask_j, count in zip(masks, counts, strict=True):
+        if count >= 2:  # the same on every rank: the counts are global
+            out += gndpo_advantages(
+                teacher_logprobs, old_logprobs, mask_j, kl_clip=kl_clip, group=group,
+                subtract_mean=subtract_mean, divide_std=divide_std,
+            )  # fmt: skip
+    return out
 
 
 def discounted_returns(

@@ -70,6 +70,52 @@ def score_metrics(
     }
 
 
+def teacher_metrics(
+    teacher_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    routes: torch.Tensor,
+    names: Sequence[str],
+    *,
+    kl_clip: float,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Per teacher ``NAME`` of ``names``: teacher/NAME/token_frac (its share of the step's
+    valid tokens: a routing skew that starves a teacher shows here), and its rows'
+    teacher/NAME/score_mean, /score_std, /clamp_frac (as :func:`score_metrics`).
+
+    ``routes [B]``: each row's teacher index. One all-reduce for every teacher together.
+    """
+    check_kl_clip(kl_clip)
+    with torch.no_grad():
+        d_BT = raw_scores(teacher_logprobs, old_logprobs, response_mask).double()
+        c_BT = d_BT.clamp(-kl_clip, kl_clip)
+        mask_BT = response_mask.bool()
+        rows = []
+        for j in range(len(names)):
+            mine = mask_BT & (routes.to(mask_BT.device) == j)[:, None]
+            rows.append(
+                torch.stack(
+                    [
+                        mine.double().sum(),
+                        (c_BT * mine).sum(),
+                        (c_BT * c_BT * mine).sum(),
+                        (mine & (d_BT.abs() > kl_clip)).double().sum(),
+                    ]
+                )
+            )
+        totals = global_sum(torch.stack(rows), group).tolist()
+    everything = sum(row[0] for row in totals)
+    out: dict[str, float] = {}
+    for name, (n, sum_c, sum_c2, n_clamped) in zip(names, totals, strict=True):
+        mean, std = _mean_std(n, sum_c, sum_c2)
+        out[f"teacher/{name}/token_frac"] = _ratio(n, everything)
+        out[f"teacher/{name}/score_mean"] = mean
+        out[f"teacher/{name}/score_std"] = std
+        out[f"teacher/{name}/clamp_frac"] = _ratio(n_clamped, n)
+    return out
+
+
 def advantage_metrics(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,

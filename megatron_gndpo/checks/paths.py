@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_gndpo.checkpoint.dist import CheckpointError, resolve
-from megatron_gndpo.config import Config, ConfigError, save_dir
+from megatron_gndpo.config import Config, ConfigError, save_dir, teacher_sections
 
 _BUILTIN = "builtin:"
 _DATA_SUFFIXES = (".jsonl", ".parquet")
@@ -74,8 +74,8 @@ def check_paths(cfg: Config) -> None:
         _data_problem("data.train", cfg.data.train),
         _data_problem("data.eval", cfg.data.eval),
         _tokenizer_problem("data.tokenizer", cfg.data.tokenizer),
-        _tokenizer_problem("teacher.tokenizer", cfg.teacher.tokenizer),
-        _checkpoint_problem("teacher.load", cfg.teacher.load),
+        *(_tokenizer_problem(f"{k}.tokenizer", t.tokenizer) for k, t in teacher_sections(cfg)),
+        *(_checkpoint_problem(f"{k}.load", t.load) for k, t in teacher_sections(cfg)),
         _checkpoint_problem("checkpoint.init", cfg.checkpoint.init),
         _checkpoint_problem("checkpoint.load", cfg.checkpoint.load),
         _writable_problem("logging.run_dir", Path(cfg.logging.run_dir)),

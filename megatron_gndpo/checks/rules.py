@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
 from megatron_gndpo.config.loader import ConfigError
-from megatron_gndpo.config.schema import AlgorithmConfig, Config, ModelConfig, ParallelConfig
+from megatron_gndpo.config.schema import (
+    AlgorithmConfig,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    TeacherConfig,
+    teacher_sections,
+)
 from megatron_gndpo.config.vision import VisionConfig
-from megatron_gndpo.methods import method_problems
+from megatron_gndpo.methods import build_method, method_problems
 from megatron_gndpo.parallel.groups import ParallelLayout
 
 
@@ -44,11 +51,13 @@ def _positive(problems: list[str], key: str, value: float, *, strict: bool = Tru
 
 
 def _model_problems(
-    model: ModelConfig, parallel: ParallelConfig, who: str, max_tokens: int
+    model: ModelConfig, parallel: ParallelConfig, key: str | None, max_tokens: int
 ) -> list[str]:
+    """A model's problems; ``key``: its teacher section (``teacher``, ``teachers[1]``), None for
+    the student."""
     p: list[str] = []
-    section = "model" if who == "student" else "teacher.model"
-    psection = "parallel" if who == "student" else "teacher.parallel"
+    section = "model" if key is None else f"{key}.model"
+    psection = "parallel" if key is None else f"{key}.parallel"
     for name in (
         "num_layers",
         "hidden_size",
@@ -220,7 +229,7 @@ def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
     except ConfigError:
         return p  # reported with the layout problems
     batch = r.rollout_batch_size
-    if batch % teacher_dp:
+    if batch % teacher_dp and not cfg.teachers:  # several: each one's rows are padded to fit
         p.append(
             f"the rollout batch ({batch}) is not divisible by the teacher's data-parallel size "
             f"{teacher_dp} (each teacher replica scores an equal share); make it a multiple"
@@ -251,7 +260,8 @@ def _other_problems(cfg: Config) -> list[str]:
     _positive(p, "optimizer.lr", o.lr, strict=False)
     _positive(p, "optimizer.clip_grad", o.clip_grad)
     _positive(p, "optimizer.warmup_steps", o.warmup_steps, strict=False)
-    _positive(p, "teacher.temperature", cfg.teacher.temperature)
+    for key, section in teacher_sections(cfg):
+        _positive(p, f"{key}.temperature", section.temperature)
     _positive(p, "checkpoint.save_interval", cfg.checkpoint.save_interval, strict=False)
     _positive(p, "checkpoint.keep_last", cfg.checkpoint.keep_last)
     _positive(p, "logging.log_interval", cfg.logging.log_interval)
@@ -276,13 +286,53 @@ def _other_problems(cfg: Config) -> list[str]:
             f"data.vocab_size ({vocab}) exceeds model.vocab_size ({cfg.model.vocab_size}): the "
             "student has no embedding row for some token ids; check the tokenizer"
         )
-    if vocab > cfg.teacher.model.vocab_size:
+    for key, section in teacher_sections(cfg):
+        if vocab > section.model.vocab_size:
+            p.append(
+                f"{key}.model.vocab_size ({section.model.vocab_size}) is smaller than the "
+                f"vocabulary the student samples from ({vocab}): the teacher scores the "
+                "student's token ids, so both must share a tokenizer. Use a teacher of the "
+                "student's family, or, if the tokenizer really has fewer ids than the student's "
+                "embedding, set data.vocab_size to its size"
+            )
+    return p
+
+
+def _teachers_problems(cfg: Config) -> list[str]:
+    """Several teachers: names, routing values, the default, what needs a single teacher."""
+    if not cfg.teachers:
+        return []
+    p: list[str] = []
+    if cfg.teacher != TeacherConfig():
         p.append(
-            f"teacher.model.vocab_size ({cfg.teacher.model.vocab_size}) is smaller than the "
-            f"vocabulary the student samples from ({vocab}): the teacher scores the student's "
-            "token ids, so both must share a tokenizer. Use a teacher of the student's family, "
-            "or, if the tokenizer really has fewer ids than the student's embedding, set "
-            "data.vocab_size to its size"
+            "both teacher and teachers are set: with teachers, every teacher is an entry of the "
+            "list; move the teacher section into it (with a name) and remove it"
+        )
+    names = [t.name for t in cfg.teachers]
+    twice = sorted({name for name in names if name and names.count(name) > 1})
+    if twice:
+        p.append(f"teachers: the names {twice} are used more than once; names must be unique")
+    owner: dict[str, int] = {}
+    for i, t in enumerate(cfg.teachers):
+        if not t.name:
+            p.append(f"teachers[{i}].name is empty: give every teacher a name (metrics use it)")
+        _positive(p, f"teachers[{i}].weight", t.weight)
+        for value in dict.fromkeys((t.name, *t.sources)):
+            if value in owner and owner[value] != i and value not in twice:
+                p.append(
+                    f"teachers[{i}] ({t.name}) takes the routing value {value!r}, which "
+                    f"already routes to {cfg.teachers[owner[value]].name}: each value of "
+                    "data.teacher_key routes to one teacher; remove one of them"
+                )
+            owner.setdefault(value, i)
+    default = cfg.data.default_teacher
+    if default is not None and default not in names:
+        p.append(f"data.default_teacher={default!r} names no teacher; use one of {names}")
+    if build_method(cfg.algorithm).teacher_samples:
+        p.append(
+            f"algorithm.estimator={cfg.algorithm.estimator} with teacher-written prefixes "
+            "(tropd.prefix_*) samples from the teacher, which needs one teacher; use the teacher "
+            "section, or turn the prefixes off"
         )
     return p
 
@@ -313,21 +363,27 @@ def _vllm_vision_problems(cfg: Config, vision: VisionConfig) -> list[str]:
 
 def _vision_problems(cfg: Config) -> list[str]:
     """Vision-language models: both or neither, one image layout, what the VLM path supports."""
-    student, teacher = cfg.model.vision, cfg.teacher.model.vision
-    if student is None and teacher is None:
+    student = cfg.model.vision
+    teachers = [(key, t.model.vision) for key, t in teacher_sections(cfg)]
+    if student is None and all(vision is None for _, vision in teachers):
         return []
-    if student is None or teacher is None:
-        return [
-            "model.vision and teacher.model.vision must both be set (a vision-language student "
-            "and teacher) or both be null: the teacher scores the student's rows, images included"
-        ]
     p = []
     from megatron_gndpo.data.images import check_same_image_layout
 
-    try:
-        check_same_image_layout(student, teacher)
-    except ValueError as err:
-        p.append(str(err))
+    for key, teacher in teachers:
+        if student is None or teacher is None:
+            p.append(
+                f"model.vision and {key}.model.vision must both be set (a vision-language "
+                "student and teacher) or both be null: the teacher scores the student's rows, "
+                "images included"
+            )
+            continue
+        try:
+            check_same_image_layout(student, teacher)
+        except ValueError as err:
+            p.append(str(err))
+    if student is None:
+        return p
     if cfg.rollout.engine == "vllm":
         p += _vllm_vision_problems(cfg, student)
     if cfg.trainer.pack_sequences:
@@ -344,15 +400,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     With ``world_size`` the parallel layouts and batch divisibility are checked too.
     """
     max_tokens = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
-    problems = _model_problems(cfg.model, cfg.parallel, "student", max_tokens)
-    problems += _model_problems(cfg.teacher.model, cfg.teacher.parallel, "teacher", max_tokens)
+    problems = _model_problems(cfg.model, cfg.parallel, None, max_tokens)
+    for key, section in teacher_sections(cfg):
+        problems += _model_problems(section.model, section.parallel, key, max_tokens)
     if world_size is not None:
         _positive(problems, "world size", world_size)
         if world_size > 0:
-            for name, parallel in (
-                ("parallel", cfg.parallel),
-                ("teacher.parallel", cfg.teacher.parallel),
-            ):
+            layouts = [("parallel", cfg.parallel)]
+            layouts += [(f"{key}.parallel", t.parallel) for key, t in teacher_sections(cfg)]
+            for name, parallel in layouts:
                 try:
                     layout_of(parallel, world_size)
                 except ConfigError as err:
@@ -363,6 +419,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     problems += _rollout_problems(cfg, known)
     problems += _other_problems(cfg)
     problems += _vision_problems(cfg)
+    problems += _teachers_problems(cfg)
     if problems:
         lines = "\n".join(f"  - {msg}" for msg in problems)
         raise ConfigError(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")

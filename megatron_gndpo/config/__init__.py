@@ -21,11 +21,13 @@ from megatron_gndpo.config.schema import (
     DataConfig,
     LoggingConfig,
     ModelConfig,
+    NamedTeacherConfig,
     OptimizerConfig,
     ParallelConfig,
     RolloutConfig,
     TeacherConfig,
     TrainerConfig,
+    teacher_sections,
 )
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "LoggingConfig",
     "MissingExtraError",
     "ModelConfig",
+    "NamedTeacherConfig",
     "OptimizerConfig",
     "ParallelConfig",
     "RolloutConfig",
@@ -48,6 +51,7 @@ __all__ = [
     "require_package",
     "save_dir",
     "save_resolved",
+    "teacher_sections",
     "to_dict",
     "to_yaml",
 ]

@@ -25,7 +25,16 @@ from megatron_gndpo.config.schema import Config
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field: docstring}`` for a dataclass whose fields carry attribute docstrings."""
+    """``{field: docstring}`` for a dataclass whose fields carry attribute docstrings (those
+    of the dataclasses it derives from included)."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            docs |= _own_field_docs(base)
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
@@ -75,11 +84,24 @@ def _iter_nested(cls: type, value: Any, prefix: str) -> Iterator[FieldDoc]:
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from _iter_nested(tp, sub, f"{prefix}{f.name}.")
             continue
+        entry = list_entry(tp)
+        if entry is not None:  # a list of sections (teachers): the keys of one entry
+            yield from _iter_nested(entry, entry(), f"{prefix}{f.name}[].")
+            continue
         yield FieldDoc(f"{prefix}{f.name}", type_name(tp), sub, docs.get(f.name, ""))
         optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         if len(optional) == 1:  # an optional section (model.vision): its keys when it is given
             section = typing.cast(type, optional[0])
             yield from _iter_nested(section, sub or section(), f"{prefix}{f.name}.")
+
+
+def list_entry(tp: Any) -> type | None:
+    """The section type of a list-of-sections field (``tuple[Section, ...]``), else None."""
+    if typing.get_origin(tp) is tuple:
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return typing.cast(type, args[0])
+    return None
 
 
 def format_fields(width: int = 100, names: Mapping[str, Sequence[str]] | None = None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 from megatron_gndpo.config.loader import ConfigError
-from megatron_gndpo.config.schema import Config
+from megatron_gndpo.config.schema import Config, teacher_sections
 
 
 class MissingExtraError(ConfigError):
@@ -28,7 +28,9 @@ def require_package(module: str, *, what: str, extra: str, instead: str) -> None
 
 def check_environment(cfg: Config) -> None:
     """Fail clearly when the config asks for an optional package this machine lacks."""
-    for section, model in (("model", cfg.model), ("teacher.model", cfg.teacher.model)):
+    models = [("model", cfg.model)]
+    models += [(f"{key}.model", t.model) for key, t in teacher_sections(cfg)]
+    for section, model in models:
         if model.transformer_impl == "transformer_engine" or model.fp8:
             require_package(
                 "transformer_engine",

@@ -140,6 +140,21 @@ class TeacherConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NamedTeacherConfig(TeacherConfig):
+    """One of several teachers (``teachers:``): a teacher section with a name, the routing values
+    of the prompts it scores, and a weight on its rows' advantages."""
+
+    name: str = ""
+    """The teacher's name: metrics are teacher/NAME/..., data.default_teacher names one."""
+    sources: tuple[str, ...] = ()
+    """Values of the prompt field data.teacher_key routed to this teacher; empty means the
+    teacher's name alone."""
+    weight: float = 1.0
+    """Scale on the advantages of this teacher's rows (after any normalisation): its share of
+    the policy gradient relative to the other teachers'."""
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How the student samples responses."""
 
@@ -283,6 +298,11 @@ class AlgorithmConfig:
     gndpo_divide_std: bool = True
     """GNDPO: divide by the batch's standard deviation of the score; false keeps only the
     batch-mean baseline (the "baseline only" ablation, docs/methods/gndpo.md)."""
+    teacher_stats: Literal["batch", "teacher"] = "batch"
+    """With several teachers, the tokens GNDPO's mean and std are taken over: the whole step
+    batch (batch, the paper's global normalisation), or each teacher's own rows (teacher: a
+    teacher whose scores are larger or noisier no longer sets the scale of the others';
+    docs/TEACHERS.md)."""
     entropy_coef: float | None = None
     """Entropy bonus beta: the loss subtracts beta * H_t of the student; null means the
     method's default (its class's ``default_entropy_coef``: 0.001 for tgpo, as its release; 0
@@ -379,6 +399,12 @@ class DataConfig:
     image_key: str = "images"
     """With a vision model: the column holding each prompt's image(s) (a path, bytes, or a list
     of them); the prompt text marks where each image goes with <image>."""
+    teacher_key: str = "data_source"
+    """With several teachers (teachers:): the prompt field that names each row's teacher (one of
+    a teacher's name or sources); a prompt without it goes to data.default_teacher."""
+    default_teacher: str | None = None
+    """With several teachers: the teacher of prompts without data.teacher_key; null means the
+    first one listed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +461,9 @@ class Config:
     """The student's parallel layout."""
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
     """The frozen teacher."""
+    teachers: tuple[NamedTeacherConfig, ...] = ()
+    """Several frozen teachers, each prompt scored by the one data.teacher_key names
+    (docs/TEACHERS.md); empty: the one teacher of the teacher section."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """Sampling."""
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
@@ -449,3 +478,11 @@ class Config:
     """Checkpoints."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     """Logging."""
+
+
+def teacher_sections(cfg: Config) -> list[tuple[str, TeacherConfig]]:
+    """Every teacher of ``cfg`` with the config key of its section (for messages): the
+    ``teachers`` list when set, else the one ``teacher``."""
+    if cfg.teachers:
+        return [(f"teachers[{i}]", t) for i, t in enumerate(cfg.teachers)]
+    return [("teacher", cfg.teacher)]

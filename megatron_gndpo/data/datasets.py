@@ -31,6 +31,8 @@ class PromptExample:
     index: int
     where: str = dataclasses.field(default="", compare=False)
     """Where the record came from (``FILE:LINE``, ``FILE row N``), for error messages."""
+    source: str | None = None
+    """The record's routing value (data.teacher_key: which teacher scores it), None without."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,21 +111,38 @@ BUILTIN_DATASETS: dict[str, Callable[[], list[tuple[str, str]]]] = {
 """Built-in prompt sets by name (``builtin:NAME``): each returns ``(prompt, answer)`` pairs."""
 
 
+def _mixed() -> list[tuple[str, str, str]]:
+    """The arithmetic and chains training prompts together, each with its set's name as its
+    routing value: a two-teacher run on built-in data (examples/tiny_cpu_two_teachers.yaml)."""
+    return [(p, a, "arithmetic") for p, a in _arithmetic()] + [
+        (p, a, "chains") for p, a in chains.prompt_examples("train")
+    ]
+
+
+BUILTIN_ROUTED: dict[str, Callable[[], list[tuple[str, str, str]]]] = {"mixed": _mixed}
+"""Built-in prompt sets with a routing value per prompt: ``(prompt, answer, source)``."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
 
 def load_prompts(
-    spec: str, *, prompt_key: str = "prompt", answer_key: str = "answer"
+    spec: str,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    source_key: str | None = None,
 ) -> list[PromptExample]:
     """The prompts named by ``spec``: a ``.jsonl`` file, a ``.parquet`` file or ``builtin:NAME``.
 
     Each JSONL line (blank lines aside) and each Parquet row is one record; ``prompt_key`` names
     its prompt (a non-empty string), ``answer_key`` its reference answer (optional; numbers are
-    turned into text).
+    turned into text), ``source_key`` (when given) its routing value (an optional string: the
+    teacher that scores it).
     """
     if spec.startswith(BUILTIN_PREFIX):
-        return _load_builtin(spec[len(BUILTIN_PREFIX) :])
+        return _load_builtin(spec[len(BUILTIN_PREFIX) :], routed=source_key is not None)
     path = Path(spec)
     if path.suffix not in (".jsonl", ".parquet"):
         raise DataError(
@@ -137,7 +156,14 @@ def load_prompts(
         )
     records = _jsonl_records(path) if path.suffix == ".jsonl" else _parquet_records(path)
     examples = [
-        _example(record, where, prompt_key=prompt_key, answer_key=answer_key, index=index)
+        _example(
+            record,
+            where,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            index=index,
+            source_key=source_key,
+        )
         for index, (where, record) in enumerate(records)
     ]
     if not examples:
@@ -145,11 +171,17 @@ def load_prompts(
     return examples
 
 
-def _load_builtin(name: str) -> list[PromptExample]:
+def _load_builtin(name: str, *, routed: bool = False) -> list[PromptExample]:
+    """A built-in set; ``routed``: with its routing values (the others have none)."""
+    if name in BUILTIN_ROUTED:
+        return [
+            PromptExample(prompt=p, answer=a, index=i, source=source if routed else None)
+            for i, (p, a, source) in enumerate(BUILTIN_ROUTED[name]())
+        ]
     if name not in BUILTIN_DATASETS:
         raise DataError(
             f"unknown built-in prompt set 'builtin:{name}'; available: "
-            + ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_DATASETS))
+            + ", ".join(f"builtin:{n}" for n in sorted([*BUILTIN_DATASETS, *BUILTIN_ROUTED]))
         )
     pairs = BUILTIN_DATASETS[name]()
     return [PromptExample(prompt=p, answer=a, index=i) for i, (p, a) in enumerate(pairs)]
@@ -207,7 +239,13 @@ def _parquet_records(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
 
 
 def _example(
-    record: Mapping[str, Any], where: str, *, prompt_key: str, answer_key: str, index: int
+    record: Mapping[str, Any],
+    where: str,
+    *,
+    prompt_key: str,
+    answer_key: str,
+    index: int,
+    source_key: str | None = None,
 ) -> PromptExample:
     if prompt_key not in record:
         raise DataError(
@@ -223,7 +261,20 @@ def _example(
     if not prompt.strip():
         raise DataError(f"{where}: the prompt ({prompt_key!r}) is empty; remove the record")
     answer = _answer(record.get(answer_key))
-    return PromptExample(prompt=prompt, answer=answer, index=index, where=where)
+    source = None if source_key is None else routing_value(record, source_key, where)
+    return PromptExample(prompt=prompt, answer=answer, index=index, where=where, source=source)
+
+
+def routing_value(record: Mapping[str, Any], key: str, where: str) -> str | None:
+    """The record's ``key`` field (which teacher scores it): a string, or None when absent."""
+    value = record.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise DataError(
+        f"{where}: field {key!r} is a {type(value).__name__} ({value!r}), not a string; it names "
+        "the teacher that scores the prompt (data.teacher_key): write the teacher's name or "
+        "one of its sources"
+    )
 
 
 def _answer(value: Any) -> str | None:

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_gndpo.config.vision import VisionConfig
-from megatron_gndpo.data.datasets import PromptExample, check_characters, utf8_lines
+from megatron_gndpo.data.datasets import (
+    PromptExample,
+    check_characters,
+    routing_value,
+    utf8_lines,
+)
 from megatron_gndpo.data.tasks import visual
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError
@@ -49,6 +54,7 @@ class MultimodalExample:
     answer: str | None
     images: tuple[Any, ...]
     index: int
+    source: str | None = None  # the routing value (data.teacher_key), None without
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,6 +346,7 @@ def load_multimodal_prompts(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     image_key: str = "images",
+    source_key: str | None = None,
 ) -> list[MultimodalExample]:
     """Prompts with images from ``.jsonl`` (paths), ``.parquet`` (bytes) or ``builtin:visual``.
 
@@ -359,7 +366,16 @@ def load_multimodal_prompts(
         raise MissingFileError(f"prompt file {path} does not exist")
     records = _jsonl(path) if path.suffix == ".jsonl" else _parquet(path)
     examples = [
-        _example(record, where, index, prompt_key, answer_key, image_key, base=path.parent)
+        _example(
+            record,
+            where,
+            index,
+            prompt_key,
+            answer_key,
+            image_key,
+            base=path.parent,
+            source_key=source_key,
+        )
         for index, (where, record) in enumerate(records)
     ]
     if not examples:
@@ -405,6 +421,7 @@ def _example(
     image_key: str,
     *,
     base: Path,
+    source_key: str | None = None,
 ) -> MultimodalExample:
     prompt = record.get(prompt_key)
     if not isinstance(prompt, str) or not prompt.strip():
@@ -421,7 +438,8 @@ def _example(
         )
     answer = record.get(answer_key)
     text = None if answer is None else answer if isinstance(answer, str) else json.dumps(answer)
-    return MultimodalExample(prompt=prompt, answer=text, images=images, index=index)
+    source = None if source_key is None else routing_value(record, source_key, where)
+    return MultimodalExample(prompt=prompt, answer=text, images=images, index=index, source=source)
 
 
 def _image_source(item: Any, where: str, base: Path) -> str | bytes:

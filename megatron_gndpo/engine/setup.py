@@ -17,12 +17,14 @@ import torch.distributed as dist
 
 from megatron_gndpo.checkpoint.dist import load_checkpoint
 from megatron_gndpo.checks import layout_of
-from megatron_gndpo.config import Config, ConfigError, save_dir, to_dict
+from megatron_gndpo.config import Config, ConfigError, TeacherConfig, save_dir, to_dict
+from megatron_gndpo.config.schema import teacher_sections
 from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
 from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample, PromptImages
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_gndpo.engine.teacher import TeacherScorer
+from megatron_gndpo.engine.teachers import Routing, TeacherSet
 from megatron_gndpo.logging import MetricsLogger, StageTimer, build_logger
 from megatron_gndpo.methods import build_method
 from megatron_gndpo.models.gpt import build_gpt, build_teacher
@@ -38,7 +40,7 @@ class Components:
 
     cfg: Config
     student_groups: ParallelGroups
-    teacher_groups: ParallelGroups
+    teacher_groups: ParallelGroups  # the first teacher's (the only one's, usually)
     tokenizer: Tokenizer
     vocab_size: int
     student: Any  # the GPTModel shard
@@ -46,7 +48,7 @@ class Components:
     optimizer: Any
     scheduler: Any
     head: TokenLogProbs
-    teacher: TeacherScorer
+    teacher: TeacherSet  # one teacher, or several with routing
     generator: Generator  # MegatronGenerator, or VLLMGenerator (also a weight receiver)
     prompts: list[EncodedPrompt]
     eval_prompts: list[EncodedPrompt]
@@ -58,6 +60,14 @@ class Components:
     # data.outlier_train: the prompts of the outlier steps and their own sampler (else None)
     outlier_prompts: list[EncodedPrompt] = dataclasses.field(default_factory=list)
     outlier_sampler: PromptSampler | None = None
+    routing: Routing | None = None  # several teachers: which one scores each prompt
+
+    def routes(self, prompts: list[EncodedPrompt], prompt_index: torch.Tensor) -> torch.Tensor:
+        """Teacher index ``[n]`` of each rollout row (row ``i``: ``prompts[prompt_index[i]]``)."""
+        if self.routing is None:
+            return torch.zeros(prompt_index.shape, dtype=torch.long)
+        of = [self.routing.of(p.example.source, p.example.where) for p in prompts]
+        return torch.tensor([of[int(i)] for i in prompt_index], dtype=torch.long)
 
 
 def scoring_vocab(cfg: Config, tokenizer: Tokenizer) -> int:
@@ -68,7 +78,9 @@ def scoring_vocab(cfg: Config, tokenizer: Tokenizer) -> int:
             f"the tokenizer produces {tokenizer.vocab_size} ids but data.vocab_size is {vocab}; "
             "raise data.vocab_size or leave it null"
         )
-    for name, model in (("model", cfg.model), ("teacher.model", cfg.teacher.model)):
+    models = [("model", cfg.model)]
+    models += [(f"{key}.model", t.model) for key, t in teacher_sections(cfg)]
+    for name, model in models:
         if model.vocab_size < vocab:
             raise ConfigError(
                 f"{name}.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
@@ -89,10 +101,13 @@ def check_top_k(cfg: Config, vocab: int) -> None:
         )
 
 
-def check_same_tokenizer(student: Tokenizer, teacher: Tokenizer, cfg: Config) -> None:
+def check_same_tokenizer(
+    student: Tokenizer, teacher: Tokenizer, cfg: Config, key: str = "teacher"
+) -> None:
     if student.fingerprint() != teacher.fingerprint():
+        section = dict(teacher_sections(cfg)).get(key, cfg.teacher)
         raise ConfigError(
-            f"the teacher's tokenizer ({cfg.teacher.tokenizer}) differs from the student's "
+            f"{key}.tokenizer ({section.tokenizer}) differs from the student's "
             f"({cfg.data.tokenizer or 'builtin:char'}): the teacher scores the student's token "
             "ids, so both must share one vocabulary; pick a teacher of the student's family"
         )
@@ -115,8 +130,7 @@ def _build_student(cfg: Config, groups: ParallelGroups) -> Any:
     return build_vlm(cfg.model, cfg.model.vision, cfg.parallel, groups)
 
 
-def _build_teacher(cfg: Config, groups: ParallelGroups) -> Any:
-    t = cfg.teacher
+def _build_teacher(t: TeacherConfig, groups: ParallelGroups) -> Any:
     if t.model.vision is None:
         return build_teacher(t.model, t.parallel, groups)
     from megatron_gndpo.models.vlm import build_vlm_teacher
@@ -128,8 +142,11 @@ def _prompts(cfg: Config, spec: str, tokenizer: Tokenizer) -> tuple[list[Encoded
     """Encoded prompts of ``spec`` and how many were too long; with images for a vision model."""
     d, limit = cfg.data, cfg.rollout.max_prompt_length
     vision = cfg.model.vision
+    key = d.teacher_key if cfg.teachers else None  # routing values matter with several only
     if vision is None:
-        examples = load_prompts(spec, prompt_key=d.prompt_key, answer_key=d.answer_key)
+        examples = load_prompts(
+            spec, prompt_key=d.prompt_key, answer_key=d.answer_key, source_key=key
+        )
         return encode_prompts(examples, tokenizer, max_prompt_length=limit)
     from megatron_gndpo.data.images import (
         ImageLayout,
@@ -141,7 +158,11 @@ def _prompts(cfg: Config, spec: str, tokenizer: Tokenizer) -> tuple[list[Encoded
     rows = [
         encode_multimodal(example, tokenizer, layout)
         for example in load_multimodal_prompts(
-            spec, prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key
+            spec,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            image_key=d.image_key,
+            source_key=key,
         )
     ]
     encoded = [
@@ -167,24 +188,94 @@ def _prompt_images(row: Any) -> PromptImages | None:
 
 def _text_example(example: Any) -> PromptExample:
     """The prompt text and answer of a multimodal example (its images travel with the ids)."""
-    return PromptExample(example.prompt, example.answer, example.index)
+    return PromptExample(example.prompt, example.answer, example.index, source=example.source)
 
 
 def _teacher_generator(
-    cfg: Config, teacher: Any, groups: ParallelGroups, tokenizer: Tokenizer, vocab: int
+    cfg: Config,
+    t: TeacherConfig,
+    teacher: Any,
+    groups: ParallelGroups,
+    tokenizer: Tokenizer,
+    vocab: int,
 ) -> MegatronGenerator | None:
     """The teacher's own generator, for TrOPD's off-policy guidance only."""
     if not build_method(cfg.algorithm).teacher_samples:
         return None
     kind = MegatronGenerator
-    if cfg.teacher.model.vision is not None:
+    if t.model.vision is not None:
         from megatron_gndpo.rollout.multimodal import MultimodalGenerator
 
         kind = MultimodalGenerator
     return kind(
         teacher, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
-        max_sequence_length=cfg.teacher.model.max_position_embeddings,
+        max_sequence_length=t.model.max_position_embeddings,
     )  # fmt: skip
+
+
+def routing_of(cfg: Config) -> Routing | None:
+    """Which teacher scores a prompt (several teachers), from the names and sources."""
+    if not cfg.teachers:
+        return None
+    by_value: dict[str, int] = {}
+    for j, t in enumerate(cfg.teachers):
+        for value in (t.name, *t.sources):
+            by_value.setdefault(value, j)  # overlaps are refused by checks/rules.py
+    names = tuple(t.name for t in cfg.teachers)
+    default = 0 if cfg.data.default_teacher is None else names.index(cfg.data.default_teacher)
+    return Routing(names, by_value, default, key=f"data.teacher_key ({cfg.data.teacher_key})")
+
+
+def _check_routes(routing: Routing | None, *prompt_sets: list[EncodedPrompt]) -> None:
+    """Every prompt names a teacher (or none): a bad routing value fails before the models."""
+    if routing is not None:
+        for prompts in prompt_sets:
+            for p in prompts:
+                routing.of(p.example.source, p.example.where or f"prompt {p.example.index}")
+
+
+def _teachers(
+    cfg: Config,
+    student_groups: ParallelGroups,
+    tokenizer: Tokenizer,
+    vocab: int,
+    never: tuple[int, ...],
+) -> tuple[TeacherSet, ParallelGroups]:
+    """Every teacher on its own groups, with its weights loaded; the first one's groups.
+
+    Each teacher's random initialisation is seeded on its own (seed + 1 + its position), so
+    the first teacher of a list is built as the one teacher of a ``teacher`` section is.
+    """
+    world, t = dist.get_world_size(), cfg.trainer
+    scorers, first_groups = [], None
+    for j, (_, section) in enumerate(teacher_sections(cfg)):
+        name = getattr(section, "name", "teacher")
+        groups = build_groups(layout_of(section.parallel, world), name=f"teacher:{name}")
+        if first_groups is None:
+            first_groups = groups
+        torch.manual_seed(cfg.trainer.seed + 1 + j)
+        model = _build_teacher(section, groups)
+        if section.load is not None:
+            load_checkpoint(
+                section.load, model, verify=cfg.checkpoint.verify,
+                vocab_size=section.model.vocab_size,
+            )  # fmt: skip
+        head = TokenLogProbs(vocab_size=vocab, temperature=section.temperature, excluded_ids=never)
+        scorers.append(
+            TeacherScorer(
+                model,
+                groups,
+                student_groups,
+                head=head,
+                token_budget=t.scoring_token_budget,
+                pack=t.pack_sequences,
+                generator=_teacher_generator(cfg, section, model, groups, tokenizer, vocab),
+            )
+        )
+    assert first_groups is not None
+    names = [getattr(s, "name", "teacher") for _, s in teacher_sections(cfg)]
+    weights = [getattr(s, "weight", 1.0) for _, s in teacher_sections(cfg)]
+    return TeacherSet(scorers, names, weights=weights, pad_id=tokenizer.pad_id), first_groups
 
 
 def _generator(
@@ -257,11 +348,11 @@ def build_components(cfg: Config) -> Components:
     """Groups, tokenizer, data, student (+ DDP, optimizer), teacher, generator, logging."""
     world = dist.get_world_size()
     student_groups = build_student_groups(layout_of(cfg.parallel, world), seed=cfg.trainer.seed)
-    teacher_groups = build_groups(layout_of(cfg.teacher.parallel, world), name="teacher")
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if cfg.teacher.tokenizer is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.tokenizer), cfg)
+    for key, section in teacher_sections(cfg):
+        if section.tokenizer is not None:
+            check_same_tokenizer(tokenizer, load_tokenizer(section.tokenizer), cfg, key)
     vocab = scoring_vocab(cfg, tokenizer)
     check_top_k(cfg, vocab)
     # The data before the models: a malformed prompt file fails in seconds, not after a build.
@@ -272,6 +363,8 @@ def build_components(cfg: Config) -> Components:
     outlier_prompts: list[EncodedPrompt] = []
     if cfg.data.outlier_train is not None:
         outlier_prompts, _ = _prompts(cfg, cfg.data.outlier_train, tokenizer)
+    routing = routing_of(cfg)
+    _check_routes(routing, prompts, outlier_prompts)  # evaluation needs no teacher
 
     # Weights are initialised on the CPU generator (use_cpu_initialization): seed each model on
     # its own so a randomly initialised teacher does not depend on the student's layout.
@@ -284,21 +377,11 @@ def build_components(cfg: Config) -> Components:
         )
     ddp = wrap_ddp(student, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optimizer)
-    torch.manual_seed(cfg.trainer.seed + 1)
-    teacher_model = _build_teacher(cfg, teacher_groups)
-    if cfg.teacher.load is not None:
-        load_checkpoint(
-            cfg.teacher.load, teacher_model, verify=verify, vocab_size=cfg.teacher.model.vocab_size
-        )
-
     # A VLM's image placeholder is never sampled: neither model gives it probability mass, so
     # the student trains the distribution it samples from (and the teacher scores that support)
     never = never_sampled(cfg)
+    teachers, teacher_groups = _teachers(cfg, student_groups, tokenizer, vocab, never)
     head = TokenLogProbs(vocab_size=vocab, excluded_ids=never)
-    teacher_head = TokenLogProbs(
-        vocab_size=vocab, temperature=cfg.teacher.temperature, excluded_ids=never
-    )
-    t = cfg.trainer
     logs_here = dist.get_rank() == 0
     return Components(
         cfg=cfg,
@@ -311,15 +394,7 @@ def build_components(cfg: Config) -> Components:
         optimizer=optimizer,
         scheduler=_scheduler(optimizer, cfg),
         head=head,
-        teacher=TeacherScorer(
-            teacher_model,
-            teacher_groups,
-            student_groups,
-            head=teacher_head,
-            token_budget=t.scoring_token_budget,
-            pack=t.pack_sequences,
-            generator=_teacher_generator(cfg, teacher_model, teacher_groups, tokenizer, vocab),
-        ),
+        teacher=teachers,
         generator=_generator(cfg, student, student_groups, tokenizer, vocab),
         prompts=prompts,
         eval_prompts=eval_prompts,
@@ -333,4 +408,5 @@ def build_components(cfg: Config) -> Components:
         outlier_sampler=_sampler(cfg, len(outlier_prompts), student_groups)
         if cfg.data.outlier_train is not None
         else None,
+        routing=routing,
     )

@@ -50,6 +50,10 @@ class StepBatch:
     step: int  # 1-based
     tokens: torch.Tensor | None = None  # [n, S]: the sampled tokens
     teacher_written: torch.Tensor | None = None  # [n, S]: TrOPD's teacher-written prefix tokens
+    # [n]: the normalisation group of each row (algorithm.teacher_stats=teacher: its teacher);
+    # None: one group, the whole step batch
+    stat_groups: torch.Tensor | None = None
+    num_stat_groups: int = 1
 
 
 class Method(Protocol):

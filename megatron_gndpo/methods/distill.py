@@ -39,11 +39,17 @@ class GNDPO(DistillMethod):
 
     def distill(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.cfg
+        lt, lo, mask = batch.teacher.logprobs, batch.student.logprobs, batch.response_mask.float()
+        halves = {"subtract_mean": a.gndpo_subtract_mean, "divide_std": a.gndpo_divide_std}
+        if batch.stat_groups is not None:  # several teachers, each with its own statistics
+            advantages = adv.gndpo_advantages_by_group(
+                lt, lo, mask, batch.stat_groups, batch.num_stat_groups, kl_clip=a.kl_clip,
+                group=batch.group, **halves,
+            )  # fmt: skip
+            return advantages, {}
         advantages = adv.gndpo_advantages(
-            batch.teacher.logprobs, batch.student.logprobs, batch.response_mask.float(),
-            kl_clip=a.kl_clip, group=batch.group, subtract_mean=a.gndpo_subtract_mean,
-            divide_std=a.gndpo_divide_std,
-        )  # fmt: skip
+            lt, lo, mask, kl_clip=a.kl_clip, group=batch.group, **halves
+        )
         return advantages, {}
 
     def problems(self, cfg: Config, world_size: int | None) -> list[str]:

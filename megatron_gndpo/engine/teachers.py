@@ -1,0 +1,167 @@
+"""Several frozen teachers, each scoring only the rows routed to it (docs/TEACHERS.md).
+
+A prompt names its teacher in the field ``data.teacher_key`` (``data_source``-style, one of a
+teacher's name or ``sources``); a prompt without it goes to ``data.default_teacher``. Each row
+of a step is scored by its prompt's teacher alone: every rank runs the teachers one after
+another, each on its own layout (:class:`~megatron_gndpo.engine.teacher.TeacherScorer`), so at
+most one teacher's activations exist at a time. A teacher receives this rank's rows routed to
+it, padded with one-token rows to the most any rank has (a teacher replica scores an equal share
+of the step); the pad rows are dropped again and every row keeps its own teacher's scores.
+
+With one teacher, :meth:`TeacherSet.score_batch` is that teacher's, unchanged.
+
+Legend: n = rows of this student rank, S = padded positions, m = rows a teacher scores per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.data.datasets import PromptImages
+from megatron_gndpo.engine.scoring import ScoreRequest, Scores
+from megatron_gndpo.engine.teacher import TeacherScorer
+from megatron_gndpo.errors import DataError
+from megatron_gndpo.rollout.base import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Which teacher scores a prompt: teacher index by routing value, and the default's."""
+
+    names: tuple[str, ...]
+    by_value: dict[str, int]
+    default: int
+    key: str  # data.teacher_key, for messages
+
+    def of(self, source: str | None, where: str) -> int:
+        """The teacher index of a prompt whose routing value is ``source`` (None: absent)."""
+        if source is None:
+            return self.default
+        if source not in self.by_value:
+            raise DataError(
+                f"{where}: {self.key}={source!r} names no teacher; the teachers take "
+                f"{sorted(self.by_value)} (their names and sources). Add it to a teacher's "
+                "sources, or fix the record"
+            )
+        return self.by_value[source]
+
+
+class TeacherSet:
+    """The run's teachers; :meth:`score_batch` scores each row with its own teacher."""
+
+    def __init__(
+        self,
+        scorers: Sequence[TeacherScorer],
+        names: Sequence[str],
+        *,
+        weights: Sequence[float] | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        if len(scorers) != len(names) or not scorers:
+            raise ValueError(f"{len(scorers)} teachers for {len(names)} names")
+        self.scorers = list(scorers)
+        self.names = tuple(names)
+        self.weights = tuple(weights) if weights is not None else (1.0,) * len(scorers)
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.scorers)
+
+    @property
+    def only(self) -> TeacherScorer:
+        """The one teacher (what needs a single teacher: TrOPD's generation, tests)."""
+        if len(self.scorers) != 1:
+            raise ValueError(f"this run has {len(self.scorers)} teachers, not one")
+        return self.scorers[0]
+
+    @property
+    def model(self) -> Any:
+        return self.only.model
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        *,
+        images: list[PromptImages | None] | None = None,
+    ) -> list[list[int]]:
+        return self.only.generate(prompts, params, seeds, images=images)
+
+    def score_batch(
+        self,
+        tokens_nS: torch.Tensor,
+        lengths_n: torch.Tensor,
+        request: ScoreRequest | None = None,
+        images: list[torch.Tensor | None] | None = None,
+        routes: torch.Tensor | None = None,
+    ) -> Scores:
+        """:class:`Scores` ``[n, S]`` of this rank's rows, row ``i`` by teacher ``routes[i]``
+        (``routes [n]`` int64; not read with one teacher). Every rank calls it."""
+        if len(self.scorers) == 1:
+            return self.scorers[0].score_batch(tokens_nS, lengths_n, request, images)
+        if routes is None or routes.shape != lengths_n.shape:
+            raise ValueError(f"{len(self.scorers)} teachers need routes [n], got {routes}")
+        n = tokens_nS.shape[0]
+        counts = torch.bincount(routes.cpu(), minlength=len(self.scorers)).double()
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # the teachers span every rank
+        out: Scores | None = None
+        for j, scorer in enumerate(self.scorers):
+            rows = torch.nonzero(routes.cpu() == j).flatten()
+            m = _rows_per_rank(int(counts[j]), scorer)
+            if m == 0:  # no rank has a row for this teacher this step
+                continue
+            sub_tokens, sub_lengths = self._padded(tokens_nS, lengths_n, rows, m)
+            sub_request = None if request is None else _rows_of_request(request, rows, m)
+            sub_images = None
+            if images is not None:
+                sub_images = [images[int(i)] for i in rows] + [None] * (m - len(rows))
+            scores = scorer.score_batch(sub_tokens, sub_lengths, sub_request, sub_images)
+            if out is None:  # every teacher returns the same fields for the same request
+                out = scores.map(lambda t: t.new_zeros((n, *t.shape[1:])))
+            for name, value in scores.items():
+                getattr(out, name)[rows.to(value.device)] = value[: len(rows)]
+        assert out is not None, "a step batch with no rows"
+        return out
+
+    def _padded(
+        self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor, rows: torch.Tensor, m: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` of the batch, then one-token pad rows up to ``m``."""
+        width = tokens_nS.shape[1]
+        tokens = tokens_nS.new_full((m, width), self.pad_id)
+        lengths = lengths_n.new_ones(m)
+        tokens[: len(rows)] = tokens_nS[rows.to(tokens_nS.device)]
+        lengths[: len(rows)] = lengths_n[rows.to(lengths_n.device)]
+        return tokens, lengths
+
+
+def _rows_per_rank(most: int, scorer: TeacherScorer) -> int:
+    """``most`` rounded up so that the teacher's replicas split the step's rows evenly:
+    ``m · dp_student`` rows must be a multiple of the teacher's data-parallel size."""
+    if most == 0 or scorer.same_layout:
+        return most
+    dp_s, dp_t = scorer.student_groups.layout.dp, scorer.groups.layout.dp
+    step = dp_t // math.gcd(dp_s, dp_t)
+    return -(-most // step) * step
+
+
+def _rows_of_request(request: ScoreRequest, rows: torch.Tensor, m: int) -> ScoreRequest:
+    """``request`` for ``rows`` of the batch padded to ``m``: its per-row tensors sliced."""
+
+    def take(value: torch.Tensor | None) -> torch.Tensor | None:
+        if value is None:
+            return None
+        part = value.new_zeros((m, *value.shape[1:]))
+        part[: len(rows)] = value[rows.to(value.device)]
+        return part
+
+    return dataclasses.replace(
+        request, extra_ids=take(request.extra_ids), kl_hidden=take(request.kl_hidden)
+    )
