@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_gndpo.checks import validate
-from megatron_gndpo.config import load_config, save_resolved, to_yaml
+from megatron_gndpo.config import load_config, save_resolved, teacher_sections, to_yaml
 from megatron_gndpo.config.docs import format_fields
 from megatron_gndpo.errors import UserError
 from megatron_gndpo.methods import config_names
@@ -209,6 +209,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(planner.format_model_plan(student, per_rank=args.ranks))
     for teacher in planner.teacher_plans(cfg, args.world_size):
         print(planner.format_model_plan(teacher, per_rank=args.ranks))
+    for key, section in teacher_sections(cfg):
+        if section.server is not None:
+            print(
+                f"{key}: served at {section.server.url} (no weights on these ranks; its "
+                "forward runs on the server and is not in the step time below)"
+            )
     print(planner.format_memory(cfg, memory, hw))
     print("\n".join(warnings) if warnings else "every rank fits")
     step_time = planner.estimate_step_time(cfg, args.world_size, hw)

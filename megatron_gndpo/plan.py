@@ -120,18 +120,23 @@ def plan_model(name: str, model: ModelConfig, parallel: ParallelConfig, world: i
     )
 
 
-def plan(cfg: Config, world_size: int) -> tuple[ModelPlan, ModelPlan]:
-    """Plans of the student and the (first) teacher (validate the config first)."""
-    return plan_model("student", cfg.model, cfg.parallel, world_size), teacher_plans(
-        cfg, world_size
-    )[0]
+def plan(cfg: Config, world_size: int) -> tuple[ModelPlan, ModelPlan | None]:
+    """Plans of the student and the (first colocated) teacher (validate the config first)."""
+    teachers = teacher_plans(cfg, world_size)
+    student = plan_model("student", cfg.model, cfg.parallel, world_size)
+    return student, teachers[0] if teachers else None
+
+
+def colocated_teachers(cfg: Config) -> list[TeacherConfig]:
+    """The teachers whose weights live on the job's ranks (not behind a server)."""
+    return [t for _, t in teacher_sections(cfg) if t.server is None]
 
 
 def teacher_plans(cfg: Config, world_size: int) -> list[ModelPlan]:
-    """A plan per teacher, each on its own layout (several teachers: ``teacher NAME``)."""
+    """A plan per colocated teacher, each on its own layout (several: ``teacher NAME``)."""
     return [
         plan_model(_teacher_label(t), t.model, t.parallel, world_size)
-        for _, t in teacher_sections(cfg)
+        for t in colocated_teachers(cfg)
     ]
 
 
@@ -394,7 +399,7 @@ def _rollout_bytes(cfg: Config, layout: ParallelLayout, hw: Hardware, seq: int) 
 def estimate_memory(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> list[RankMemory]:
     """Per-rank memory of every (student stage, teacher stage) pair that some rank holds."""
     s_layout = layout_of(cfg.parallel, world_size)
-    teachers = [t for _, t in teacher_sections(cfg)]
+    teachers = colocated_teachers(cfg)  # a served teacher takes nothing here
     t_layouts = [layout_of(t.parallel, world_size) for t in teachers]
     seq = sequence_length(cfg)
     # A scoring micro-batch holds up to scoring_token_budget tokens, and at least one whole row.
@@ -410,15 +415,17 @@ def estimate_memory(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> 
     for stage, t_stages in pairs:
         student = _student_memory(cfg, s_layout, stage, seq)
         scoring = max(  # one model's scoring pass at a time
-            _forward_working_set(
-                cfg.model, cfg.parallel, s_layout, stage, tokens=score_tokens, seq=seq
-            ),
-            *(
+            [
                 _forward_working_set(
-                    t.model, t.parallel, t_layout, t_stage, tokens=score_tokens, seq=seq
-                )
-                for t, t_layout, t_stage in zip(teachers, t_layouts, t_stages, strict=True)
-            ),
+                    cfg.model, cfg.parallel, s_layout, stage, tokens=score_tokens, seq=seq
+                ),
+                *(
+                    _forward_working_set(
+                        t.model, t.parallel, t_layout, t_stage, tokens=score_tokens, seq=seq
+                    )
+                    for t, t_layout, t_stage in zip(teachers, t_layouts, t_stages, strict=True)
+                ),
+            ]
         )
         out.append(
             RankMemory(
@@ -471,8 +478,10 @@ def estimate_step_time(cfg: Config, world_size: int, hw: Hardware = Hardware()) 
     forward = model_flops_per_token(student, seq, training=False)
     training = model_flops_per_token(student, seq, training=True)
     # several teachers: each row is scored by one; the costliest bounds the step (all rows to it)
+    # (a served teacher's forward runs on its server: not counted)
     scoring = forward + max(
-        model_flops_per_token(t.model, seq, training=False) for _, t in teacher_sections(cfg)
+        (model_flops_per_token(t.model, seq, training=False) for t in colocated_teachers(cfg)),
+        default=0.0,
     )
     rate = world_size * hw.peak_flops * hw.mfu  # FLOP/s of the whole job
     layout = layout_of(cfg.parallel, world_size)

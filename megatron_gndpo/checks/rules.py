@@ -11,6 +11,8 @@ laptop for a cluster) does not require.
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import (
@@ -298,6 +300,74 @@ def _other_problems(cfg: Config) -> list[str]:
     return p
 
 
+def _served_problems(cfg: Config) -> list[str]:
+    """Teachers behind a server (teacher.server): what a served teacher can score."""
+    p: list[str] = []
+    method = _method(cfg)
+    for key, t in teacher_sections(cfg):
+        server = t.server
+        if server is None:
+            continue
+        if not server.url.startswith(("http://", "https://")):
+            p.append(f"{key}.server.url={server.url!r}: give the server's http:// or https:// URL")
+        for name in ("rows_per_request", "concurrency", "timeout_s", "check_tolerance"):
+            _positive(p, f"{key}.server.{name}", getattr(server, name))
+        _positive(p, f"{key}.server.retries", server.retries, strict=False)
+        if t.temperature != 1.0:
+            p.append(
+                f"{key}.temperature={t.temperature}: a served teacher's prompt log-probs are the "
+                "model's at temperature 1; set it to 1.0 or colocate the teacher"
+            )
+        if t.model.vision is not None:
+            p.append(f"{key}.server: a served teacher scores text only; colocate a VLM teacher")
+        if method is not None and method.teacher_samples:
+            p.append(
+                f"{key}.server with teacher-written prefixes (tropd.prefix_*): a served teacher "
+                "does not generate here; turn the prefixes off or colocate the teacher"
+            )
+        asked = "" if method is None else _served_request_problem(method)
+        if asked:
+            p.append(
+                f"{key}.server: algorithm.estimator={cfg.algorithm.estimator} asks the teacher "
+                f"for {asked}, which a served teacher cannot give (log-probs and top-k only); "
+                "colocate the teacher or use gndpo/opd/tgpo/tropd"
+            )
+    return p
+
+
+def _method(cfg: Config) -> Any:
+    """The config's method, or None for an unknown estimator (reported by its own rule)."""
+    try:
+        return build_method(cfg.algorithm)
+    except ValueError:
+        return None
+
+
+def _served_request_problem(method: Any) -> str:
+    """What the method's teacher request asks beyond log-probs and top-k ('' when nothing)."""
+    import torch
+
+    from megatron_gndpo.engine.scoring import Scores
+
+    one = torch.zeros(1, 1)
+    student = Scores(one, topk_ids=torch.zeros(1, 1, 1, dtype=torch.long), hidden=one[..., None])
+    request = method.teacher_request(student if method.student_first else None, 0)
+    if request is None:
+        return ""
+    asked = [
+        what
+        for what, on in (
+            ("other ids' log-probs", request.extra_ids is not None),
+            ("the entropy", request.entropy),
+            ("a full-vocabulary KL", request.full_kl),
+            ("sampled tokens", request.sample_seed is not None),
+            ("hidden states", request.hidden),
+        )
+        if on
+    ]
+    return ", ".join(asked)
+
+
 def _teachers_problems(cfg: Config) -> list[str]:
     """Several teachers: names, routing values, the default, what needs a single teacher."""
     if not cfg.teachers:
@@ -328,7 +398,8 @@ def _teachers_problems(cfg: Config) -> list[str]:
     default = cfg.data.default_teacher
     if default is not None and default not in names:
         p.append(f"data.default_teacher={default!r} names no teacher; use one of {names}")
-    if build_method(cfg.algorithm).teacher_samples:
+    method = _method(cfg)
+    if method is not None and method.teacher_samples:
         p.append(
             f"algorithm.estimator={cfg.algorithm.estimator} with teacher-written prefixes "
             "(tropd.prefix_*) samples from the teacher, which needs one teacher; use the teacher "
@@ -420,6 +491,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     problems += _other_problems(cfg)
     problems += _vision_problems(cfg)
     problems += _teachers_problems(cfg)
+    problems += _served_problems(cfg)
     if problems:
         lines = "\n".join(f"  - {msg}" for msg in problems)
         raise ConfigError(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")

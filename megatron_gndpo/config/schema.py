@@ -121,6 +121,31 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherServerConfig:
+    """A teacher served by vLLM's OpenAI-compatible server (``vllm serve``), queried for the
+    log-probs of the student's token ids (docs/TEACHERS.md)."""
+
+    url: str = "http://127.0.0.1:8000"
+    """Base URL of the server; requests go to URL/v1/completions (and URL/v1/models)."""
+    served_model: str | None = None
+    """The model name the server serves; null asks the server (URL/v1/models) for its one
+    model."""
+    rows_per_request: int = 8
+    """Sequences per completions request."""
+    concurrency: int = 4
+    """Requests in flight at once, per querying rank (one rank per student replica queries)."""
+    timeout_s: float = 300.0
+    """Seconds one request may take before it is retried."""
+    retries: int = 3
+    """Further attempts of a request that failed (connection error, timeout, HTTP 5xx), with
+    doubling back-off from 1 s; then the step stops with an error naming the URL."""
+    check_tolerance: float = 1e-3
+    """Start-up self-test: the largest difference allowed between two scorings of a probe
+    sequence (replicas must agree) and, with teacher.load set, between the server's and the
+    local teacher's log-probs of it."""
+
+
+@dataclasses.dataclass(frozen=True)
 class TeacherConfig:
     """The frozen teacher: its own architecture, layout and weights, scoring the student's ids."""
 
@@ -137,6 +162,10 @@ class TeacherConfig:
     tokenizer: str | None = None
     """The teacher's tokenizer when it ships its own; it must equal the student's (checked at
     start-up). null means data.tokenizer."""
+    server: TeacherServerConfig | None = None
+    """A teacher served by vLLM instead of built on the job's ranks (docs/TEACHERS.md): its
+    model section still gives the vocabulary; load, when set, is only the start-up self-test's
+    local reference. null: the teacher is colocated."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, loa
 from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample, PromptImages
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
+from megatron_gndpo.engine.served_teacher import ServedTeacher
 from megatron_gndpo.engine.teacher import TeacherScorer
 from megatron_gndpo.engine.teachers import Routing, TeacherSet
 from megatron_gndpo.logging import MetricsLogger, StageTimer, build_logger
@@ -247,12 +248,18 @@ def _teachers(
     the first teacher of a list is built as the one teacher of a ``teacher`` section is.
     """
     world, t = dist.get_world_size(), cfg.trainer
-    scorers, first_groups = [], None
+    scorers: list[Any] = []
+    first_groups = None
     for j, (_, section) in enumerate(teacher_sections(cfg)):
         name = getattr(section, "name", "teacher")
         groups = build_groups(layout_of(section.parallel, world), name=f"teacher:{name}")
         if first_groups is None:
             first_groups = groups
+        if section.server is not None and section.load is None:
+            served = ServedTeacher(section.server, student_groups, name=name)
+            served.self_test(vocab)
+            scorers.append(served)
+            continue
         torch.manual_seed(cfg.trainer.seed + 1 + j)
         model = _build_teacher(section, groups)
         if section.load is not None:
@@ -261,17 +268,18 @@ def _teachers(
                 vocab_size=section.model.vocab_size,
             )  # fmt: skip
         head = TokenLogProbs(vocab_size=vocab, temperature=section.temperature, excluded_ids=never)
-        scorers.append(
-            TeacherScorer(
-                model,
-                groups,
-                student_groups,
-                head=head,
-                token_budget=t.scoring_token_budget,
-                pack=t.pack_sequences,
-                generator=_teacher_generator(cfg, section, model, groups, tokenizer, vocab),
-            )
-        )
+        scorer = TeacherScorer(
+            model, groups, student_groups, head=head, token_budget=t.scoring_token_budget,
+            pack=t.pack_sequences,
+            generator=_teacher_generator(cfg, section, model, groups, tokenizer, vocab),
+        )  # fmt: skip
+        if section.server is not None:  # the local weights are the self-test's reference only
+            served = ServedTeacher(section.server, student_groups, name=name)
+            served.self_test(vocab, reference=scorer)
+            del scorer, model  # freed: the served teacher scores from now on
+            scorers.append(served)
+            continue
+        scorers.append(scorer)
     assert first_groups is not None
     names = [getattr(s, "name", "teacher") for _, s in teacher_sections(cfg)]
     weights = [getattr(s, "weight", 1.0) for _, s in teacher_sections(cfg)]
