@@ -517,6 +517,10 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
+def _teacher_part(r: RankMemory) -> str:
+    return f" / teacher stage {r.teacher_stage}" if r.teacher_stages else ""
+
+
 def fit_warnings(rows: list[RankMemory], hw: Hardware) -> list[str]:
     """One WARNING line per (student stage, teacher stage) whose peak exceeds the usable memory."""
     out = []
@@ -529,7 +533,7 @@ def fit_warnings(rows: list[RankMemory], hw: Hardware) -> list[str]:
         }  # fmt: skip
         biggest = max(parts, key=lambda name: parts[name])
         out.append(
-            f"WARNING: ranks of student stage {r.stage} / teacher stage {r.teacher_stage} need "
+            f"WARNING: ranks of student stage {r.stage}{_teacher_part(r)} need "
             f"{_gib(r.peak)} GiB at their {r.peak_phase} peak, more than the "
             f"{_gib(hw.usable_bytes)} GiB usable of a {hw.gpu_memory_gib:g} GiB GPU; the largest "
             f"part is {biggest} ({_gib(parts[biggest])} GiB): {_FIXES[biggest]}"
@@ -550,7 +554,8 @@ def format_memory(cfg: Config, rows: list[RankMemory], hw: Hardware) -> str:
     ]
     for r in rows:
         lines.append(
-            f"  {f'{r.stage}/{r.teacher_stage}':>9} | {_gib(r.weights):>7} {_gib(r.grads):>6} "
+            f"  {f'{r.stage}/{r.teacher_stage}' if r.teacher_stages else f'{r.stage}/-':>9} | "
+            f"{_gib(r.weights):>7} {_gib(r.grads):>6} "
             f"{_gib(r.optimizer):>6} {_gib(r.teacher_weights):>7} | {_gib(r.rollout):>7} "
             f"{_gib(r.scoring):>7} {_gib(r.training):>8} | {_gib(r.peak):>6}  {r.peak_phase}"
         )
