@@ -448,7 +448,7 @@ class Trainer:
         save_checkpoint(
             self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
             extra=run_state(self._run_state()), keep_last=self.cfg.checkpoint.keep_last,
-            run_id=self.run_id, model_config=self.cfg.model,
+            run_id=self.run_id, model_config=self.cfg.model, tokenizer=self.cfg.data.tokenizer,
         )  # fmt: skip
 
     def _say(self, message: str) -> None:

@@ -3,7 +3,10 @@ Qwen2, Qwen3 and Llama models (2 layers, hidden 64, vocabulary 1000, untied, fp3
 
 - HF -> Bridge (``to_megatron_provider`` + ``save_megatron_model``) -> our teacher: the checkpoint
   Bridge writes (its tracker, 1000 embedding rows) loads through ``load_checkpoint`` (padded to
-  our 1024 rows) and scores transformers' log-probs within ``LOGP_TOL``;
+  our 1024 rows) and scores transformers' log-probs within ``LOGP_TOL``; our ``convert
+  mcore-to-hf`` exports it with no ``--model-config`` (the architecture from Bridge's
+  ``run_config.yaml``): every tensor equal to the source, transformers' log-probs within
+  ``LOGP_TOL``;
 - HF -> ours (``convert hf-to-mcore``) -> Bridge ``AutoBridge.export_ckpt`` -> HF: every tensor
   equal to our own ``convert mcore-to-hf`` export and to the source.
 
@@ -95,18 +98,29 @@ def _teacher_logprobs(
     return logits[..., :VOCAB].double().log_softmax(-1)
 
 
-def _hf_logprobs(work: Path, tokens: torch.Tensor) -> torch.Tensor:
+def _hf_logprobs(work: Path, tokens: torch.Tensor, name: str = "hf") -> torch.Tensor:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(work / name, dtype=torch.float32)
     with torch.no_grad():
         return hf.eval()(input_ids=tokens).logits.double().log_softmax(-1)
 
 
-def test_bridge_import_loads_as_our_teacher(hf_model: Path) -> None:
+@pytest.fixture(scope="module")
+def bridge_ckpt(hf_model: Path) -> Path:
+    """The HF model imported by Bridge and saved as its Megatron checkpoint in WORK/bridge_ckpt
+    (``save_megatron_model``: its trackers, ``run_config.yaml``, 1000 embedding rows)."""
     _bridge(hf_model, "import")
-    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    ckpt = str(hf_model / "bridge_ckpt")
+    return hf_model / "bridge_ckpt"
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def test_bridge_import_loads_as_our_teacher(hf_model: Path, bridge_ckpt: Path) -> None:
+    tokens = _tokens()
+    ckpt = str(bridge_ckpt)
     [ours] = run_distributed(
         _teacher_logprobs, 1, args=(str(hf_model), ckpt, tokens), timeout_s=300
     )
@@ -142,3 +156,28 @@ def test_bridge_exports_our_checkpoint(hf_model: Path) -> None:
     differ = [k for k in source if not torch.equal(bridge[k], ours[k])]
     assert not differ, f"Bridge's export of our checkpoint differs from ours in {differ}"
     assert all(torch.equal(bridge[k], source[k]) for k in source)
+
+
+def _export_with_our_cli(rank: int, world: int, ckpt: str, out: str) -> None:
+    from megatron_gndpo.checkpoint import convert_cli
+
+    convert_cli.mcore_to_hf_main(["--mcore-dir", ckpt, "--out", out])
+
+
+def test_our_export_of_a_bridge_checkpoint(hf_model: Path, bridge_ckpt: Path) -> None:
+    """`convert mcore-to-hf` on Bridge's checkpoint, no --model-config: the architecture from its
+    run_config.yaml, the family from the HF model it names (hf_model_id)."""
+    from safetensors.torch import load_file
+
+    assert not (bridge_ckpt / "model_config.yaml").exists()  # nothing of ours to read
+    out = hf_model / "ours_export_of_bridge"
+    run_distributed(_export_with_our_cli, 1, args=(str(bridge_ckpt), str(out)), timeout_s=300)
+    source = load_file(hf_model / "hf" / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
+    assert set(exported) == set(source)
+    differ = [k for k in source if not torch.equal(exported[k], source[k])]
+    assert not differ, f"our export of Bridge's checkpoint differs from the source in {differ}"
+    tokens = _tokens()
+    diff = (_hf_logprobs(hf_model, tokens, out.name) - _hf_logprobs(hf_model, tokens)).abs().max()
+    print(f"{hf_model.name}: Bridge checkpoint -> our export vs the source, max |dlogp| {diff:.3g}")
+    assert diff.item() < LOGP_TOL

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.checkpoint import hf_mapping
+from megatron_gndpo.checkpoint import foreign_config, hf_mapping, interop
 from megatron_gndpo.checkpoint.dist import (
     MODEL_CONFIG_FILE,
     load_checkpoint,
@@ -203,7 +203,8 @@ def convert_hf_to_mcore(
     if rank() == 0:
         out_root.mkdir(parents=True, exist_ok=True)
     barrier()
-    save_checkpoint(out_root, 0, net, model_config=model)
+    # Megatron-LM's args name the source's tokenizer, when it has one
+    save_checkpoint(out_root, 0, net, model_config=model, tokenizer=str(hf_dir))
     if rank() == 0:
         describe_checkpoints(out_root, model)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
@@ -212,21 +213,36 @@ def convert_hf_to_mcore(
     return model
 
 
-def read_model_config(mcore_root: str | Path) -> ModelConfig:
-    """The ``model_config.yaml`` written beside a converted checkpoint."""
+def read_model_config(mcore_root: str | Path, step: Path | None = None) -> ModelConfig:
+    """The architecture of a checkpoint: the ``model_config.yaml`` written beside it, else (a
+    checkpoint of Megatron-Bridge or Megatron-LM) what step directory ``step`` says in that
+    tool's form (``checkpoint/foreign_config.py``)."""
     from megatron_gndpo.config.loader import build, read_yaml
 
     path = Path(mcore_root) / MODEL_CONFIG_FILE
-    if not path.is_file():
-        raise MissingFileError(
-            f"no {MODEL_CONFIG_FILE} in {mcore_root}: pass the ModelConfig the checkpoint was "
-            "trained with (the model section of the run's config.yaml)"
+    if path.is_file():
+        return build(ModelConfig, read_yaml(path), prefix="model.")
+    found = foreign_config.read_model_config(step) if step is not None else None
+    if found is None:
+        theirs = (
+            f", and {step} has neither Megatron-Bridge's {interop.BRIDGE_RUN_CONFIG} nor "
+            "Megatron-LM's args in its common state"
+            if step is not None
+            else ""
         )
-    return build(ModelConfig, read_yaml(path), prefix="model.")
+        raise MissingFileError(
+            f"no {MODEL_CONFIG_FILE} in {mcore_root}{theirs}: pass the ModelConfig the "
+            "checkpoint was trained with (--model-config FILE: the model section of the run's "
+            "config.yaml)"
+        )
+    return found
 
 
-def source_hf_config(base: Path, tokenizer_dir: Path | None) -> dict[str, Any] | None:
-    """The source model's config.json: saved beside the checkpoint, or in the tokenizer dir."""
+def source_hf_config(
+    base: Path, tokenizer_dir: Path | None, step: Path | None = None
+) -> dict[str, Any] | None:
+    """The source model's config.json: saved beside the checkpoint, in the tokenizer dir, or
+    (a Megatron-Bridge import of step ``step``) in the Hugging Face directory it came from."""
     candidates = [base / HF_CONFIG_FILE]
     if tokenizer_dir is not None:
         candidates.append(tokenizer_dir / "config.json")
@@ -234,7 +250,7 @@ def source_hf_config(base: Path, tokenizer_dir: Path | None) -> dict[str, Any] |
         if candidate.is_file():
             data = json.loads(candidate.read_text())
             return data if isinstance(data, dict) else None
-    return None
+    return foreign_config.source_hf_config(step) if step is not None else None
 
 
 def source_dtype(step: Path, model: ModelConfig) -> Dtype:
@@ -329,7 +345,9 @@ def convert_mcore_to_hf(
 
     Meant for one process (a larger world loads the full model on every rank; rank 0 writes).
     ``model`` defaults to the checkpoint's ``model_config.yaml`` and ``family`` to the source
-    ``config.json``'s model_type (both written by :func:`convert_hf_to_mcore`); tokenizer files
+    ``config.json``'s model_type (both written by :func:`convert_hf_to_mcore`); for a checkpoint
+    Megatron-Bridge or Megatron-LM wrote, to what its ``run_config.yaml`` or saved ``args`` say
+    (and the ``config.json`` of the HF model Bridge imported, when still there); tokenizer files
     come from ``tokenizer_dir`` or, by default, from beside the checkpoint. ``dtype`` defaults
     to the one the weights were saved in (:func:`source_dtype`). A missing or corrupt checkpoint
     is a ``CheckpointError``. Returns ``out_dir``.
@@ -340,12 +358,12 @@ def convert_mcore_to_hf(
     step = resolve(mcore_root)  # a CheckpointError before anything is built
     # The checkpoint root (beside which conversion wrote its config and tokenizer files).
     base = Path(mcore_root) if step != Path(mcore_root) else step.parent
-    model = model if model is not None else read_model_config(base)
+    model = model if model is not None else read_model_config(base, step)
     # Built in the saved dtype, so the load is exact and only the export casts.
     model = dataclasses.replace(model, params_dtype=source_dtype(step, model))
     dtype = dtype or model.params_dtype
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    source = source_hf_config(base, tok_dir)
+    source = source_hf_config(base, tok_dir, step)
     if family is None:  # the source's config.json, else the model config's own family
         family = (source or {}).get("model_type") or model.family
         if family is None:

@@ -8,8 +8,10 @@
 
 hf-to-mcore: every rank builds and fills its own shard; the checkpoint loads at any TP/PP.
 mcore-to-hf: one process; the architecture comes from the checkpoint's model_config.yaml
-(written by hf-to-mcore and by training) unless --model-config names a YAML file holding a
-ModelConfig or a whole run config (its ``model`` section is used). The weights keep the dtype
+(written by hf-to-mcore and by training), for a checkpoint of Megatron-Bridge or Megatron-LM from
+its step's run_config.yaml or saved args (``checkpoint/foreign_config.py``), unless
+--model-config names a YAML file holding a ModelConfig or a whole run config (its ``model``
+section is used). The weights keep the dtype
 they were saved in unless ``--dtype`` casts them. With ``--fp8-out`` the export is then
 quantized to FP8 by ModelOpt (``checkpoint/export_fp8.py``).
 
@@ -94,7 +96,11 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
         "saved in)",
     )  # fmt: skip
     parser.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here")
-    parser.add_argument("--model-config", default=None, help="YAML file with the ModelConfig")
+    parser.add_argument(
+        "--model-config", default=None,
+        help="YAML file with the ModelConfig (default: the checkpoint's model_config.yaml, or "
+        "what Megatron-Bridge's run_config.yaml / Megatron-LM's saved args in the step say)",
+    )  # fmt: skip
     parser.add_argument(
         "--vision-config", default=None,
         help="YAML file with the VisionConfig: export a VLM as InternVL (default: when the "

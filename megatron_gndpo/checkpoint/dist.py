@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.checkpoint import interop
+from megatron_gndpo.checkpoint import foreign_config, interop
 from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
 from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.errors import UserError
@@ -320,13 +320,15 @@ def save_checkpoint(
     keep_last: int | None = None,
     run_id: str | None = None,
     model_config: ModelConfig | None = None,
+    tokenizer: str | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) at ``step`` under ``root`` on every rank; atomic.
 
     ``extra`` (JSON-serialisable: data position, RNG seeds, metrics) is stored beside the tensors;
     ``run_id`` names the run, whose own older steps beyond ``keep_last`` are then deleted.
     ``model_config`` (a text model's) also writes what Megatron-LM and Megatron-Bridge need to
-    load the weights: their ``args`` and ``run_config.yaml`` (``checkpoint/interop.py``).
+    load the weights: their ``args`` and ``run_config.yaml`` (``checkpoint/interop.py``);
+    ``tokenizer`` (``data.tokenizer``) adds Megatron-LM's tokenizer arguments to the ``args``.
     Raises :class:`CheckpointError`, writing nothing, when a weight or optimizer value is not
     finite or ``root`` holds this step from another run. Returns the final step directory.
     """
@@ -350,8 +352,9 @@ def save_checkpoint(
     tp, pp = _tp_pp(model)
     text_model = model_config if model_config is not None and model_config.vision is None else None
     # Megatron-LM's entries of the common state (args, iteration, checkpoint_version)
-    sharded.update(interop.megatron_lm_common(text_model, step=step, tp=tp, pp=pp,
-                                              world_size=world_size()))  # fmt: skip
+    sharded.update(interop.megatron_lm_common(
+        text_model, step=step, tp=tp, pp=pp, world_size=world_size(), tokenizer=tokenizer
+    ))  # fmt: skip
     dist_checkpointing.save(sharded, str(tmp), content_metadata=_OPTIMIZER_METADATA)
     barrier()
     if rank() == 0:  # before the checksums: they cover these too
@@ -524,10 +527,7 @@ def load_checkpoint(
     ours = (directory / _META).is_file()
     meta = read_meta(directory) if ours else _foreign_meta(directory)
     if optimizer is not None and not meta.get("has_optimizer"):
-        raise CheckpointError(
-            f"{directory} holds no optimizer state (a model-only checkpoint, e.g. converted from "
-            "Hugging Face); load it as initial weights, not as a resume point"
-        )
+        raise CheckpointError(_not_a_resume_point(directory, foreign=not ours))
     meta["verified"] = verify_step(directory) if verify and ours else False
     sharded = {"model": _model_state(model)}
     _check_vocab_rows(directory, sharded["model"], vocab_size)
@@ -568,6 +568,22 @@ def load_checkpoint(
             f"{directory} holds non-finite values (NaN or inf) in {_shown(bad)}"
         )
     return meta
+
+
+def _not_a_resume_point(directory: Path, *, foreign: bool) -> str:
+    """Why a step without our optimizer state cannot be resumed from, and what to do instead."""
+    if foreign:
+        tool = foreign_config.written_by(directory)
+        return (
+            f"{directory} was written by {tool}, not by megatron-gndpo: its optimizer state (if "
+            f"it saved one) is not in this project's layout, so a run cannot resume from it; to "
+            f"start from its weights with a fresh optimizer, set checkpoint.init={directory} "
+            "instead of checkpoint.load"
+        )
+    return (
+        f"{directory} holds no optimizer state (a model-only checkpoint, e.g. converted from "
+        "Hugging Face); load it as initial weights, not as a resume point"
+    )
 
 
 def _check_vocab_rows(

@@ -8,8 +8,10 @@ Megatron-LM (``megatron/training/checkpointing.py``)
     ``latest_checkpointed_iteration.txt`` at the root: the step as text (``read_metadata``).
     In the step's common state (``dist_checkpointing.load_common_state_dict``): ``args`` (an
     ``argparse.Namespace``; ``load_args_from_checkpoint`` and ``check_checkpoint_args`` read the
-    architecture and layout fields of :func:`megatron_lm_args`), ``checkpoint_version`` (3.0)
-    and ``iteration``; the save's ``content_metadata`` (``load_content_metadata``).
+    architecture and layout fields of :func:`megatron_lm_args`, ``build_tokenizer`` its
+    ``tokenizer_type`` / ``tokenizer_model`` when the run's tokenizer is one Megatron-LM has),
+    ``checkpoint_version`` (3.0) and ``iteration``; the save's ``content_metadata``
+    (``load_content_metadata``).
     ``no_save_optim`` / ``no_save_rng`` are true: our optimizer state and RNG are not in its
     layout, so a plain ``--load`` takes the weights and starts a fresh optimizer.
 
@@ -21,12 +23,15 @@ Megatron-Bridge (``megatron/bridge/training/checkpointing.py``, ``utils/checkpoi
     built by ``AutoBridge.load_megatron_model`` / ``export_ckpt``; resuming reads
     ``model.tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` and
     ``checkpoint.save_rng`` / ``save_optim`` / ``fully_parallel_save``.
+
+Reading these back (a checkpoint one of those tools wrote): ``checkpoint/foreign_config.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +45,41 @@ BRIDGE_TRAIN_STATE = "train_state.pt"
 BRIDGE_RUN_CONFIG = "run_config.yaml"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current one (generate_state_dict)
 _BRIDGE_PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+# What AutoTokenizer.from_pretrained (Megatron-LM's HuggingFaceTokenizer) needs in a directory.
+_HF_TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json")
+
+
+def megatron_lm_tokenizer_args(tokenizer: str | None) -> dict[str, str]:
+    """Megatron-LM's ``tokenizer_type`` / ``tokenizer_model`` for our ``data.tokenizer``: a
+    Hugging Face directory is its ``HuggingFaceTokenizer``, a SentencePiece ``.model`` file its
+    ``GPTSentencePieceTokenizer`` (the decoder one: the file's own special tokens, none added).
+    Empty for the built-in tokenizer, none, or a directory without a tokenizer (a model's
+    without one): Megatron-LM has no equivalent. The path is made absolute (Megatron-LM
+    resolves it from its own working directory)."""
+    if tokenizer is None or tokenizer.startswith("builtin:"):
+        return {}
+    if tokenizer.endswith(".model"):
+        kind = "GPTSentencePieceTokenizer"
+    elif any((Path(tokenizer) / name).is_file() for name in _HF_TOKENIZER_MARKERS):
+        kind = "HuggingFaceTokenizer"
+    else:
+        return {}
+    return {"tokenizer_type": kind, "tokenizer_model": os.path.abspath(tokenizer)}
 
 
 def megatron_lm_args(
-    model: ModelConfig, *, step: int, tp: int, pp: int, world_size: int
+    model: ModelConfig,
+    *,
+    step: int,
+    tp: int,
+    pp: int,
+    world_size: int,
+    tokenizer: str | None = None,
 ) -> argparse.Namespace:
-    """Megatron-LM's ``args`` for a checkpoint of ``model`` saved at TP=``tp``, PP=``pp``."""
+    """Megatron-LM's ``args`` for a checkpoint of ``model`` saved at TP=``tp``, PP=``pp``; with
+    the run's ``tokenizer`` (``data.tokenizer``), also its tokenizer arguments."""
     return argparse.Namespace(
+        **megatron_lm_tokenizer_args(tokenizer),
         # architecture (load_args_from_checkpoint, check_checkpoint_args)
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -101,12 +134,20 @@ def megatron_lm_args(
 
 
 def megatron_lm_common(
-    model: ModelConfig | None, *, step: int, tp: int, pp: int, world_size: int
+    model: ModelConfig | None,
+    *,
+    step: int,
+    tp: int,
+    pp: int,
+    world_size: int,
+    tokenizer: str | None = None,
 ) -> dict[str, Any]:
     """The entries Megatron-LM reads from a step's common state (``args`` needs ``model``)."""
     common: dict[str, Any] = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": step}
     if model is not None:
-        common["args"] = megatron_lm_args(model, step=step, tp=tp, pp=pp, world_size=world_size)
+        common["args"] = megatron_lm_args(
+            model, step=step, tp=tp, pp=pp, world_size=world_size, tokenizer=tokenizer
+        )
     return common
 
 
