@@ -348,24 +348,12 @@ def _served_request_problem(method: Any) -> str:
     import torch
 
     from megatron_gndpo.engine.scoring import Scores
+    from megatron_gndpo.engine.served_teacher import unsupported_asks
 
     one = torch.zeros(1, 1)
     student = Scores(one, topk_ids=torch.zeros(1, 1, 1, dtype=torch.long), hidden=one[..., None])
     request = method.teacher_request(student if method.student_first else None, 0)
-    if request is None:
-        return ""
-    asked = [
-        what
-        for what, on in (
-            ("other ids' log-probs", request.extra_ids is not None),
-            ("the entropy", request.entropy),
-            ("a full-vocabulary KL", request.full_kl),
-            ("sampled tokens", request.sample_seed is not None),
-            ("hidden states", request.hidden),
-        )
-        if on
-    ]
-    return ", ".join(asked)
+    return ", ".join(unsupported_asks(request))
 
 
 def _teachers_problems(cfg: Config) -> list[str]:

@@ -275,11 +275,12 @@ class ServedTeacher:
         raise TeacherServerError(next(m for m in messages if m))
 
 
-def _top_k_of(request: ScoreRequest | None) -> int:
-    """The top-k a served teacher can give; anything else a method asks is refused."""
+def unsupported_asks(request: ScoreRequest | None) -> list[str]:
+    """What ``request`` asks of a teacher beyond log-probs and the top-k (a served teacher's
+    limit; also read by checks/rules.py at validation)."""
     if request is None:
-        return 0
-    unsupported = [
+        return []
+    return [
         what
         for what, asked in (
             ("other ids' log-probs (extra_ids)", request.extra_ids is not None),
@@ -290,12 +291,17 @@ def _top_k_of(request: ScoreRequest | None) -> int:
         )
         if asked
     ]
+
+
+def _top_k_of(request: ScoreRequest | None) -> int:
+    """The top-k a served teacher can give; anything else a method asks is refused."""
+    unsupported = unsupported_asks(request)
     if unsupported:
         raise TeacherServerError(
             f"this method asks the teacher for {', '.join(unsupported)}, which a served teacher "
             "cannot give (only log-probs and the top-k); colocate the teacher"
         )
-    return request.top_k
+    return 0 if request is None else request.top_k
 
 
 def _row_scores(
