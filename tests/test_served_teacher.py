@@ -116,7 +116,38 @@ def _score_cases(rank: int, world: int, urls: dict[str, str]) -> dict[str, Any]:
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
 
     groups = build_student_groups(ParallelLayout(world, tp=world))
-    return {name: _score(groups, urls[name], k, settings) for name, _, k, settings in CASES}
+    out = {name: _score(groups, urls[name], k, settings) for name, _, k, settings in CASES}
+    out["reference"] = _self_test_against_a_wider_reference(groups, urls["reference"])
+    return out
+
+
+def _self_test_against_a_wider_reference(student_groups: Any, url: str) -> str:
+    """The start-up self-test with a local reference (teacher.load) on a layout whose data-
+    parallel size exceeds the student's (student TP=2, reference TP=1 on 2 ranks): each
+    reference replica must still receive probe rows. The reference is a random tiny teacher,
+    so it disagrees with the stand-in's log-probs and the test must say so."""
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.config.schema import ParallelConfig, TeacherServerConfig
+    from megatron_gndpo.engine.served_teacher import ServedTeacher, TeacherServerError
+    from megatron_gndpo.engine.teacher import TeacherScorer
+    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_groups
+    from tests.tiny import tiny_model
+
+    groups = build_groups(ParallelLayout(student_groups.layout.world_size, tp=1))
+    model = build_teacher(tiny_model(vocab_size=32), ParallelConfig(), groups)
+    reference = TeacherScorer(
+        model, groups, student_groups, head=TokenLogProbs(32), token_budget=256, pack=False
+    )
+    served = ServedTeacher(TeacherServerConfig(url=url), student_groups, name="math")
+    try:
+        served.self_test(32, reference=reference)
+    except TeacherServerError as err:
+        return str(err)
+    return "no error"
 
 
 def _score(groups: Any, url: str, top_k: int, server: dict[str, Any]) -> Any:
@@ -144,6 +175,7 @@ def _score(groups: Any, url: str, top_k: int, server: dict[str, Any]) -> Any:
 def scored(server: Any) -> tuple[dict[str, str], list[dict[str, Any]]]:
     urls = {name: _url(server, mode) for name, mode, _, _ in CASES if mode is not None}
     urls["down"] = f"http://127.0.0.1:{_closed_port()}"
+    urls["reference"] = _url(server, "reference")
     return urls, run_distributed(_score_cases, 2, (urls,), timeout_s=240)
 
 
@@ -183,6 +215,15 @@ def test_server_faults_stop_every_rank_with_one_clear_error(
         assert error.startswith(f"the server of teacher math at {urls[case]}: "), error
         assert message in error, error
     assert errors[0] == errors[1]
+
+
+def test_self_test_compares_with_a_reference_on_a_wider_layout(
+    scored: tuple[dict[str, str], list[dict[str, Any]]],
+) -> None:
+    # every rank reaches the comparison (no rank is left without probe rows) and reports it
+    errors = [r["reference"] for r in scored[1]]
+    assert errors[0] == errors[1], errors
+    assert "away from the local teacher (teacher.load) on the probe" in errors[0], errors[0]
 
 
 def test_transient_failures_are_retried(

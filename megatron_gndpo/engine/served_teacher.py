@@ -164,8 +164,12 @@ class ServedTeacher:
         scorer of the same weights: its ``score_batch``) compare with it too. Every rank calls
         it; returns the measured differences."""
         ids = probe_ids(vocab_size)
-        tokens = torch.tensor([ids])
-        lengths = torch.tensor([len(ids)])
+        # Every rank scores the probe; a reference on another layout receives this rank's rows
+        # times student DP / its own DP, so each rank sends as many copies as the reference
+        # has replicas (one row would leave a larger-DP reference's replicas with none).
+        rows = 1 if reference is None else reference.groups.layout.dp
+        tokens = torch.tensor([ids] * rows)
+        lengths = torch.tensor([len(ids)] * rows)
         first = self.score_batch(tokens, lengths).logprobs
         second = self.score_batch(tokens, lengths).logprobs
         out = {"replicas": float((first - second).abs().max())}
