@@ -84,7 +84,7 @@ def test_expert_grid_follows_megatrons_order() -> None:
     assert (cp.dp, cp.edp) == (4, 2) and cp.groups(("ep",))[0] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match=r"expert_parallel \(3\) must divide"):
         ParallelLayout(8, tp=2, ep=3)
-    with pytest.raises(ValueError, match="one grid"):
+    with pytest.raises(ValueError, match="mix the dense grid"):
         lay.groups(("dp", "ep"))
     assert "EP=2 EDP=2" in lay.describe()
 
@@ -275,3 +275,23 @@ def test_tiny_moe_example_trains_at_ep2_beside_an_ep1_teacher(tmp_path: Path) ->
         for step in r["steps"]:
             assert step["moe/load_balancing_loss"] > 0 and step["moe/z_loss"] > 0, step
             assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]), step
+
+
+def test_plan_counts_expert_params_per_rank_divided_by_ep() -> None:
+    from megatron_gndpo.plan import estimate_memory, format_model_plan, plan, stage_expert_params
+
+    cfg = load_config(EXAMPLE, ["model.num_layers=4", "model.moe_layer_pattern=[1,0,1,0]"])
+    model = cfg.model
+    experts_ep1 = stage_expert_params(model, ParallelLayout(2), 0)
+    experts_ep2 = stage_expert_params(model, ParallelLayout(2, ep=2), 0)
+    # 2 MoE layers x 4 experts x (fc1 2x64x64 + fc2 64x64), halved at EP=2
+    assert experts_ep1 == 2 * 4 * (2 * 64 * 64 + 64 * 64) == 2 * experts_ep2
+    student, _ = plan(cfg, 2)
+    assert student.stages[0].expert_params_per_rank == experts_ep2
+    text = format_model_plan(student)
+    assert "EP=2 EDP=1" in text and "experts/rank" in text and "EP group of rank 0" in text
+    # memory: weights and grads of this rank's experts only; their optimizer state over EDP
+    (row,) = estimate_memory(cfg, 2)
+    dense = student.stages[0].params_per_rank - experts_ep2
+    assert row.weights == student.stages[0].params_per_rank * 4  # fp32
+    assert row.optimizer == dense * 8 / 2 + experts_ep2 * 8 / 1

@@ -124,9 +124,15 @@ class ParallelLayout:
             return ORDER, self.sizes
         if set(dims) <= set(EXPERT_ORDER):
             return EXPERT_ORDER, self.expert_sizes
+        unknown = set(dims) - set(ORDER) - set(EXPERT_ORDER)
+        if unknown:
+            raise ValueError(
+                f"unknown parallel dimension(s) {sorted(unknown)}; use {ORDER} or, for the "
+                f"expert grid, {EXPERT_ORDER}"
+            )
         raise ValueError(
-            f"unknown or mixed parallel dimension(s) {sorted(dims)}; use dimensions of one grid: "
-            f"{ORDER} or {EXPERT_ORDER}"
+            f"parallel dimensions {sorted(dims)} mix the dense grid {ORDER} and the expert grid "
+            f"{EXPERT_ORDER}; use dimensions of one grid"
         )
 
     def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
