@@ -9,7 +9,10 @@ Parameter counts follow megatron-core's local GPT spec exactly (the tests compar
 GPTModel shards at TP=1/2 and PP=2): the vocabulary padded to
 ``make_vocab_size_divisible_by * tp`` and split over TP, attention and MLP matrices split over
 TP, norms and row-parallel biases replicated, embedding on the first stage, final norm and output
-layer on the last (a tied output layer is a copy of the embedding there when PP > 1).
+layer on the last (a tied output layer is a copy of the embedding there when PP > 1). An MoE
+layer holds its router (replicated) and ``num_experts / EP`` experts, each split over TP (expert
+TP = TP), plus the shared expert; expert parameters are counted apart because their optimizer
+state is sharded over the expert data-parallel group (EDP), not DP x CP.
 """
 
 from __future__ import annotations
@@ -33,8 +36,24 @@ def _norm_params(model: ModelConfig, width: int) -> int:
     return width * (2 if model.normalization == "LayerNorm" else 1)
 
 
-def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank."""
+def _mlp_params(model: ModelConfig, ffn: int, tp: int) -> int:
+    """One MLP of width ``ffn`` on one TP rank (fc1, fc2 and their biases)."""
+    h = model.hidden_size
+    fc1_rows = ffn * (2 if model.swiglu else 1) // tp
+    bias = model.add_bias_linear
+    return fc1_rows * h + (fc1_rows if bias else 0) + h * (ffn // tp) + (h if bias else 0)
+
+
+def expert_layer_params(model: ModelConfig, tp: int, ep: int) -> int:
+    """Routed-expert parameters of one MoE layer on one rank: ``num_experts / ep`` experts."""
+    if not model.is_moe:
+        return 0
+    return (model.num_experts or 0) // ep * _mlp_params(model, model.expert_ffn_hidden_size, tp)
+
+
+def layer_params(model: ModelConfig, tp: int, *, moe: bool = False, ep: int = 1) -> int:
+    """Parameters of one transformer layer on one TP rank (``moe``: an MoE layer, of which
+    this rank holds ``num_experts / ep`` experts)."""
     h, hd = model.hidden_size, model.head_dim
     qkv_rows = (model.num_attention_heads + 2 * model.query_groups) * hd // tp
     fc1_rows = model.ffn_hidden_size * (2 if model.swiglu else 1) // tp
@@ -52,14 +71,35 @@ def layer_params(model: ModelConfig, tp: int) -> int:
         + h * (model.ffn_hidden_size // tp)
         + (h if model.add_bias_linear else 0)
     )
+    if moe:  # router (replicated over TP) + this rank's experts + the shared expert
+        shared = model.moe_shared_expert_ffn_hidden_size
+        mlp = (model.num_experts or 0) * h + expert_layer_params(model, tp, ep)
+        mlp += _mlp_params(model, shared, tp) if shared else 0
     return 2 * _norm_params(model, h) + attention + mlp
 
 
+def _stage_layers(model: ModelConfig, layout: ParallelLayout, stage: int) -> tuple[bool, ...]:
+    """Which of stage ``stage``'s layers are MoE layers."""
+    per_stage = model.num_layers // layout.pp
+    return model.moe_layers[stage * per_stage : (stage + 1) * per_stage]
+
+
+def stage_expert_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> int:
+    """Routed-expert parameters held by each rank of stage ``stage`` (already divided by EP);
+    part of :func:`stage_params`."""
+    moe_layers = sum(_stage_layers(model, layout, stage))
+    return expert_layer_params(model, layout.tp, layout.ep) * moe_layers
+
+
 def stage_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> int:
-    """Parameters held by each rank of pipeline stage ``stage``."""
+    """Parameters held by each rank of pipeline stage ``stage`` (an MoE layer's experts divided
+    by EP)."""
     tp, pp = layout.tp, layout.pp
     vocab_shard = model.padded_vocab_size(tp) // tp * model.hidden_size
-    total = layer_params(model, tp) * (model.num_layers // pp)
+    total = sum(
+        layer_params(model, tp, moe=moe, ep=layout.ep)
+        for moe in _stage_layers(model, layout, stage)
+    )
     if stage == 0:
         total += vocab_shard
         if model.position_embedding == "learned_absolute":
@@ -85,6 +125,7 @@ class StagePlan:
     last_layer: int
     params_per_rank: int
     ranks: tuple[int, ...]
+    expert_params_per_rank: int = 0  # of params_per_rank: routed experts (MoE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +150,7 @@ def plan_model(name: str, model: ModelConfig, parallel: ParallelConfig, world: i
                 last_layer=(stage + 1) * per_stage - 1,
                 params_per_rank=stage_params(model, layout, stage),
                 ranks=ranks,
+                expert_params_per_rank=stage_expert_params(model, layout, stage),
             )
         )
     return ModelPlan(
@@ -160,21 +202,29 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 def format_model_plan(mp: ModelPlan, *, per_rank: bool = False) -> str:
     lay = mp.layout
+    moe = any(st.expert_params_per_rank for st in mp.stages)
+    expert_head = f"  {'experts/rank':>14}" if moe else ""
     lines = [
         f"{mp.name}: {lay.describe()}  params {_human(mp.total_params)} "
         f"({mp.total_params:,}), vocab padded to {mp.padded_vocab}",
-        f"  {'stage':>5}  {'layers':>9}  {'params/rank':>14}  ranks",
+        f"  {'stage':>5}  {'layers':>9}  {'params/rank':>14}{expert_head}  ranks",
     ]
     for st in mp.stages:
+        experts = f"  {st.expert_params_per_rank:>14,}" if moe else ""
         lines.append(
             f"  {st.stage:>5}  {st.first_layer:>4}-{st.last_layer:<4}  "
-            f"{st.params_per_rank:>14,}  {_ranks_text(st.ranks)}"
+            f"{st.params_per_rank:>14,}{experts}  {_ranks_text(st.ranks)}"
         )
     samples = {
         "TP group of rank 0": lay.group_of(0, ("tp",)),
         "DPxCP group of rank 0 (GNDPO statistics)": lay.group_of(0, ("cp", "dp")),
         "PP group of rank 0": lay.group_of(0, ("pp",)),
     }
+    if moe:
+        samples |= {
+            "EP group of rank 0 (experts split)": lay.group_of(0, ("ep",)),
+            "EDP group of rank 0 (expert gradients)": lay.group_of(0, ("edp",)),
+        }
     for label, ranks in samples.items():
         lines.append(f"  {label}: [{_ranks_text(tuple(ranks))}]")
     if per_rank:
@@ -344,10 +394,14 @@ def _student_memory(cfg: Config, layout: ParallelLayout, stage: int, seq: int) -
     training = per_layer * tokens * (model.num_layers // layout.pp) * in_flight
     last = stage == layout.pp - 1
     shards = layout.dp * layout.cp if cfg.optimizer.use_distributed_optimizer else 1
+    # the distributed optimizer shards expert parameters over the expert data-parallel group
+    expert_shards = layout.edp if cfg.optimizer.use_distributed_optimizer else 1
+    experts = stage_expert_params(model, layout, stage)
+    per_param = optimizer_bytes_per_param(model, cfg.optimizer)
     return {
         "weights": params * BYTES[model.params_dtype],
         "grads": params * 4,  # DDP's main_grad buffer: grad_reduce_in_fp32 (engine/optimizer.py)
-        "optimizer": params * optimizer_bytes_per_param(model, cfg.optimizer) / shards,
+        "optimizer": (params - experts) * per_param / shards + experts * per_param / expert_shards,
         "training": training + (logprob_head_bytes(model, layout.tp, training=True) if last else 0),
     }
 

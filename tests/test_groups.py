@@ -101,7 +101,9 @@ def test_rank_outside_the_world_and_unknown_dims_are_errors() -> None:
     for rank in (-1, 8):
         with pytest.raises(ValueError, match=f"rank {rank} is outside a world of 8"):
             layout.coords(rank)
-    with pytest.raises(ValueError, match=r"unknown parallel dimension\(s\) \['ep'\]"):
+    with pytest.raises(ValueError, match=r"unknown parallel dimension\(s\) \['xp'\]"):
+        layout.groups(("tp", "xp"))
+    with pytest.raises(ValueError, match="mix the dense grid"):
         layout.groups(("tp", "ep"))
 
 

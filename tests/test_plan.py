@@ -80,6 +80,7 @@ def replicated_per_tp_rank(model: ModelConfig) -> int:
     if model.add_bias_linear:
         per_layer += 2 * h  # biases of the row-parallel projection and fc2
     out = model.num_layers * per_layer + _norm(model, h)  # + final norm
+    out += sum(model.moe_layers) * (model.num_experts or 0) * h  # MoE routers
     if model.position_embedding == "learned_absolute":
         out += model.max_position_embeddings * h
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
+from megatron_gndpo.checks.moe import moe_problems
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import (
     AlgorithmConfig,
@@ -36,6 +37,7 @@ def layout_of(parallel: ParallelConfig, world_size: int) -> ParallelLayout:
             tp=parallel.tensor_parallel,
             pp=parallel.pipeline_parallel,
             cp=parallel.context_parallel,
+            ep=parallel.expert_parallel,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err
@@ -116,7 +118,7 @@ def _model_problems(
             f"{section}.max_position_embeddings ({model.max_position_embeddings}); shorten the "
             "rollout or raise max_position_embeddings"
         )
-    return p
+    return p + moe_problems(model, parallel, section, psection, trains=key is None)
 
 
 def _algorithm_problems(cfg: Config) -> list[str]:

@@ -101,6 +101,10 @@ class _NullStream(_NullEvent):
     def wait_stream(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def record_event(self, event: Any = None) -> _NullEvent:
+        # megatron's alltoall MoE token dispatcher records an event on its copy stream
+        return event if event is not None else _NullEvent()
+
     def wait_event(self, *args: Any, **kwargs: Any) -> None:
         pass
 
@@ -196,6 +200,9 @@ class Patch:
     why: str
     kind: str = "torch"
     replacement: Callable[[], Any] | None = None
+    marker: str = ""
+    """A regex of the assumption in the target's source when it is not a CUDA call (for
+    :meth:`still_needed`); empty: the CUDA markers."""
 
     @property
     def module_name(self) -> str:
@@ -227,6 +234,8 @@ class Patch:
         module, attr = self._resolve()
         source = inspect.getsource(getattr(module, attr) if ":" in self.target else module)
         markers = _CUDA_TYPE_NAMES if self.kind == "type_names" else _CUDA_MARKERS
+        if self.marker:
+            markers = re.compile(self.marker)
         return bool(markers.search(source))
 
 
@@ -254,7 +263,20 @@ def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> No
     torch.set_rng_state(new_state)
 
 
+def _cpu_maybe_move_tensor_to_cpu(
+    tensor: Any, as_numpy: bool = False, record_stream: bool = False
+) -> Any:
+    # megatron-core's version converts only CUDA tensors, so on CPU the all-to-all split sizes
+    # stay tensors where all_to_all_single wants lists (TypeError at expert parallelism > 1).
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
 _RANDOM = "megatron.core.tensor_parallel.random"
+_MOE = "megatron.core.transformer.moe"
+# moe_utils.maybe_move_tensor_to_cpu converts only tensors on CUDA
+_CUDA_ONLY_MOVE = r"if torch\.is_tensor\(tensor\) and tensor\.is_cuda"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(f"{_RANDOM}:_get_cuda_rng_state", "indexes torch.cuda.default_generators",
@@ -314,6 +336,15 @@ PATCHES: tuple[Patch, ...] = (
           "context-parallel index tensors are pinned"),
     Patch("megatron.core.rerun_state_machine", "validation flags are made with device='cuda'"),
     Patch("megatron.core.timers", "timers synchronise CUDA and gather on the current device"),
+    Patch(f"{_MOE}.router", "router weights and routing buffers use torch.cuda.current_device()"),
+    Patch(f"{_MOE}.token_dispatcher",
+          "the alltoall dispatcher copies split sizes on a torch.cuda.Stream()"),
+    Patch(f"{_MOE}.moe_utils:maybe_move_tensor_to_cpu",
+          "all-to-all split sizes of CPU tensors are not made lists", "function",
+          lambda: _cpu_maybe_move_tensor_to_cpu, _CUDA_ONLY_MOVE),
+    Patch(f"{_MOE}.token_dispatcher:maybe_move_tensor_to_cpu",
+          "the dispatcher's imported copy of moe_utils.maybe_move_tensor_to_cpu", "function",
+          lambda: _cpu_maybe_move_tensor_to_cpu, _CUDA_ONLY_MOVE),
 )  # fmt: skip
 
 _CPU_TORCH = _CpuTorch()

@@ -80,6 +80,43 @@ class ModelConfig:
     """FP8 scaling recipe passed to megatron-core."""
     fp8_amax_history_len: int = 1024
     """Amax history length for delayed scaling."""
+    num_experts: int | None = None
+    """Mixture-of-experts: routed experts per MoE layer (megatron-core's MoE layer, router and
+    token dispatcher); null or 0 means a dense model (the MoE fields below are then unused)."""
+    moe_router_topk: int = 2
+    """MoE: experts each token is routed to (Qwen3-MoE's num_experts_per_tok)."""
+    moe_ffn_hidden_size: int | None = None
+    """MoE: FFN width of each routed expert (per branch for SwiGLU; Qwen3-MoE's
+    moe_intermediate_size); null means ffn_hidden_size."""
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """MoE: FFN width of the shared expert every token passes through besides its routed ones
+    (megatron's moe_shared_expert_intermediate_size); 0 means no shared expert (Qwen3-MoE)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """MoE: the router's score function (softmax for Qwen3-MoE/Mixtral, sigmoid for
+    DeepSeek-V3-style routers)."""
+    moe_router_pre_softmax: bool = False
+    """MoE, softmax router: take the softmax over all experts before choosing the top-k
+    (Qwen3-MoE's and Mixtral's order). false: softmax over the chosen top-k logits only."""
+    moe_norm_topk_prob: bool = True
+    """MoE: renormalise each token's top-k weights to sum to 1 (Qwen3-MoE's norm_topk_prob).
+    With moe_router_pre_softmax=false the top-k softmax is already normalised; a softmax router
+    with moe_router_pre_softmax=true and this true is computed as the top-k softmax (the same
+    weights); a sigmoid router with top-k > 1 is always normalised by megatron-core."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE: coefficient of the load-balancing (Switch) auxiliary loss added to the student's loss
+    through megatron-core's router (logged as moe/load_balancing_loss); 0 disables it."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE: coefficient of the router z-loss (ST-MoE) added to the student's loss (logged as
+    moe/z_loss); 0 disables it."""
+    moe_capacity_factor: float | None = None
+    """MoE: expert capacity as a multiple of the balanced share of tokens; tokens beyond it are
+    dropped. null: dropless (every token reaches its experts)."""
+    moe_layer_freq: int = 1
+    """MoE: one MoE layer every this many layers, starting with the first (megatron's
+    moe_layer_freq); 1: every layer. moe_layer_pattern, when given, replaces it."""
+    moe_layer_pattern: tuple[int, ...] = ()
+    """MoE: one entry per layer, 1 for an MoE layer and 0 for a dense one (megatron's
+    moe_layer_freq as a list; Qwen3-MoE's mlp_only_layers are the 0s); empty: moe_layer_freq."""
     vision: VisionConfig | None = None
     """Vision encoder and projector of a vision-language model (megatron-core's LLaVA model
     around this GPT); null for a text-only model. Student and teacher must share its image
@@ -100,6 +137,26 @@ class ModelConfig:
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts model (``num_experts`` set and not 0)."""
+        return bool(self.num_experts)
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """FFN width of one routed expert (``moe_ffn_hidden_size`` or ``ffn_hidden_size``)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Which layers are MoE layers (all False for a dense model)."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        if self.moe_layer_pattern:
+            return tuple(bool(x) for x in self.moe_layer_pattern)
+        freq = max(self.moe_layer_freq, 1)
+        return tuple(i % freq == 0 for i in range(self.num_layers))
+
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``."""
         multiple = self.make_vocab_size_divisible_by * tp
@@ -118,6 +175,11 @@ class ParallelConfig:
     """Context-parallel size (splits long sequences; needs Transformer Engine)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the TP region (needs tensor_parallel > 1)."""
+    expert_parallel: int = 1
+    """Expert-parallel size of a mixture-of-experts model: each MoE layer's experts are split
+    over this many ranks, taken out of the data-parallel x context-parallel ranks (megatron's
+    rank order tp-cp-ep-dp-pp); experts are tensor-parallel like the rest (expert TP = TP).
+    1 for dense models."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from megatron_gndpo.algorithms.losses import (
     ppo_clip_loss,
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
+from megatron_gndpo.engine.moe import router_loss_metrics
 from megatron_gndpo.engine.optimizer import step_optimizer
 from megatron_gndpo.engine.scoring import required, row_images
 from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
@@ -162,7 +163,8 @@ def run_update(
     Metrics: ``loss`` (the global aggregated loss of the step, last stage only), ``grad_norm``
     (pre-clip, global), ``skipped`` (1.0 when a non-finite norm skipped the step), ``lr``, and
     policy statistics (``ratio/mean``, ``clip/frac``, and ``guidance/kl_mean`` when there is a
-    distillation term) as global token means.
+    distillation term) as global token means, and an MoE student's router losses
+    (``moe/load_balancing_loss``, ``moe/z_loss``; engine/moe.py).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -213,7 +215,9 @@ def run_update(
             micro_batch_size=max(m["tokens"].shape[0] for m in micro),
             forward_only=False,
         )
-        results.append(step_optimizer(optimizer, scheduler) | _summarise(reports, dp_group))
+        # an MoE student's router losses (megatron's tracker; all ranks, every stage)
+        moe = router_loss_metrics(ddp_model.config, len(micro))
+        results.append(step_optimizer(optimizer, scheduler) | _summarise(reports, dp_group) | moe)
     return results
 
 

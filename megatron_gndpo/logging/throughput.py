@@ -38,7 +38,7 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 def gpt_flops_per_token(
     num_layers: int,
     hidden_size: int,
-    ffn_hidden_size: int,
+    ffn_hidden_size: float,
     num_attention_heads: int,
     num_query_groups: int,
     head_dim: int,
@@ -95,13 +95,21 @@ def gpt_flops_per_token(
 def model_flops_per_token(model: ModelConfig, seq_len: float, *, training: bool) -> float:
     """``gpt_flops_per_token`` for a ``ModelConfig`` (its defaults for GQA and head size).
 
-    Uses the unpadded ``vocab_size``: padding rows carry no model work.
+    Uses the unpadded ``vocab_size``: padding rows carry no model work. An MoE layer does the
+    work of its top-k routed experts and its shared expert per token (the router's is left
+    out), averaged over the layers as an equivalent dense FFN width.
     """
     heads = model.num_attention_heads
+    ffn = float(model.ffn_hidden_size)
+    if model.is_moe:
+        active = model.moe_router_topk * model.expert_ffn_hidden_size
+        active += model.moe_shared_expert_ffn_hidden_size
+        moe_layers = sum(model.moe_layers)
+        ffn = (moe_layers * active + (model.num_layers - moe_layers) * ffn) / model.num_layers
     return gpt_flops_per_token(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
+        ffn_hidden_size=ffn,
         num_attention_heads=heads,
         num_query_groups=model.num_query_groups or heads,
         head_dim=model.kv_channels or model.hidden_size // heads,

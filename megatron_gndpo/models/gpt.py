@@ -8,6 +8,11 @@ may use a TP/PP different from the student's on the same ranks. Layer specs:
   extra; asking for it (or for FP8) without TE is a clear error.
 - ``transformer_impl: local``: megatron-core's local spec, with its core attention replaced by
   :class:`SDPAttention` (``core_attention: sdpa``, the default) or left as megatron's own.
+
+A mixture-of-experts model (``num_experts``) uses megatron-core's MoE layer spec (router,
+alltoall token dispatcher, experts: ``SequentialMLP`` in the local spec, grouped GEMM in the TE
+spec); when only some layers are MoE (``moe_layer_freq`` / ``moe_layer_pattern``) this stage's
+layers get the dense or the MoE spec one by one, with the same attention.
 """
 
 from __future__ import annotations
@@ -91,20 +96,57 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # unused by dense models; megatron checks it anyway
         **fp8,
+        **_moe_fields(model, parallel),
     )
 
 
-def layer_spec(model: ModelConfig) -> Any:
-    """The transformer-layer ModuleSpec for this model (see the module docstring)."""
+def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
+    """TransformerConfig's MoE fields (none for a dense model)."""
+    if not model.is_moe:
+        return {}
+    # megatron-core has no norm_topk_prob: a softmax over the top-k logits IS the renormalised
+    # full softmax restricted to the top-k, so renormalising means softmax after the top-k.
+    pre_softmax = model.moe_router_pre_softmax and not model.moe_norm_topk_prob
+    if model.moe_router_topk == 1 and model.moe_router_score_function == "softmax":
+        pre_softmax = True  # a softmax over one logit is 1 (no gradient); megatron insists
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.expert_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_ffn_hidden_size or None,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_pre_softmax=pre_softmax,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff or None,
+        moe_expert_capacity_factor=model.moe_capacity_factor,
+        moe_layer_freq=[int(x) for x in model.moe_layers],
+        moe_grouped_gemm=model.transformer_impl == "transformer_engine",
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.tensor_parallel,
+    )
+
+
+def layer_spec(model: ModelConfig, *, moe: bool | None = None) -> Any:
+    """The transformer-layer ModuleSpec for this model (see the module docstring).
+
+    ``moe``: the MoE layer's spec (True) or the dense one (False); None means the model's kind.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    num_experts = model.num_experts if (model.is_moe if moe is None else moe) else None
     if model.transformer_impl == "transformer_engine":
         _require_transformer_engine(model)
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=model.qk_layernorm
+            qk_layernorm=model.qk_layernorm,
+            num_experts=num_experts,
+            moe_grouped_gemm=num_experts is not None,
         )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=model.qk_layernorm, normalization=model.normalization
+        qk_layernorm=model.qk_layernorm,
+        normalization=model.normalization,
+        num_experts=num_experts,
+        moe_grouped_gemm=False,  # grouped GEMM needs Transformer Engine; SequentialMLP here
     )
     if model.core_attention == "sdpa":
         from megatron_gndpo.models.attention import SDPAttention
@@ -114,6 +156,28 @@ def layer_spec(model: ModelConfig) -> Any:
             attention.submodules, core_attention=SDPAttention
         )
     return spec
+
+
+def stage_layer_spec(model: ModelConfig, parallel: ParallelConfig, stage: int) -> Any:
+    """What GPTModel takes as its layer spec on pipeline stage ``stage``: one ModuleSpec when
+    every layer is alike, else this stage's layers one by one (dense or MoE)."""
+    kinds = model.moe_layers
+    if all(kinds) or not any(kinds):
+        return layer_spec(model)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    per_stage = model.num_layers // parallel.pipeline_parallel
+    mine = kinds[stage * per_stage : (stage + 1) * per_stage]
+    specs = {kind: layer_spec(model, moe=kind) for kind in set(mine)}
+    # The final norm: what megatron's own block spec (get_gpt_decoder_block_spec) puts there
+    # (TE fuses the layers' input norms into their first linear, so it names TENorm itself).
+    if model.transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        norm: Any = TENorm
+    else:
+        norm = specs[mine[0]].submodules.input_layernorm
+    return TransformerBlockSubmodules(layer_specs=[specs[k] for k in mine], layer_norm=norm)
 
 
 def build_gpt(
@@ -131,17 +195,22 @@ def build_gpt(
     from megatron.core.models.gpt import GPTModel
 
     layout = groups.layout
-    if layout.tp != parallel.tensor_parallel or layout.pp != parallel.pipeline_parallel:
+    if (layout.tp, layout.pp, layout.ep) != (
+        parallel.tensor_parallel,
+        parallel.pipeline_parallel,
+        parallel.expert_parallel,
+    ):
         raise ValueError(
             f"the groups are for {groups.layout.describe()} but the parallel config asks for "
-            f"TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel}"
+            f"TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel} "
+            f"EP={parallel.expert_parallel}"
         )
     scaling: dict[str, Any] = {}
     if model.rotary_scaling_factor is not None:
         scaling = dict(rope_scaling=True, rope_scaling_factor=model.rotary_scaling_factor)
     return GPTModel(
         config=transformer_config(model, parallel),
-        transformer_layer_spec=layer_spec(model),
+        transformer_layer_spec=stage_layer_spec(model, parallel, groups.coords["pp"]),
         vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=model.max_position_embeddings,
         pre_process=groups.is_first_stage,

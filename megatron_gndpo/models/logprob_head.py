@@ -76,6 +76,12 @@ class Scores:
     sampled_ids: torch.Tensor | None = None  # [b, s] int64
     hidden: torch.Tensor | None = None  # [b, s, H], the model's dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the scores are (megatron's schedules ask a forward's output for its device to
+        place an MoE model's router-loss scale)."""
+        return self.logprobs.device
+
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(field name, tensor)`` of every field present, in field order."""
         for f in dataclasses.fields(self):

@@ -2,8 +2,14 @@
 
 A :class:`ParallelLayout` is pure arithmetic (no process group): the sizes of the tensor (TP),
 context (CP), data (DP) and pipeline (PP) dimensions and which ranks share each group, in
-megatron-core's default rank order ``tp-cp-dp-pp`` (TP varies fastest, so a TP group sits on
+megatron-core's default rank order ``tp-cp-ep-dp-pp`` (TP varies fastest, so a TP group sits on
 neighbouring GPUs of one node). ``plan`` uses it for any world size without starting anything.
+
+A mixture-of-experts model adds expert parallelism (EP). As in megatron-core, its MoE layers see
+the same ranks as a second grid, the *expert grid* ``etp-ep-edp-pp``: expert tensor-parallel
+(ETP, equal to TP here), EP, expert data-parallel (EDP = world / (TP·EP·PP)) and the same
+pipeline stages; EP ranks are taken out of the dense grid's CP x DP ranks. Dense parameters
+are reduced over DP x CP, expert parameters over EDP.
 
 :class:`ParallelGroups` holds the torch process groups of one layout for this rank. The student
 and the teacher each get one, on the same world, with their own TP/PP:
@@ -30,8 +36,10 @@ from megatron_gndpo.parallel.distributed import collective_timeout
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-# megatron-core's default order with the (unused, size 1) expert dimension left out.
+# megatron-core's default order ``tp-cp-ep-dp-pp``: the dense grid (its ep is 1) ...
 ORDER: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+# ... and the expert grid of MoE layers (megatron-core builds it with cp=1 and the same order).
+EXPERT_ORDER: tuple[str, ...] = ("etp", "ep", "edp", "pp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +50,10 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "cp"):
+        for name in ("world_size", "tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         model_parallel = self.tp * self.pp * self.cp
@@ -55,6 +64,12 @@ class ParallelLayout:
                 f"size {self.world_size}; choose sizes whose product divides it (data-parallel "
                 "size = world_size / product)"
             )
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"expert_parallel ({self.ep}) must divide data_parallel x context_parallel "
+                f"({self.dp} x {self.cp}): expert-parallel ranks are taken out of those; choose "
+                "an expert_parallel that divides it, or more ranks"
+            )
 
     @property
     def dp(self) -> int:
@@ -62,38 +77,75 @@ class ParallelLayout:
         return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
+    def edp(self) -> int:
+        """Expert data-parallel size: world_size / (tp * ep * pp) (expert TP = TP)."""
+        return self.world_size // (self.tp * self.ep * self.pp)
+
+    @property
     def sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
 
+    @property
+    def expert_sizes(self) -> dict[str, int]:
+        """The expert grid's sizes (see the module docstring)."""
+        return {"etp": self.tp, "ep": self.ep, "edp": self.edp, "pp": self.pp}
+
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension (tp varies fastest, pp slowest)."""
+        return self._coords(rank, ORDER, self.sizes)
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension of the expert grid (``etp``, ``ep``, ...)."""
+        return self._coords(rank, EXPERT_ORDER, self.expert_sizes)
+
+    def _coords(self, rank: int, order: tuple[str, ...], sizes: dict[str, int]) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         out = {}
-        for dim in ORDER:
-            out[dim] = rank % self.sizes[dim]
-            rank //= self.sizes[dim]
+        for dim in order:
+            out[dim] = rank % sizes[dim]
+            rank //= sizes[dim]
         return out
 
     def rank_of(self, coords: dict[str, int]) -> int:
+        """The rank at these coordinates of the dense grid (or of the expert grid when they
+        name its dimensions)."""
+        order, sizes = self._grid(tuple(coords))
         rank, stride = 0, 1
-        for dim in ORDER:
+        for dim in order:
             rank += coords[dim] * stride
-            stride *= self.sizes[dim]
+            stride *= sizes[dim]
         return rank
 
-    def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
-        """All groups spanning ``dims`` (e.g. ``("dp", "cp")``): ranks that differ only there."""
-        unknown = set(dims) - set(ORDER)
+    def _grid(self, dims: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, int]]:
+        """The grid whose dimensions ``dims`` are: dense (tp, cp, dp, pp) or expert (etp, ep,
+        edp, pp); pp belongs to both and is the same there."""
+        if set(dims) <= set(ORDER):
+            return ORDER, self.sizes
+        if set(dims) <= set(EXPERT_ORDER):
+            return EXPERT_ORDER, self.expert_sizes
+        unknown = set(dims) - set(ORDER) - set(EXPERT_ORDER)
         if unknown:
-            raise ValueError(f"unknown parallel dimension(s) {sorted(unknown)}; use {ORDER}")
-        inner = [d for d in ORDER if d in dims]
-        outer = [d for d in ORDER if d not in dims]
+            raise ValueError(
+                f"unknown parallel dimension(s) {sorted(unknown)}; use {ORDER} or, for the "
+                f"expert grid, {EXPERT_ORDER}"
+            )
+        raise ValueError(
+            f"parallel dimensions {sorted(dims)} mix the dense grid {ORDER} and the expert grid "
+            f"{EXPERT_ORDER}; use dimensions of one grid"
+        )
+
+    def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """All groups spanning ``dims`` (e.g. ``("dp", "cp")``, or ``("edp",)`` of the expert
+        grid): ranks that differ only there."""
+        order, sizes = self._grid(dims)
+        inner = [d for d in order if d in dims]
+        outer = [d for d in order if d not in dims]
         result = []
-        for fixed in itertools.product(*(range(self.sizes[d]) for d in reversed(outer))):
+        for fixed in itertools.product(*(range(sizes[d]) for d in reversed(outer))):
             base = dict(zip(reversed(outer), fixed, strict=True))
             members = []
-            for varying in itertools.product(*(range(self.sizes[d]) for d in reversed(inner))):
+            for varying in itertools.product(*(range(sizes[d]) for d in reversed(inner))):
                 coords = base | dict(zip(reversed(inner), varying, strict=True))
                 members.append(self.rank_of(coords))
             result.append(sorted(members))
@@ -106,7 +158,11 @@ class ParallelLayout:
         raise AssertionError("unreachable: every rank is in exactly one group")
 
     def describe(self) -> str:
-        return f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp} (world {self.world_size})"
+        experts = f" EP={self.ep} EDP={self.edp}" if self.ep > 1 else ""
+        return (
+            f"TP={self.tp} PP={self.pp} CP={self.cp} DP={self.dp}{experts} "
+            f"(world {self.world_size})"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +172,9 @@ class ParallelGroups:
     ``dp_cp`` is the group that owns distinct tokens: the GNDPO statistics and the global token
     count are all-reduced over it, never over ``tp`` (whose ranks hold identical tokens).
     ``embd`` joins the first and last pipeline stages (tied embeddings); ``pos_embd`` is the first
-    stage alone.
+    stage alone. The expert groups (``ep``, ``expt_tp``, ``tp_ep``, ``tp_ep_pp``, ``expt_dp``)
+    are the expert grid's; None where they are the dense ones (EP = 1 outside megatron's global
+    state), and :meth:`pg_collection` fills them in.
     """
 
     name: str
@@ -131,6 +189,11 @@ class ParallelGroups:
     embd: Any
     pos_embd: Any
     tp_cp: Any
+    ep: Any = None
+    expt_tp: Any = None
+    tp_ep: Any = None
+    tp_ep_pp: Any = None
+    expt_dp: Any = None
 
     @property
     def coords(self) -> dict[str, int]:
@@ -151,24 +214,28 @@ class ParallelGroups:
         pgs = ProcessGroupCollection()
         for field in ("tp", "pp", "cp", "dp", "dp_cp", "mp", "embd", "pos_embd", "tp_cp"):
             setattr(pgs, field, getattr(self, field))
-        # Dense models: expert groups collapse onto the dense ones.
-        pgs.ep = _single_rank_group(self)
-        pgs.expt_tp = self.tp
-        pgs.tp_ep = self.tp
-        pgs.tp_ep_pp = self.mp
-        pgs.expt_dp = self.dp
+        # At EP = 1 the expert grid is the dense one (expert TP = TP, EDP = DP x CP), so where
+        # no expert groups were built the dense groups stand in for them.
+        pgs.ep = self.ep if self.ep is not None else _single_rank_group()
+        pgs.expt_tp = self.expt_tp if self.expt_tp is not None else self.tp
+        pgs.tp_ep = self.tp_ep if self.tp_ep is not None else self.tp
+        pgs.tp_ep_pp = self.tp_ep_pp if self.tp_ep_pp is not None else self.mp
+        pgs.expt_dp = self.expt_dp if self.expt_dp is not None else self.dp_cp
         pgs.intra_dp_cp = self.dp_cp
-        pgs.intra_expt_dp = self.dp
+        pgs.intra_expt_dp = pgs.expt_dp  # no partial (hierarchical) data parallelism
         return pgs
 
 
-def _single_rank_group(groups: ParallelGroups) -> Any:
-    # The expert-parallel group of a dense model is each rank alone; megatron-core's global
-    # state holds one, and the collection needs a value there.
+def _single_rank_group() -> Any:
+    # The expert-parallel group at EP = 1 is each rank alone; megatron-core's global state holds
+    # one when the student's EP is 1 too (the same on every rank, so build_groups may branch on
+    # it); else None, and build_groups builds one.
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_expert_model_parallel_group()
+        group = parallel_state.get_expert_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return group
     return None
 
 
@@ -211,7 +278,12 @@ def _stage_groups(layout: ParallelLayout, rank: int) -> tuple[Any, Any]:
 def build_groups(layout: ParallelLayout, *, name: str = "teacher") -> ParallelGroups:
     """Build a layout's groups on the current world without touching megatron's global state."""
     rank = _check_world(layout)
-    made = {dims: _new_groups(layout, rank, dims) for dims in _GROUP_DIMS.values()}
+    wanted = dict(_GROUP_DIMS)
+    if layout.ep > 1:  # at EP = 1 the dense groups stand in (ParallelGroups.pg_collection)
+        wanted |= _EXPERT_GROUP_DIMS
+    elif _single_rank_group() is None:  # an MoE layer at EP = 1 needs each rank alone
+        wanted["ep"] = _EXPERT_GROUP_DIMS["ep"]
+    made = {dims: _new_groups(layout, rank, dims) for dims in wanted.values()}
     embd, pos_embd = _stage_groups(layout, rank)
     return ParallelGroups(
         name=name,
@@ -219,7 +291,7 @@ def build_groups(layout: ParallelLayout, *, name: str = "teacher") -> ParallelGr
         rank=rank,
         embd=embd,
         pos_embd=pos_embd,
-        **{field: made[dims] for field, dims in _GROUP_DIMS.items()},
+        **{field: made[dims] for field, dims in wanted.items()},
     )
 
 
@@ -231,6 +303,15 @@ _GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("cp", "dp"),
     "mp": ("tp", "pp"),
     "tp_cp": ("tp", "cp"),
+}
+
+# The expert grid's groups (megatron-core's parallel_state names them in its comments).
+_EXPERT_GROUP_DIMS: dict[str, tuple[str, ...]] = {
+    "ep": ("ep",),
+    "expt_tp": ("etp",),
+    "tp_ep": ("etp", "ep"),
+    "tp_ep_pp": ("etp", "ep", "pp"),
+    "expt_dp": ("edp",),
 }
 
 
@@ -253,6 +334,7 @@ def build_student_groups(layout: ParallelLayout, *, seed: int | None = None) -> 
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
         order="tp-cp-ep-dp-pp",
         distributed_timeout_minutes=collective_timeout().total_seconds() / 60,
     )
@@ -270,6 +352,11 @@ def build_student_groups(layout: ParallelLayout, *, seed: int | None = None) -> 
         embd=ps.get_embedding_group(check_initialized=False),
         pos_embd=ps.get_position_embedding_group(check_initialized=False),
         tp_cp=ps.get_tensor_and_context_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(),
+        expt_tp=ps.get_expert_tensor_parallel_group(),
+        tp_ep=ps.get_expert_tensor_and_model_parallel_group(),
+        tp_ep_pp=ps.get_expert_tensor_model_pipeline_parallel_group(),
+        expt_dp=ps.get_expert_data_parallel_group(),
     )
     _check_matches_megatron(groups)
     if seed is not None:
@@ -279,7 +366,7 @@ def build_student_groups(layout: ParallelLayout, *, seed: int | None = None) -> 
 
 def _check_matches_megatron(groups: ParallelGroups) -> None:
     # Our rank arithmetic (used by plan and by build_groups) must agree with megatron-core's.
-    for field, dims in _GROUP_DIMS.items():
+    for field, dims in (_GROUP_DIMS | _EXPERT_GROUP_DIMS).items():
         ours = groups.layout.group_of(groups.rank, dims)
         theirs = sorted(dist.get_process_group_ranks(getattr(groups, field)))
         if ours != theirs:
