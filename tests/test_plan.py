@@ -353,7 +353,7 @@ PEAK_LINE = re.compile(r"peak per GPU: ([\d.]+) GiB \(persistent ([\d.]+) \+ (\w
 FIX_LINE = re.compile(r"With ((?:[\w.]+=\S+ )+)the peak is ([\d.]+) GiB")
 STEP_LINE = re.compile(r"step (\d+) s\.")
 RECIPES = [("qwen2.5-1.5b_from_7b.yaml", 8), ("qwen3-8b_from_32b.yaml", 32),
-           ("llama3.1-8b_from_70b.yaml", 64)]  # fmt: skip
+           ("llama3.1-8b_from_70b.yaml", 64), ("qwen3-8b_from_30b_a3b.yaml", 32)]  # fmt: skip
 
 
 def _comment(name: str) -> str:
