@@ -39,6 +39,7 @@ from megatron_gndpo.checkpoint.resume import (
 )
 from megatron_gndpo.config import Config, save_dir
 from megatron_gndpo.data.datasets import tiles_of
+from megatron_gndpo.engine.routing import RoutingPass, mismatch_metrics
 from megatron_gndpo.engine.scoring import (
     ScoreRequest,
     Scores,
@@ -98,6 +99,7 @@ class Trainer:
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
         self._syncs = 0  # weight syncs into an external engine so far
+        self._routing: RoutingPass | None = None  # the step's old-log-prob pass (MoE)
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
         self.run_id = ""
         if self.c.skipped_prompts:
@@ -144,6 +146,7 @@ class Trainer:
         with timer.time("checkpoint"):
             self._maybe_save()
         metrics |= self._rollout_metrics(rollout, student, rewards)
+        metrics |= self._routing_metrics()
         metrics |= timer.pop()
         metrics["time/step"] = time.perf_counter() - started
         metrics["tokens/s"] = metrics["tokens/step"] / metrics["time/step"]
@@ -306,10 +309,17 @@ class Trainer:
 
     def _student_scores(self, rollout: Rollout, request: ScoreRequest) -> Scores:
         c = self.c
+        self._routing = None  # an MoE student: compare with (or replay) the sampler's experts
+        if rollout.routing is not None:
+            replay = self.cfg.algorithm.routing_replay == "rollout"
+            self._routing = RoutingPass(
+                c.student, rollout.lengths.tolist(), rollout.routing, replay=replay
+            )
         scores = score_batch(
             c.student, c.student_groups, rollout.tokens, rollout.lengths, head=c.head,
             token_budget=self.cfg.trainer.scoring_token_budget,
             pack=self.cfg.trainer.pack_sequences, request=request, images=rollout.images,
+            routing=self._routing,
         )  # fmt: skip
         device = next(c.student.parameters()).device  # the broadcast goes over NCCL on GPUs
         template = request.template(*rollout.tokens.shape)
@@ -373,7 +383,7 @@ class Trainer:
                 rollout.tokens, old_lp, targets.advantages, mask, pg_mask=targets.pg_mask,
                 aux_ids=targets.aux_ids, aux_logq=targets.aux_logq, aux_mask=targets.aux_mask,
                 aux_coef=targets.aux_coef, entropy_coef=targets.entropy_coef,
-                images=rollout.images,
+                images=rollout.images, routing=self._replayed(rollout),
             ),
             head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
             optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,
@@ -381,6 +391,19 @@ class Trainer:
         last = steps[-1] | self._from_last_stage(steps[-1])
         last["skipped"] = sum(s["skipped"] for s in steps)
         return last
+
+    def _replayed(self, rollout: Rollout) -> torch.Tensor | None:
+        """The experts the update replays (algorithm.routing_replay=rollout), else None."""
+        if self.cfg.algorithm.routing_replay == "rollout":
+            return rollout.routing
+        return None
+
+    def _routing_metrics(self) -> dict[str, float]:
+        """``moe/routing_mismatch`` of this step's old-log-prob pass (an MoE student on the
+        built-in engine without replay; collective, every rank alike)."""
+        if self._routing is None or self._routing.replay:
+            return {}
+        return mismatch_metrics([self._routing])
 
     def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
         """The last stage's loss statistics on every stage (the logging rank is on the first);

@@ -9,12 +9,14 @@ Two multi-process launches hold the expensive checks:
   whole batch); a teacher-style EP=2 model built on ``build_groups`` (no global
   state) scores like EP=1;
 - ``_trainer_checks`` (2 ranks): ``examples/tiny_cpu_moe.yaml`` through the real trainer (student
-  EP=2, teacher EP=1): two steps, router losses logged, every expert that received tokens moved,
-  the teacher's weights never did.
+  EP=2, teacher EP=1): two steps, router losses and the sampler/trainer routing mismatch logged,
+  a third step with rollout routing replay, every expert that received tokens moved, the
+  teacher's weights never did (the routing itself: tests/test_routing.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,12 @@ def _ep_checks(rank: int, world: int) -> dict[str, float]:
         ))  # fmt: skip
 
     out["aux_on/router_grad_change"] = (router["aux_on"] - router["aux_off"]).abs().max().item()
+    # the plain backward above left megatron's aux-loss scale a 0-d tensor; its schedules
+    # (below) set a [1] one into it: start afresh, as a run that only uses the schedules does
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    out |= _lockstep_checks(rank, ref, ep2, ep1_groups, student)
 
     # A teacher on its own EP=2 layout (build_groups: expert groups without global state) and
     # one at EP=1 score alike, in eval mode without gradients and without router losses.
@@ -212,6 +220,35 @@ def _ep_checks(rank: int, world: int) -> dict[str, float]:
     return out
 
 
+def _lockstep_checks(rank: int, ep1: Any, ep2: Any, ep1_groups: Any, groups: Any) -> dict:
+    """Generation and scoring where the two EP ranks need unequal work (rank 1: more and longer
+    rows, a smaller token budget): EP=2 must give EP=1's tokens and log-probs. The EP ranks run
+    equally many forwards (idle ones on the rank done first); unequal counts hang or mix rows."""
+    from megatron_gndpo.engine.scoring import score_batch
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.builtin import MegatronGenerator
+
+    prompts = [[3, 4, 5]] if rank == 0 else [[7, 8], [9, 10, 11, 12, 13, 14]]
+    params = SamplingParams(max_new_tokens=4 + 6 * rank, samples_per_prompt=2)
+    seeds = [5 + rank + i for i in range(len(prompts))]
+    out = {}
+    results = {}
+    for name, net, g in (("ep1", ep1, ep1_groups), ("ep2", ep2, groups)):
+        gen = MegatronGenerator(net, g, vocab_size=VOCAB, pad_id=0, max_sequence_length=64)
+        rollout = gen.generate(prompts, params, seeds=seeds)
+        head = TokenLogProbs(vocab_size=VOCAB)
+        budget = 64 if rank == 0 else 16  # rank 1: one row a micro-batch
+        scores = score_batch(
+            net, g, rollout.tokens, rollout.lengths, head=head, token_budget=budget
+        )
+        results[name] = (rollout.tokens, scores.logprobs)
+    out["lockstep/same_tokens"] = float(torch.equal(results["ep1"][0], results["ep2"][0]))
+    diff = (results["ep1"][1] - results["ep2"][1]).abs().max().item()
+    out["lockstep/logprob_diff"] = diff
+    return out
+
+
 @pytest.mark.distributed
 @pytest.mark.megatron
 def test_ep2_equals_ep1_and_a_teacher_at_its_own_ep() -> None:
@@ -227,6 +264,7 @@ def test_ep2_equals_ep1_and_a_teacher_at_its_own_ep() -> None:
         assert r["teacher/logit_diff"] < 1e-5, r
         assert r["teacher/recorded_router_loss"] == 0.0
         assert r["teacher/ep_group"] == 2.0
+        assert r["lockstep/same_tokens"] == 1.0 and r["lockstep/logprob_diff"] < 1e-5, r
 
 
 def _trainer_checks(rank: int, world: int, run_dir: str) -> dict[str, Any]:
@@ -242,12 +280,18 @@ def _trainer_checks(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     teacher_model = trainer.c.teacher.model
     teacher = {n: p.detach().clone() for n, p in teacher_model.named_parameters()}
     steps = [trainer.step() for _ in range(2)]
+    # a third step replays the sampler's experts (algorithm.routing_replay=rollout)
+    algorithm = dataclasses.replace(cfg.algorithm, routing_replay="rollout")
+    trainer.cfg = dataclasses.replace(cfg, algorithm=algorithm)
+    replayed = trainer.step()
     experts = [n for n in student if ".local_experts." in n]
     out = {
         "steps": [
             {k: v for k, v in s.items() if k.startswith(("moe/", "loss", "grad_norm"))}
             for s in steps
         ],
+        "mismatch": [s.get("moe/routing_mismatch") for s in steps],
+        "replayed": {k: v for k, v in replayed.items() if k in ("loss", "moe/routing_mismatch")},
         "experts": len(experts),
         "unchanged_experts": [
             n
@@ -275,6 +319,10 @@ def test_tiny_moe_example_trains_at_ep2_beside_an_ep1_teacher(tmp_path: Path) ->
         for step in r["steps"]:
             assert step["moe/load_balancing_loss"] > 0 and step["moe/z_loss"] > 0, step
             assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]), step
+        # the sampler's experts against the trainer's (fp32 CPU: the same, almost always)
+        assert all(m is not None and 0.0 <= m < 0.05 for m in r["mismatch"]), r["mismatch"]
+        assert math.isfinite(r["replayed"]["loss"]), r  # replayed: nothing left to compare
+        assert "moe/routing_mismatch" not in r["replayed"], r
 
 
 def test_plan_counts_expert_params_per_rank_divided_by_ep() -> None:

@@ -7,7 +7,7 @@ Called by :func:`~megatron_gndpo.checks.rules.validate` for the student and ever
 
 from __future__ import annotations
 
-from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from megatron_gndpo.config.schema import Config, ModelConfig, ParallelConfig
 
 
 def moe_problems(
@@ -74,6 +74,31 @@ def moe_problems(
             f"{psection}.tensor_parallel={tp} with MoE layers needs "
             f"{psection}.sequence_parallel=true (megatron-core refuses to train MoE layers "
             "under tensor parallelism without it)"
+        )
+    return p
+
+
+def routing_replay_problems(cfg: Config) -> list[str]:
+    """``algorithm.routing_replay``: what replaying the sampler's experts needs."""
+    mode = cfg.algorithm.routing_replay
+    if mode not in ("none", "rollout"):
+        return [f"algorithm.routing_replay must be none or rollout, got {mode!r}"]
+    if mode == "none":
+        return []
+    p: list[str] = []
+    key = "algorithm.routing_replay=rollout"
+    if not cfg.model.is_moe:
+        p.append(f"{key} needs a mixture-of-experts student (model.num_experts); set it to none")
+    if cfg.rollout.engine != "builtin":
+        p.append(
+            f"{key} needs the sampler's experts, which only the built-in engine records "
+            f"(rollout.engine={cfg.rollout.engine}); use rollout.engine=builtin or set it to none"
+        )
+    if cfg.parallel.sequence_parallel or cfg.parallel.context_parallel > 1:
+        p.append(
+            f"{key} with parallel.sequence_parallel or context_parallel > 1 is not supported "
+            "yet (they split a sequence over ranks before the router); use TP=1 with expert "
+            "parallelism for the student, or set it to none"
         )
     return p
 

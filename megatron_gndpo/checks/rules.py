@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
-from megatron_gndpo.checks.moe import moe_problems
+from megatron_gndpo.checks.moe import moe_problems, routing_replay_problems
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import (
     AlgorithmConfig,
@@ -139,6 +139,7 @@ def _algorithm_problems(cfg: Config) -> list[str]:
     if not 0.0 <= a.gamma <= 1.0:
         p.append(f"algorithm.gamma must be in [0, 1], got {a.gamma}")
     p += _guidance_problems(a, cfg.model.vocab_size)
+    p += routing_replay_problems(cfg)
     if cfg.rollout.engine == "vllm" and cfg.parallel.pipeline_parallel > 1:
         p.append(
             "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "

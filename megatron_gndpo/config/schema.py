@@ -398,6 +398,11 @@ class AlgorithmConfig:
     """Entropy bonus beta: the loss subtracts beta * H_t of the student; null means the
     method's default (its class's ``default_entropy_coef``: 0.001 for tgpo, as its release; 0
     for the others)."""
+    routing_replay: Literal["none", "rollout"] = "none"
+    """MoE student: rollout (rollout routing replay, "R3"): the trainer's old log-probs and
+    update use the experts the sampler chose for each token, so the ratio compares one policy;
+    none: the trainer routes by itself (the share of choices that differ from the sampler's is
+    logged as moe/routing_mismatch). Built-in engine only (docs/PARALLELISM.md, EP)."""
     tgpo: TGPOConfig = dataclasses.field(default_factory=TGPOConfig)
     """TGPO settings (estimator tgpo)."""
     tropd: TrOPDConfig = dataclasses.field(default_factory=TrOPDConfig)

@@ -24,6 +24,7 @@ Legend: B = rows, S = padded row length, L = micro-batch row length, K = ids per
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo import seeding
+from megatron_gndpo.engine.routing import RoutingPass
 from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -283,12 +285,14 @@ def score_batch(
     pack: bool = False,
     request: ScoreRequest | None = None,
     images: Sequence[torch.Tensor | None] | None = None,
+    routing: RoutingPass | None = None,
 ) -> Scores | None:
     """:func:`score_tokens` plus what ``request`` asks for: :class:`Scores` ``[B, S]`` /
     ``[B, S, K]`` (as :meth:`ScoreRequest.template`, and ``hidden`` when asked); every field is
     0 at t = 0 and at padding.
     ``images``: for a vision-language model, each row's image tiles (None for a row without);
     the ids already hold their placeholders, so positions are those of the ids.
+    ``routing``: an MoE model's routers replay or record the rows' experts (engine/routing.py).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -328,6 +332,11 @@ def score_batch(
         for mb in micro_batches:
             mb.images = row_images(images, mb.rows)
     device = next(model.parameters()).device
+    # an MoE model's EP ranks exchange tokens in every forward: equally many micro-batches on
+    # each (idle ones repeat the last, their results dropped)
+    count = groups.expert_max(len(micro_batches), device)
+    idle = dataclasses.replace(micro_batches[-1], segments=[])
+    micro_batches += [idle] * (count - len(micro_batches))
 
     def forward_step(data_iterator: Any, net: Any) -> tuple[Any, Any]:
         mb = next(data_iterator)
@@ -338,15 +347,23 @@ def score_batch(
         ]
         if images is not None:  # a vision-language model takes the images first
             inputs.insert(0, None if mb.images is None else mb.images.to(device))
+        b, s = mb.tokens.shape
+        if routing is not None:
+            routing.before(mb.segments, b, s, device)
         output = net(
             *inputs, output_processor=head, output_processor_context=mb.context(request, device)
         )
+        if routing is not None:
+            routing.after(mb.segments, b, s)
         return output, lambda output, non_loss_data=True: _detached(output)
 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        routers: contextlib.AbstractContextManager[Any] = (
+            routing.active() if routing else contextlib.nullcontext()
+        )
+        with torch.no_grad(), routers:
             outputs = get_forward_backward_func(pp_size=groups.layout.pp)(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro_batches),

@@ -300,6 +300,7 @@ def _generator(
         return MegatronGenerator(
             student, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
             max_sequence_length=cfg.model.max_position_embeddings,
+            record_routing=cfg.model.is_moe,  # the trainer compares or replays the experts
         )  # fmt: skip
     from megatron_gndpo.rollout.vllm_engine import VLLMGenerator, write_engine_config
 

@@ -15,6 +15,7 @@ model's head at position ``t`` predicts token ``t + 1``, so they are shifted by 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from megatron_gndpo.algorithms.losses import (
     ppo_clip_loss,
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
+from megatron_gndpo.engine import routing
 from megatron_gndpo.engine.moe import router_loss_metrics
 from megatron_gndpo.engine.optimizer import step_optimizer
 from megatron_gndpo.engine.scoring import required, row_images
@@ -54,6 +56,8 @@ class UpdateBatch:
     aux_coef: float = 0.0
     entropy_coef: float = 0.0
     images: list[torch.Tensor | None] | None = None  # per row: its image tiles (a VLM)
+    # [n, S, L, k]: an MoE student's routers replay these experts (rollout routing replay)
+    routing: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
@@ -112,6 +116,8 @@ def _micro_batches(batch: UpdateBatch, rows: list[int], size: int) -> list[dict[
             "mask": _shift(mask[:, :width]),
         }
         mb |= {k: _shift(v[idx, :width]) for k, v in optional.items() if v is not None}
+        if batch.routing is not None:  # per position, not per prediction: not shifted
+            mb["routing"] = batch.routing[idx, :width]
         if batch.images is not None:
             tiles = row_images(batch.images, idx.tolist())
             if tiles is not None:
@@ -186,6 +192,8 @@ def run_update(
             inputs = [mb["tokens"], positions, None]
             if batch.images is not None:  # a vision-language model takes the images first
                 inputs.insert(0, mb.get("images"))
+            if "routing" in mb:
+                routing.set_targets(replays, mb["routing"], device)
             output = net(*inputs, output_processor=head, output_processor_context=context)
 
             def loss_func(output: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -206,15 +214,19 @@ def run_update(
 
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=[ddp_model],
-            num_microbatches=len(micro),
-            seq_length=max(m["tokens"].shape[1] for m in micro),
-            micro_batch_size=max(m["tokens"].shape[0] for m in micro),
-            forward_only=False,
+        replay: AbstractContextManager[list[Any]] = (
+            routing.replaying(ddp_model) if batch.routing is not None else nullcontext([])
         )
+        with replay as replays:
+            reports = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=[ddp_model],
+                num_microbatches=len(micro),
+                seq_length=max(m["tokens"].shape[1] for m in micro),
+                micro_batch_size=max(m["tokens"].shape[0] for m in micro),
+                forward_only=False,
+            )
         # an MoE student's router losses (megatron's tracker; all ranks, every stage)
         moe = router_loss_metrics(ddp_model.config, len(micro))
         results.append(step_optimizer(optimizer, scheduler) | _summarise(reports, dp_group) | moe)

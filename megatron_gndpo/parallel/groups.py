@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_gndpo.parallel.distributed import collective_timeout
@@ -206,6 +207,17 @@ class ParallelGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.coords["pp"] == self.layout.pp - 1
+
+    def expert_max(self, value: int, device: Any = "cpu") -> int:
+        """The largest ``value`` over this rank's expert-parallel group (``value`` itself at
+        EP = 1). MoE layers exchange tokens between the EP ranks in every forward (megatron's
+        all-to-all dispatcher), so these ranks must run equally many forwards, each its own
+        rows: generation steps and micro-batch counts are agreed through this."""
+        if self.layout.ep == 1 or self.ep is None:
+            return value
+        out = torch.tensor([value], device=device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.ep)
+        return int(out.item())
 
     def pg_collection(self) -> ProcessGroupCollection:
         """The groups as megatron-core's ``ProcessGroupCollection`` (for models, DDP, schedules)."""

@@ -59,6 +59,9 @@ class Rollout:
     teacher_written: torch.Tensor | None = None
     # per row, its prompt's image tiles [n, 3, H, W] (a vision model's rollout); None: text only
     images: list[torch.Tensor | None] | None = None
+    # [N, S, L, k] int16: an MoE student's experts at each position as the sampler routed them
+    # (this pipeline stage's MoE layers; engine/routing.py); None: not recorded
+    routing: torch.Tensor | None = None
 
     @property
     def response_mask(self) -> torch.Tensor:
@@ -193,4 +196,5 @@ def with_teacher_prefix(
         prompt_index=rollout.prompt_index,
         finished=finished,
         teacher_written=written,
+        routing=None if rollout.routing is None else rollout.routing[:, :width],
     )

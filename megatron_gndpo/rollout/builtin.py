@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.data.datasets import PromptImages
+from megatron_gndpo.engine import routing
 from megatron_gndpo.engine.scoring import schedule_groups
 from megatron_gndpo.models.logprob_head import output_inputs
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -98,6 +99,7 @@ class _Rows:
         self.budget_end = torch.clamp(self.prompt_lengths + params.max_new_tokens, max=total)
         self.finished = torch.zeros(len(rows), dtype=torch.bool)
         self.stop_ids = torch.tensor(params.stop_token_ids or (-1,))
+        self.routing: torch.Tensor | None = None  # [B, total, L, k]: an MoE model's experts
 
     def generated(self, rows_R: torch.Tensor) -> torch.Tensor:
         """How many tokens each row has sampled so far: the index of its next draw."""
@@ -124,6 +126,7 @@ class _Rows:
             sampler_logprobs=self.logprobs[:, :width].clone(),
             prompt_index=torch.arange(prompts).repeat_interleave(samples_per_prompt),
             finished=self.finished,
+            routing=None if self.routing is None else self.routing[:, :width].clone(),
         )
 
 
@@ -132,7 +135,8 @@ class MegatronGenerator:
 
     ``max_batch_rows`` caps how many rows decode together (None: all at once); the others wait
     and take the slots of finished rows (the lean decoder only). ``decoder`` picks the decoding
-    path (module docstring).
+    path (module docstring). ``record_routing``: an MoE model's rollouts carry each token's
+    experts (``Rollout.routing``, engine/routing.py; the lock-step path, which MoE models take).
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class MegatronGenerator:
         max_sequence_length: int,
         max_batch_rows: int | None = None,
         decoder: Decoder = "lean",
+        record_routing: bool = False,
     ) -> None:
         if max_batch_rows is not None and max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be at least 1 (or None), got {max_batch_rows}")
@@ -158,6 +163,7 @@ class MegatronGenerator:
         self.max_sequence_length = max_sequence_length
         self.max_batch_rows = max_batch_rows
         self.decoder = decoder
+        self.record_routing = record_routing
         self._cached_decoder: CachedDecoder | None = None
         # built once: a decode runs one schedule per token
         self._schedule_groups = schedule_groups(groups, model.config)
@@ -297,14 +303,39 @@ class MegatronGenerator:
     # -- megatron's static path: all rows in lock-step --------------------------------------
 
     def _lockstep(self, state: _Rows, params: SamplingParams, draws: torch.Tensor) -> None:
+        model = self._language_model()
+        if not (self.record_routing and routing.tracks_routing(model)):
+            self._lockstep_steps(state, params, draws, None)
+            return
+        with routing.recording(model) as replays:  # each forward's experts, kept per position
+            rows, total = state.tokens.shape
+            state.routing = routing.empty_routing(rows, total, len(replays), routing.topk(model))
+            self._lockstep_steps(state, params, draws, replays)
+
+    def _lockstep_steps(
+        self, state: _Rows, params: SamplingParams, draws: torch.Tensor, replays: list[Any] | None
+    ) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         batch, total = state.tokens.shape
         context = StaticInferenceContext(batch, total)
         done = torch.zeros(batch, dtype=torch.bool)
         start, end = 0, int(state.prompt_lengths.min())
-        while end < total and not bool(done.all()):
+        device = next(self.model.parameters()).device
+        while True:
+            busy = end < total and not bool(done.all())
+            # an MoE model's EP ranks exchange tokens in every forward: all step until all are
+            # done, a rank whose own rows are done with an idle forward of their first tokens
+            # (no KV cache; its result is dropped)
+            if not self.groups.expert_max(int(busy), device):
+                break
+            if not busy:
+                self._forward_last(state.tokens[:, :1], 0, None)
+                continue
             logits_BV = self._forward_last(state.tokens[:, start:end], start, context)
+            if state.routing is not None and replays is not None:  # what the sampler routed
+                k = state.routing.shape[-1]
+                state.routing[:, start:end] = routing.recorded(replays, batch, end - start, k)
             context.sequence_len_offset += end - start
             rows_R = ((state.prompt_lengths <= end) & ~done).nonzero()[:, 0]
             if rows_R.numel():

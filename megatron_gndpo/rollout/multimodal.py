@@ -52,6 +52,7 @@ class MultimodalGenerator(MegatronGenerator):
         max_sequence_length: int,
         max_batch_rows: int | None = None,
         decoder: Decoder = "lean",
+        record_routing: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -61,6 +62,7 @@ class MultimodalGenerator(MegatronGenerator):
             max_sequence_length=max_sequence_length,
             max_batch_rows=max_batch_rows,
             decoder=decoder,
+            record_routing=record_routing,
         )
         self.image_token_id = int(model.image_token_index)
         if pad_id == self.image_token_id:
