@@ -2,8 +2,9 @@
 through real expert-parallel models.
 
 Tiny random ``Qwen3MoeForCausalLM`` models built in code (4 experts, top-2, hidden 64, no
-downloads). The distributed test is one 4-rank launch: each model is converted at TP=2 x EP=2
-(every rank fills its own 2 experts' TP shards), scored by a fresh megatron model loaded from
+downloads). The distributed test is one 4-rank launch: one model is converted at TP=2 x EP=2
+(every rank fills its own 2 experts' TP shards), the other at PP=2 x EP=2 (a layout built beside
+megatron's global state, as a teacher's is), each scored by a fresh megatron model loaded from
 the saved checkpoint (log-probs against transformers', fp32), and exported back through a
 TP=1/EP=1 model in the same job; transformers loads the export and every tensor is exact.
 """
@@ -139,6 +140,10 @@ def test_expert_names_follow_the_expert_parallel_rank() -> None:
 
     name = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
     assert hf_moe.global_expert_name(name, 2) == name.replace("experts.1.", "experts.3.")
+    # Transformer Engine's grouped experts (the GPU spec) name local expert j weight{j}
+    te = "decoder.layers.1.mlp.experts.linear_fc1.weight1"
+    assert hf_moe.global_expert_name(te, 2) == name.replace("experts.1.linear_fc2",
+                                                            "experts.3.linear_fc1")  # fmt: skip
     router = "decoder.layers.1.mlp.router.weight"
     assert hf_moe.global_expert_name(router, 2) == router
     assert hf_moe.expert_index(name) == 1 and hf_moe.expert_index("output_layer.weight") is None
@@ -225,19 +230,27 @@ def _logprobs_tp(net: Any, groups: Any, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)[..., :VOCAB].log_softmax(-1)
 
 
-def _import_tp2_ep2_and_export(rank: int, world: int, root: str, tokens: torch.Tensor) -> Any:
+# Where each variant is converted: (TP, PP, EP).
+LAYOUTS = {"all_moe": (2, 1, 2), "dense_first": (1, 2, 2)}
+
+
+def _import_and_export(rank: int, world: int, root: str, tokens: torch.Tensor) -> Any:
     from megatron_gndpo.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf
     from megatron_gndpo.checkpoint.dist import load_checkpoint
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
     from megatron_gndpo.models.gpt import build_gpt
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
+    from tests.test_conversion import _pipeline_logprobs
 
-    groups = build_student_groups(ParallelLayout(world, tp=2, ep=2), seed=1234)
-    parallel = ParallelConfig(tensor_parallel=2, expert_parallel=2)
+    student = build_student_groups(ParallelLayout(world, tp=2, ep=2), seed=1234)
+    pp2ep2 = build_groups(ParallelLayout(world, pp=2, ep=2), name="pp2ep2")
     out: dict[str, Any] = {}
     for variant in VARIANTS:
+        tp, pp, ep = LAYOUTS[variant]
+        groups = student if pp == 1 else pp2ep2
+        parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
         ckpt = Path(root) / f"mcore_{variant}"
         model = convert_hf_to_mcore(Path(root) / f"hf_{variant}", ckpt, groups=groups,
                                     parallel=parallel)  # fmt: skip
@@ -246,9 +259,13 @@ def _import_tp2_ep2_and_export(rank: int, world: int, root: str, tokens: torch.T
         net.eval()
         load_checkpoint(ckpt, net)
         experts = {n for n, _ in net.named_parameters() if ".local_experts." in n}
-        out[variant] = {"logprobs": _logprobs_tp(net, groups, tokens), "experts": len(experts)}
+        if pp == 1:
+            logprobs = _logprobs_tp(net, groups, tokens)
+        else:  # on the last stage only
+            logprobs = _pipeline_logprobs(net, groups, tokens, model.hidden_size)
+        out[variant] = {"logprobs": logprobs, "experts": len(experts)}
     # Export in the same job: every rank loads a TP=1/EP=1 model (all experts) from the
-    # TP=2 x EP=2 checkpoint; rank 0 writes. Config and family come from beside the checkpoint.
+    # TP/PP/EP checkpoint; rank 0 writes. Config and family come from beside the checkpoint.
     for variant in VARIANTS:
         convert_mcore_to_hf(Path(root) / f"mcore_{variant}", Path(root) / f"export_{variant}",
                             dtype="fp32")  # fmt: skip
@@ -257,7 +274,7 @@ def _import_tp2_ep2_and_export(rank: int, world: int, root: str, tokens: torch.T
 
 @pytest.mark.distributed
 @pytest.mark.megatron
-def test_qwen3_moe_tp2_ep2_and_back(tmp_path: Path) -> None:
+def test_qwen3_moe_tp2_ep2_pp2_ep2_and_back(tmp_path: Path) -> None:
     import transformers
 
     tokens = _tokens()
@@ -268,16 +285,21 @@ def test_qwen3_moe_tp2_ep2_and_back(tmp_path: Path) -> None:
         originals[variant] = hf_model
         expected[variant] = _hf_logprobs(hf_model, tokens)
 
-    results = run_distributed(_import_tp2_ep2_and_export, 4, args=(str(tmp_path), tokens),
-                              timeout_s=300)  # fmt: skip
+    results = run_distributed(_import_and_export, 4, args=(str(tmp_path), tokens), timeout_s=300)
     for variant in VARIANTS:
-        layers = 2 if variant == "all_moe" else 1
+        tp, pp, ep = LAYOUTS[variant]
+        # MoE layers on this rank's stage: all_moe 2 (PP=1); dense_first 0 or 1 (layer 1, PP=2)
         for rank, by_variant in enumerate(results):
             r = by_variant[variant]
-            assert r["experts"] == layers * 2 * 2, (variant, rank)  # 2 of 4 experts, fc1 + fc2
+            moe_layers = 2 if pp == 1 else rank // 2
+            assert r["experts"] == moe_layers * 2 * 2, (variant, rank)  # 2 of 4, fc1 + fc2
+            if r["logprobs"] is None:  # a first pipeline stage
+                continue
             diff = (r["logprobs"] - expected[variant]).abs().max().item()
-            print(f"measured {variant} rank {rank}: log-prob diff vs transformers {diff:.2e}")
-            assert diff < 1e-4, f"{variant}: TP2xEP2 log-probs differ from HF by {diff}"
+            print(f"measured {variant} rank {rank} (TP={tp} PP={pp} EP={ep}): log-prob diff "
+                  f"vs transformers {diff:.2e}")  # fmt: skip
+            assert diff < 1e-4, f"{variant}: log-probs differ from HF by {diff}"
+        assert sum(r[variant]["logprobs"] is not None for r in results) == 4 // pp
         out = tmp_path / f"export_{variant}"
         config = json.loads((out / "config.json").read_text())
         assert config["model_type"] == "qwen3_moe" and config["num_experts"] == EXPERTS

@@ -23,6 +23,9 @@ Expert parallelism: rank ``r`` of the expert-parallel group holds the experts
 ``SequentialMLP.sharded_state_dict`` numbers them the same way); :func:`global_expert_name`
 turns a rank's local name into the full model's. Expert tensor parallelism equals TP here, and
 the expert ``linear_fc1`` / ``linear_fc2`` are split like the dense ones (column / row).
+Transformer Engine's grouped experts (``TEGroupedMLP``, the GPU spec) name local expert ``j``'s
+weights ``experts.linear_fc1.weight{j}``; :func:`global_expert_name` reads those as aliases
+(by megatron-core 0.19's naming; not run here, where Transformer Engine cannot be installed).
 
 Layers: Qwen3-MoE makes layer ``i`` (0-based) an MoE layer when ``i`` is not in
 ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; the others are dense MLPs of
@@ -51,6 +54,7 @@ _DEFAULT_AUX_LOSS = 0.001
 # Shared-expert keys of other MoE families (Qwen2-MoE, DeepSeek): Qwen3-MoE has none.
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts")
 _LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)")
+_TE_GROUPED_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)")
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)")
 
 
@@ -185,8 +189,12 @@ def experts_per_rank(model: ModelConfig, ep: int) -> int:
 def global_expert_name(name: str, offset: int) -> str:
     """``...local_experts.j...`` -> ``...local_experts.{j + offset}...`` (other names as they are).
 
-    ``offset``: the first expert this rank holds, ``ep_rank * experts_per_rank``.
+    ``offset``: the first expert this rank holds, ``ep_rank * experts_per_rank``. Transformer
+    Engine's grouped ``...experts.linear_fc1.weight{j}`` becomes the same local-spec name.
     """
+    te = _TE_GROUPED_EXPERT.fullmatch(name)
+    if te is not None:
+        name = f"{te.group(1)}.local_experts.{te.group(3)}.{te.group(2)}.weight"
     match = _LOCAL_EXPERT.fullmatch(name)
     if match is None or not offset:
         return name
