@@ -360,7 +360,9 @@ def _layer_mappings(model: ModelConfig, layer: int) -> list[WeightMapping]:
         for suffix, hf_suffixes, kind, flag in table
         if flag is None or getattr(model, flag)
     ]
-    return mappings + (hf_moe.layer_mappings(model, layer) if moe else [])
+    if moe:
+        mappings += [WeightMapping(*m) for m in hf_moe.layer_mappings(model, layer)]
+    return mappings
 
 
 def _embedding_mapping() -> WeightMapping:

@@ -36,14 +36,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 import torch
 
 from megatron_gndpo.config.schema import ModelConfig
-
-if TYPE_CHECKING:
-    from megatron_gndpo.checkpoint.hf_mapping import WeightMapping
 
 FAMILY = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -160,18 +157,21 @@ def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
     }
 
 
-def layer_mappings(model: ModelConfig, layer: int) -> list[WeightMapping]:
-    """Router and every expert of MoE layer ``layer`` (global layer and expert indices)."""
-    from megatron_gndpo.checkpoint.hf_mapping import WeightMapping
-
+def layer_mappings(
+    model: ModelConfig, layer: int
+) -> list[tuple[str, tuple[str, ...], Literal["copy", "fc1"]]]:
+    """(megatron name, HF names, kind) of the router and every expert of MoE layer ``layer``
+    (global layer and expert indices; kinds as in ``hf_mapping.WeightMapping``)."""
     mg, hf = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
-    out = [WeightMapping(mg + "router.weight", (hf + "gate.weight",), "copy")]
+    out: list[tuple[str, tuple[str, ...], Literal["copy", "fc1"]]] = [
+        (mg + "router.weight", (hf + "gate.weight",), "copy")
+    ]
     for e in range(model.num_experts or 0):
         expert, hf_expert = f"{mg}experts.local_experts.{e}.", f"{hf}experts.{e}."
         out += [
-            WeightMapping(expert + "linear_fc1.weight",
-                          (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"), "fc1"),
-            WeightMapping(expert + "linear_fc2.weight", (hf_expert + "down_proj.weight",), "copy"),
+            (expert + "linear_fc1.weight",
+             (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"), "fc1"),
+            (expert + "linear_fc2.weight", (hf_expert + "down_proj.weight",), "copy"),
         ]  # fmt: skip
     return out
 
