@@ -22,6 +22,7 @@ import torch
 from megatron_gndpo.checkpoint import hf_mapping, hf_moe
 from megatron_gndpo.checkpoint.convert import check_layout
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from megatron_gndpo.errors import UserError
 from tests.harness import run_distributed
 
 VOCAB = 96
@@ -172,8 +173,9 @@ def test_unsupported_qwen3_moe_configs_are_named(change: dict[str, Any], message
     config = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4,
               "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": VOCAB,
               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # fmt: skip
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         hf_mapping.model_config_from_hf(config | change)
+    assert isinstance(err.value, UserError)  # the CLI prints it without a traceback
 
 
 def test_models_that_are_not_qwen3_moe_are_refused() -> None:

@@ -40,7 +40,7 @@ from megatron_gndpo.config.loader import to_yaml
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
-from megatron_gndpo.errors import MissingFileError
+from megatron_gndpo.errors import ConversionError, MissingFileError
 from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -133,26 +133,26 @@ class HFCheckpoint:
 def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     tp, pp, ep = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel
     if model.query_groups % tp or model.num_attention_heads % tp:
-        raise ValueError(
+        raise ConversionError(
             f"TP={tp} must divide the attention heads ({model.num_attention_heads}) and KV heads "
             f"({model.query_groups}); choose a tensor-parallel size that divides both"
         )
     if model.num_layers % pp:
-        raise ValueError(
+        raise ConversionError(
             f"PP={pp} does not divide the {model.num_layers} layers; choose a pipeline size "
             "that divides the layer count"
         )
     if ep > 1 and not model.is_moe:
-        raise ValueError(
+        raise ConversionError(
             f"EP={ep} needs a mixture-of-experts model and this one is dense; use EP=1 (--ep 1)"
         )
     if model.is_moe and (model.num_experts or 0) % ep:
-        raise ValueError(
+        raise ConversionError(
             f"EP={ep} does not divide the {model.num_experts} experts; choose an expert-parallel "
             "size that divides the expert count"
         )
     if model.is_moe and model.expert_ffn_hidden_size % tp:
-        raise ValueError(
+        raise ConversionError(
             f"TP={tp} does not divide the expert FFN width {model.expert_ffn_hidden_size} "
             "(moe_intermediate_size); choose a tensor-parallel size that divides it"
         )

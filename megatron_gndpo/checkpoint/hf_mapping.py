@@ -47,6 +47,7 @@ import torch
 
 from megatron_gndpo.checkpoint import hf_moe
 from megatron_gndpo.config.schema import Dtype, ModelConfig
+from megatron_gndpo.errors import ConversionError
 
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -87,7 +88,7 @@ Kind = Literal["copy", "qkv", "fc1", "vocab"]
 def _family_of(hf_config: Mapping[str, Any]) -> str:
     model_type = hf_config.get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(
+        raise ConversionError(
             f"unsupported Hugging Face model_type {model_type!r}: conversion supports "
             f"{', '.join(FAMILIES)} (Llama, Qwen2/Qwen2.5, Qwen3 dense models and Qwen3-MoE)"
         )
@@ -96,7 +97,9 @@ def _family_of(hf_config: Mapping[str, Any]) -> str:
 
 def _required(hf_config: Mapping[str, Any], key: str) -> Any:
     if hf_config.get(key) is None:
-        raise ValueError(f"the Hugging Face config has no {key!r}; it is required for conversion")
+        raise ConversionError(
+            f"the Hugging Face config has no {key!r}; it is required for conversion"
+        )
     return hf_config[key]
 
 
@@ -109,13 +112,13 @@ def _rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(
+        raise ConversionError(
             f"unsupported RoPE scaling {rope_type!r}: conversion supports plain RoPE and "
             "Llama-3.1 'llama3' scaling"
         )
     for key, value in _LLAMA3_FIXED.items():
         if float(scaling.get(key, value)) != value:
-            raise ValueError(
+            raise ConversionError(
                 f"unsupported llama3 RoPE scaling {key}={scaling[key]}: megatron-core fixes it "
                 f"at {value} (only the factor is configurable)"
             )
@@ -126,27 +129,31 @@ def _check_features(hf_config: Mapping[str, Any], family: str) -> None:
     """Reject what the megatron model cannot represent instead of dropping it silently."""
     for key in _MOE_KEYS if family != hf_moe.FAMILY else ():
         if hf_config.get(key):
-            raise ValueError(
+            raise ConversionError(
                 f"unsupported mixture-of-experts config ({key}={hf_config[key]}) in a {family} "
                 f"config: mixture-of-experts conversion supports {hf_moe.FAMILY} (Qwen3-MoE)"
             )
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) MLPs are supported")
+        raise ConversionError(
+            f"unsupported hidden_act {act!r}: only SwiGLU (silu) MLPs are supported"
+        )
     if family in ("llama", "qwen3", "qwen3_moe") and hf_config.get("attention_bias"):
-        raise ValueError(
+        raise ConversionError(
             f"unsupported attention_bias=true for {family}: it adds biases to q/k/v *and* o_proj, "
             "which the megatron model does not build"
         )
     if hf_config.get("mlp_bias"):
-        raise ValueError("unsupported mlp_bias=true: the megatron model builds MLPs without bias")
+        raise ConversionError(
+            "unsupported mlp_bias=true: the megatron model builds MLPs without bias"
+        )
     layer_types = hf_config.get("layer_types") or []
     sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
     if not layer_types and hf_config.get("use_sliding_window") and hf_config.get("sliding_window"):
         first = int(hf_config.get("max_window_layers", 0))
         sliding = list(range(first, int(_required(hf_config, "num_hidden_layers"))))
     if sliding:
-        raise ValueError(
+        raise ConversionError(
             f"unsupported sliding-window attention in layers {sliding}: the megatron model "
             "attends over the full context (set use_sliding_window=false only if the model was "
             "trained without it)"
@@ -159,7 +166,7 @@ def model_config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
 
     Unsupported model types and features (MoE outside qwen3_moe, shared experts, sliding-window
     attention in use, biases the megatron model lacks, RoPE scalings other than llama3) are a
-    ValueError naming them.
+    ConversionError (a ValueError) naming them.
     """
     family = _family_of(hf_config)
     _check_features(hf_config, family)
@@ -172,7 +179,9 @@ def model_config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     theta, scaling = _rope(hf_config)
     dtype_name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
     if dtype_name not in _HF_DTYPES:
-        raise ValueError(f"unsupported torch_dtype {dtype_name!r}; use one of {list(_HF_DTYPES)}")
+        raise ConversionError(
+            f"unsupported torch_dtype {dtype_name!r}; use one of {list(_HF_DTYPES)}"
+        )
     return ModelConfig(
         num_layers=layers,
         hidden_size=hidden,
@@ -201,9 +210,10 @@ def model_config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
 
 
 def check_family(model: ModelConfig, family: str) -> None:
-    """Raise a ValueError unless ``model`` is exactly representable as a ``family`` model."""
+    """Raise a ConversionError (a ValueError) unless ``model`` is exactly representable as a
+    ``family`` model."""
     if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+        raise ConversionError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
     problems = []
     if not model.swiglu:
         problems.append("swiglu=false (HF families use SwiGLU MLPs)")
@@ -230,7 +240,7 @@ def check_family(model: ModelConfig, family: str) -> None:
     if model.rotary_scaling_factor is not None and family != "llama":
         problems.append("rotary_scaling_factor is set (llama3 RoPE scaling is a llama feature)")
     if problems:
-        raise ValueError(
+        raise ConversionError(
             f"this model cannot be expressed as a {family} checkpoint: {'; '.join(problems)}"
         )
 
@@ -304,7 +314,9 @@ class WeightMapping:
     ) -> torch.Tensor:
         """The full (TP=1) megatron tensor from the HF tensors named in ``hf`` (same order)."""
         if len(tensors) != len(self.hf):
-            raise ValueError(f"{self.megatron} needs {len(self.hf)} tensors, got {len(tensors)}")
+            raise ConversionError(
+                f"{self.megatron} needs {len(self.hf)} tensors, got {len(tensors)}"
+            )
         if self.kind == "copy":
             return tensors[0]
         if self.kind == "qkv":
@@ -323,7 +335,7 @@ class WeightMapping:
             gate, up = tensor.chunk(2, dim=0)
             return gate, up
         if tensor.shape[0] < model.vocab_size:
-            raise ValueError(
+            raise ConversionError(
                 f"{self.megatron} has {tensor.shape[0]} rows, fewer than vocab_size "
                 f"{model.vocab_size}"
             )
@@ -454,7 +466,7 @@ def mapping_for(megatron_name: str, model: ModelConfig) -> WeightMapping:
     for mapping in candidates:
         if mapping.megatron == name:
             return dataclasses.replace(mapping, megatron=megatron_name)
-    raise ValueError(
+    raise ConversionError(
         f"no Hugging Face mapping for megatron parameter {megatron_name!r}; the model config "
         "(qkv bias, qk-norm, tied embeddings, experts and MoE layers) may not match the "
         "checkpoint"
@@ -467,7 +479,7 @@ def expected_hf_names(model: ModelConfig) -> set[str]:
 
 
 def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "") -> None:
-    """Missing tensors, and tensors the megatron model would drop, are ValueErrors naming them.
+    """Missing tensors, and tensors the megatron model would drop, are ConversionErrors naming them.
 
     A tied model's checkpoint may still hold ``lm_head.weight``; it is ignored.
     """
@@ -476,7 +488,7 @@ def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "")
     source = f" in {where}" if where else ""
     missing = sorted(expected - names)
     if missing:
-        raise ValueError(
+        raise ConversionError(
             f"tensor {missing[0]!r} is missing{source} ({len(missing)} missing in all); the "
             "checkpoint does not match its config.json (layers, qkv bias, qk-norm, "
             "tie_word_embeddings, num_experts, mlp_only_layers)"
@@ -484,7 +496,7 @@ def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "")
     ignorable = {"lm_head.weight"} if model.tie_embeddings else set()
     unexpected = sorted(n for n in names - expected - ignorable if not _IGNORED_HF.fullmatch(n))
     if unexpected:
-        raise ValueError(
+        raise ConversionError(
             f"tensor {unexpected[0]!r}{source} has no place in the megatron model "
             f"({len(unexpected)} such tensors); the architecture has features conversion does "
             "not support"
@@ -493,13 +505,13 @@ def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "")
 
 def _check_mappable(model: ModelConfig) -> None:
     if not model.swiglu or model.normalization != "RMSNorm" or model.add_bias_linear:
-        raise ValueError(
+        raise ConversionError(
             "only SwiGLU + RMSNorm models without linear biases map to Hugging Face "
             f"(got swiglu={model.swiglu}, normalization={model.normalization}, "
             f"add_bias_linear={model.add_bias_linear})"
         )
     if model.query_groups == 0 or model.num_attention_heads % model.query_groups:
-        raise ValueError(
+        raise ConversionError(
             f"num_attention_heads ({model.num_attention_heads}) must be a multiple of "
             f"num_query_groups ({model.query_groups})"
         )
@@ -518,7 +530,7 @@ def _qkv_to_megatron(
     expected = {"q": ng * per_group * hd, "k": ng * hd, "v": ng * hd}
     for label, t in zip("qkv", tensors, strict=True):
         if t.shape[0] != expected[label]:
-            raise ValueError(
+            raise ConversionError(
                 f"{name}: the {label} projection has {t.shape[0]} rows, expected "
                 f"{expected[label]} ({model.num_attention_heads} heads, {ng} KV heads, head dim "
                 f"{hd}); check num_key_value_heads and head_dim in config.json"
@@ -550,11 +562,11 @@ def _qkv_to_hf(
 
 def _pad_vocab(tensor: torch.Tensor, vocab: int, padded: int, name: str) -> torch.Tensor:
     if tensor.shape[0] != vocab:
-        raise ValueError(
+        raise ConversionError(
             f"{name} has {tensor.shape[0]} rows but config.json says vocab_size={vocab}"
         )
     if padded < vocab:
-        raise ValueError(f"padded vocabulary {padded} is smaller than vocab_size {vocab}")
+        raise ConversionError(f"padded vocabulary {padded} is smaller than vocab_size {vocab}")
     if padded == vocab:
         return tensor
     pad = tensor.new_zeros(padded - vocab, *tensor.shape[1:])
@@ -596,13 +608,13 @@ def iter_megatron_to_hf(
     # A tied model's last pipeline stage copy of the embedding is not an HF tensor.
     extra = sorted(names - expected - ({"output_layer.weight"} if model.tie_embeddings else set()))
     if extra:
-        raise ValueError(
+        raise ConversionError(
             f"megatron parameter {extra[0]!r} has no Hugging Face mapping ({len(extra)} such); "
             "the model config does not match the checkpoint"
         )
     for mapping in mappings:
         if mapping.megatron not in mcore_state:
-            raise ValueError(f"megatron state has no {mapping.megatron!r}")
+            raise ConversionError(f"megatron state has no {mapping.megatron!r}")
         if consume:
             assert isinstance(mcore_state, MutableMapping)
             tensor = mcore_state.pop(mapping.megatron)
@@ -630,13 +642,13 @@ def shard_for_rank(
     Uses the parameter's ``tensor_model_parallel`` / ``partition_dim`` attributes. A gated
     ``linear_fc1`` holds ``[gate; up]``: each rank takes its slice of both halves. Linear QKV is
     grouped per KV head, so a plain dim-0 slice is whole groups. A shape mismatch is a
-    ValueError naming the parameter and both shapes.
+    ConversionError naming the parameter and both shapes.
     """
     shard = full
     if tp > 1 and getattr(param, "tensor_model_parallel", False):
         dim = int(param.partition_dim)
         if full.shape[dim] % tp:
-            raise ValueError(
+            raise ConversionError(
                 f"{name}: dim {dim} of the full tensor {tuple(full.shape)} does not divide by "
                 f"TP={tp}"
             )
@@ -646,7 +658,7 @@ def shard_for_rank(
         else:
             shard = full.chunk(tp, dim=dim)[tp_rank]
     if tuple(shard.shape) != tuple(param.shape):
-        raise ValueError(
+        raise ConversionError(
             f"{name}: the converted tensor has shape {tuple(shard.shape)} (full "
             f"{tuple(full.shape)}, TP={tp}) but the model's parameter has {tuple(param.shape)}; "
             "config.json and the weights disagree"

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_gndpo.config.schema import ModelConfig
+from megatron_gndpo.errors import ConversionError
 
 FAMILY = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -57,26 +58,28 @@ _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_pro
 
 def _get(hf_config: Mapping[str, Any], key: str) -> Any:
     if hf_config.get(key) is None:
-        raise ValueError(f"the qwen3_moe config.json has no {key!r}; it is required for conversion")
+        raise ConversionError(
+            f"the qwen3_moe config.json has no {key!r}; it is required for conversion"
+        )
     return hf_config[key]
 
 
 def model_fields(hf_config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """The :class:`ModelConfig` MoE fields of a ``qwen3_moe`` ``config.json``.
 
-    What megatron cannot build is a ValueError naming it and the fix: shared experts, a top-1
+    What megatron cannot build is a ConversionError naming it and the fix: shared experts, a top-1
     router with ``norm_topk_prob`` (every weight 1), a config with no MoE layer.
     """
     # transformers 5 writes num_local_experts (its attribute_map), the Hub's configs num_experts
     experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
     if not experts:
-        raise ValueError(
+        raise ConversionError(
             "the qwen3_moe config.json has no num_experts (or num_local_experts); it is required "
             "for conversion"
         )
     for key in _SHARED_EXPERT_KEYS:
         if hf_config.get(key):
-            raise ValueError(
+            raise ConversionError(
                 f"unsupported shared expert ({key}={hf_config[key]}) in a qwen3_moe config: "
                 "Qwen3-MoE has none and the converter maps routed experts only; remove the key "
                 "if the checkpoint holds no shared-expert weights"
@@ -84,7 +87,7 @@ def model_fields(hf_config: Mapping[str, Any], num_layers: int) -> dict[str, Any
     topk = int(_get(hf_config, "num_experts_per_tok"))
     norm = bool(hf_config.get("norm_topk_prob", _DEFAULT_NORM_TOPK))
     if topk == 1 and norm:
-        raise ValueError(
+        raise ConversionError(
             "unsupported num_experts_per_tok=1 with norm_topk_prob=true (every routing weight is "
             "1): megatron-core's top-1 softmax router weights each token by its expert's "
             "probability; set norm_topk_prob=false only if the model was trained that way"
@@ -108,13 +111,13 @@ def moe_layer_pattern(hf_config: Mapping[str, Any], num_layers: int) -> tuple[in
     dense = hf_config.get("mlp_only_layers") or []
     outside = sorted(set(dense) - set(range(num_layers)))
     if outside:
-        raise ValueError(
+        raise ConversionError(
             f"mlp_only_layers names layers {outside} of a model with {num_layers} layers; fix "
             "mlp_only_layers in config.json"
         )
     pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(num_layers))
     if not any(pattern):
-        raise ValueError(
+        raise ConversionError(
             f"the qwen3_moe config makes no layer an MoE layer (decoder_sparse_step={step}, "
             f"mlp_only_layers={list(dense)}): convert it as the dense model it is (qwen3) or fix "
             "config.json"
@@ -179,7 +182,7 @@ def layer_mappings(
 def experts_per_rank(model: ModelConfig, ep: int) -> int:
     experts = model.num_experts or 0
     if ep < 1 or experts % ep:
-        raise ValueError(
+        raise ConversionError(
             f"num_experts ({experts}) is not divisible by expert_parallel ({ep}); choose an "
             "expert-parallel size that divides it"
         )
