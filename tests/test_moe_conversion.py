@@ -196,6 +196,21 @@ def test_models_that_are_not_qwen3_moe_are_refused() -> None:
         )  # fmt: skip
 
 
+def test_a_vllm_engine_needs_a_qwen3_moe_student() -> None:
+    """rollout.engine=vllm syncs the student as Qwen3-MoE: what that cannot hold is a config
+    error before anything is built, not a failure at the first sync."""
+    from megatron_gndpo.checks import validate
+    from megatron_gndpo.config import ConfigError, load_config
+
+    example = Path(__file__).parents[1] / "examples" / "tiny_cpu_moe.yaml"
+    vllm = ["rollout.engine=vllm", "model.qk_layernorm=true"]
+    validate(load_config(example, vllm), 2)
+    with pytest.raises(ConfigError, match=r"as qwen3_moe, and .*no shared expert.*builtin"):
+        validate(load_config(example, [*vllm, "model.moe_shared_expert_ffn_hidden_size=32"]), 2)
+    with pytest.raises(ConfigError, match=r"qk_layernorm=false \(Qwen3-MoE has QK-norm\)"):
+        validate(load_config(example, ["rollout.engine=vllm"]), 2)
+
+
 def test_layouts_that_cannot_hold_the_experts_are_refused() -> None:
     moe = hf_mapping.model_config_from_hf(_hf_config().to_dict())
     check_layout(moe, ParallelConfig(tensor_parallel=2, expert_parallel=4))
