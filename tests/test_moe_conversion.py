@@ -23,6 +23,7 @@ from megatron_gndpo.checkpoint import hf_mapping, hf_moe
 from megatron_gndpo.checkpoint.convert import check_layout
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
 from megatron_gndpo.errors import UserError
+from tests.forward import full_logprobs
 from tests.harness import run_distributed
 
 VOCAB = 96
@@ -235,18 +236,6 @@ def test_convert_cli_refuses_a_bad_ep(capsys: pytest.CaptureFixture[str]) -> Non
 # Real models: TP=2 x EP=2 import, TP=1/EP=1 export, in one 4-rank launch
 
 
-def _logprobs_tp(net: Any, groups: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probs [b, s, V] of a PP=1 model on every rank (logits gathered over TP)."""
-    import torch.distributed as dist
-
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    with torch.no_grad():
-        out = net(tokens, positions, attention_mask=None)  # [b, s, Vp/tp]
-    parts = [torch.empty_like(out) for _ in range(groups.layout.tp)]
-    dist.all_gather(parts, out.contiguous(), group=groups.tp)
-    return torch.cat(parts, dim=-1)[..., :VOCAB].log_softmax(-1)
-
-
 # Where each variant is converted: (TP, PP, EP).
 LAYOUTS = {"all_moe": (2, 1, 2), "dense_first": (1, 2, 2)}
 
@@ -259,7 +248,6 @@ def _import_and_export(rank: int, world: int, root: str, tokens: torch.Tensor) -
     cpu.enable()
     from megatron_gndpo.models.gpt import build_gpt
     from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
-    from tests.test_conversion import _pipeline_logprobs
 
     student = build_student_groups(ParallelLayout(world, tp=2, ep=2), seed=1234)
     pp2ep2 = build_groups(ParallelLayout(world, pp=2, ep=2), name="pp2ep2")
@@ -276,10 +264,7 @@ def _import_and_export(rank: int, world: int, root: str, tokens: torch.Tensor) -
         net.eval()
         load_checkpoint(ckpt, net)
         experts = {n for n, _ in net.named_parameters() if ".local_experts." in n}
-        if pp == 1:
-            logprobs = _logprobs_tp(net, groups, tokens)
-        else:  # on the last stage only
-            logprobs = _pipeline_logprobs(net, groups, tokens, model.hidden_size)
+        logprobs = full_logprobs(net, groups, tokens, hidden=model.hidden_size, vocab=VOCAB)
         out[variant] = {"logprobs": logprobs, "experts": len(experts)}
     # Export in the same job: every rank loads a TP=1/EP=1 model (all experts) from the
     # TP/PP/EP checkpoint; rank 0 writes. Config and family come from beside the checkpoint.
