@@ -30,5 +30,10 @@ class MissingPackageError(UserError, ImportError):
     """An optional package this input needs (pyarrow for Parquet, ...) is not installed."""
 
 
+class ConversionError(UserError, ValueError):
+    """A checkpoint or config the conversion cannot map (an unsupported feature, a layout that
+    cannot hold the model, tensors that do not match the config); the message names the fix."""
+
+
 class DistributedStartError(UserError, RuntimeError):
     """The launcher's environment does not describe a job this process can join."""

@@ -27,6 +27,7 @@ from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from megatron_gndpo.checkpoint.dist import CheckpointError
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from tests.forward import full_logprobs
 from tests.harness import run_distributed
 
 VOCAB = 96
@@ -233,26 +234,6 @@ def test_conversion_errors_name_the_problem(tmp_path: Path, hf_models: dict[str,
 # Real models: TP=2 x PP=2 import, world-1 export
 
 
-def _pipeline_logprobs(net: Any, groups: Any, tokens: torch.Tensor, hidden: int) -> Any:
-    """Forward over the pipeline stages; log-probs [b, s, V] on the last stage, else None."""
-    import torch.distributed as dist
-
-    layout, coords = groups.layout, groups.coords
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    with torch.no_grad():
-        if not groups.is_first_stage:
-            received = torch.empty(tokens.shape[1], tokens.shape[0], hidden)  # [s, b, h]
-            dist.recv(received, src=layout.rank_of(coords | {"pp": coords["pp"] - 1}))
-            net.set_input_tensor(received)
-        out = net(tokens, positions, attention_mask=None)
-        if not groups.is_last_stage:
-            dist.send(out.contiguous(), dst=layout.rank_of(coords | {"pp": coords["pp"] + 1}))
-            return None
-        parts = [torch.empty_like(out) for _ in range(layout.tp)]  # out: [b, s, Vp/tp]
-        dist.all_gather(parts, out.contiguous(), group=groups.tp)
-        return torch.cat(parts, dim=-1)[..., :VOCAB].log_softmax(-1)
-
-
 def _import_tp2_pp2(rank: int, world_size: int, root: str, tokens: torch.Tensor) -> Any:
     from megatron_gndpo.checkpoint.dist import load_checkpoint
     from megatron_gndpo.compat import cpu
@@ -272,7 +253,7 @@ def _import_tp2_pp2(rank: int, world_size: int, root: str, tokens: torch.Tensor)
         net = build_gpt(model, parallel, groups)
         net.eval()
         load_checkpoint(ckpt, net)
-        logprobs = _pipeline_logprobs(net, groups, tokens, model.hidden_size)
+        logprobs = full_logprobs(net, groups, tokens, hidden=model.hidden_size, vocab=VOCAB)
         if logprobs is not None and groups.coords["tp"] == 0:
             out[family] = logprobs
     # Export in the same job (saves a launch): while megatron's global state is still TP2xPP2,

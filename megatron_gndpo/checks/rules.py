@@ -145,7 +145,25 @@ def _algorithm_problems(cfg: Config) -> list[str]:
             "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "
             "colocated with each tensor-parallel group); use the builtin engine with PP > 1"
         )
+    if cfg.rollout.engine == "vllm" and cfg.model.is_moe:
+        p += _vllm_moe_problems(cfg.model)
     return p
+
+
+def _vllm_moe_problems(model: ModelConfig) -> list[str]:
+    """The weight sync hands vLLM the student as a Qwen3-MoE checkpoint: what it cannot hold
+    would otherwise fail at the first sync, after the models are built."""
+    from megatron_gndpo.checkpoint import hf_mapping
+
+    try:
+        hf_mapping.check_family(model, model.hf_family)
+    except ValueError as err:
+        return [
+            f"rollout.engine=vllm syncs a mixture-of-experts student into vLLM as "
+            f"{model.hf_family}, and {err}: change the model section, or set "
+            "rollout.engine=builtin"
+        ]
+    return []
 
 
 def _guidance_problems(a: AlgorithmConfig, vocab_size: int) -> list[str]:

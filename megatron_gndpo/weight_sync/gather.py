@@ -1,4 +1,4 @@
-"""Full Hugging Face tensors from the student's TP/PP shards, one parameter at a time.
+"""Full Hugging Face tensors from the student's TP/PP/EP shards, one parameter at a time.
 
 Every rank of a model replica (its TP x PP ranks) calls :func:`iter_hf_weights` and receives
 the *same* sequence of full, Hugging Face-named tensors. That is what a colocated engine wants:
@@ -8,14 +8,22 @@ tensors and slices them for its own TP rank itself. Per parameter:
 1. the pipeline stage that owns it all-gathers its TP shards over ``groups.tp`` (along the
    parameter's ``partition_dim``; a gated ``linear_fc1`` holds ``[gate_r; up_r]`` per rank, so
    each half is gathered separately: the inverse of ``hf_mapping.shard_for_rank``);
-2. the owning stage broadcasts the full megatron tensor over ``groups.pp`` (every stage gets it);
-3. :mod:`megatron_gndpo.checkpoint.hf_mapping` splits it into HF tensors (q/k/v, gate/up) and
-   trims the vocabulary padding.
+2. an expert of a mixture-of-experts layer (expert parallelism, EP > 1) lives on one rank of
+   each expert-parallel group: that rank's TP group gathers it (over the expert-TP group, the
+   same ranks), then broadcasts it over ``groups.ep``;
+3. the owning stage broadcasts the full megatron tensor over ``groups.pp`` (every stage gets it);
+4. :mod:`megatron_gndpo.checkpoint.hf_mapping` splits it into HF tensors (q/k/v, gate/up) and
+   trims the vocabulary padding; experts are named as in a Qwen3-MoE checkpoint
+   (``model.layers.i.mlp.experts.e.{gate,up,down}_proj.weight`` with the global expert index
+   ``e``, :mod:`~megatron_gndpo.checkpoint.hf_moe`), which is what vLLM's Qwen3-MoE
+   ``load_weights`` reads.
 
 Cost: every rank of the replica holds one full megatron tensor at a time (the largest is the
 ``[V, H]`` embedding) and receives every tensor once; data-parallel replicas work independently,
-on their own groups. Tied embeddings are written once (as ``model.embed_tokens.weight``); the
-last stage's copy of the embedding is not sent and no ``lm_head.weight`` is produced.
+on their own groups, except that with EP > 1 the replicas of one expert-parallel group (EP of
+the DP ranks) each send the others their own experts. Tied embeddings are written once (as
+``model.embed_tokens.weight``); the last stage's copy of the embedding is not sent and no
+``lm_head.weight`` is produced.
 
 A vision-language model (``vision`` set) is sent as transformers' InternVL names it: the language
 model under ``language_model.``, then (when ``parts`` asks for them) the projector
@@ -23,7 +31,8 @@ model under ``language_model.``, then (when ``parts`` asks for them) the project
 :mod:`~megatron_gndpo.checkpoint.vlm_mapping`. ``parts`` lets a sync skip what the engine already
 holds (a frozen encoder) or never uses (the vision side when the engine gets image embeddings).
 
-The iterator runs collectives: every rank of the replica must exhaust it, in the same order.
+The iterator runs collectives: every rank of the replica (and, with EP > 1, of its
+expert-parallel group) must exhaust it, in the same order.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.checkpoint import hf_mapping, vlm_convert, vlm_mapping
+from megatron_gndpo.checkpoint import hf_mapping, hf_moe, vlm_convert, vlm_mapping
 from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -102,10 +111,11 @@ def _canonical(name: str, vision: VisionConfig | None) -> str:
 class _Entry:
     """One full-model megatron parameter: the stage holding it and its TP-gathered shape."""
 
-    name: str  # as the model names it (global layer index; TE aliases kept)
+    name: str  # as the model names it (global layer and expert index; TE aliases kept)
     stage: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    ep_rank: int | None = None  # an expert: the expert-parallel rank holding it (EP > 1)
 
 
 def merge_tp_shards(
@@ -113,10 +123,10 @@ def merge_tp_shards(
 ) -> torch.Tensor:
     """The full megatron tensor from its TP shards in rank order (inverse of ``shard_for_rank``).
 
-    A gated ``linear_fc1`` shard is ``[gate_r; up_r]``: the full tensor is
-    ``[gate_0 .. gate_{tp-1}; up_0 .. up_{tp-1}]``, not the plain concatenation.
+    A gated ``linear_fc1`` shard (a dense MLP's or an expert's) is ``[gate_r; up_r]``: the full
+    tensor is ``[gate_0 .. gate_{tp-1}; up_0 .. up_{tp-1}]``, not the plain concatenation.
     """
-    if swiglu and ".mlp.linear_fc1." in name:
+    if swiglu and ".linear_fc1." in name:
         halves = [shard.chunk(2, dim=0) for shard in shards]
         gate = torch.cat([h[0] for h in halves], dim=partition_dim)
         up = torch.cat([h[1] for h in halves], dim=partition_dim)
@@ -161,22 +171,40 @@ def _entries(
     """Every stage's parameters, keyed by canonical (local-spec) name; checked against the map.
 
     One object all-gather over ``groups.pp``: a stage knows its own layers only, and every
-    stage must know the shape of what it is about to receive.
+    stage must know the shape of what it is about to receive. With EP > 1 a second one over
+    ``groups.ep``: a rank knows its own experts only.
     """
-    tp, stage = groups.layout.tp, groups.coords["pp"]
+    layout = groups.layout
+    tp, stage = layout.tp, groups.coords["pp"]
     mine = [(name, stage, _full_shape(p, tp), p.dtype) for name, p in local.items()]
-    if groups.layout.pp > 1:
-        per_stage: list[Any] = [None] * groups.layout.pp
+    if layout.pp > 1:
+        per_stage: list[Any] = [None] * layout.pp
         dist.all_gather_object(per_stage, mine, group=groups.pp)
-        everything = [item for items in per_stage for item in items]
+        everything = [(*item, None) for items in per_stage for item in items]
     else:
-        everything = mine
+        everything = [(*item, None) for item in mine]
+    if layout.ep > 1:
+        # Over the EP group (one stage's ranks of the same expert-TP rank, in EP rank order):
+        # the other ranks' experts; everything else they hold is what this rank holds.
+        per_ep: list[Any] = [None] * layout.ep
+        dist.all_gather_object(per_ep, everything, group=groups.ep)
+        dense = [(*item[:4], None) for item in everything if not _is_expert(item[0])]
+        experts = [
+            (*item[:4], ep_rank)
+            for ep_rank, items in enumerate(per_ep)
+            for item in items
+            if _is_expert(item[0])
+        ]
+        everything = dense + experts
     entries: dict[str, _Entry] = {}
-    for name, owner, shape, dtype in everything:
+    for name, owner, shape, dtype, ep_rank in everything:
         key = _canonical(name, vision)
         if key in entries:
-            raise ValueError(f"megatron parameter {name!r} is held by two pipeline stages")
-        entries[key] = _Entry(name, owner, tuple(shape), dtype)
+            raise ValueError(
+                f"megatron parameter {name!r} is held by two pipeline stages or expert-parallel "
+                "ranks"
+            )
+        entries[key] = _Entry(name, owner, tuple(shape), dtype, ep_rank)
     expected = {m.megatron for m in mappings}
     # A tied model's last stage keeps its own copy of the embedding: not an HF tensor.
     lm = VLM_PARTS["language"] if vision is not None else ""
@@ -195,6 +223,10 @@ def _entries(
     return entries
 
 
+def _is_expert(name: str) -> bool:
+    return hf_moe.expert_index(name) is not None
+
+
 def _gather_tp(
     name: str, param: torch.Tensor, groups: ParallelGroups, dtype: torch.dtype, swiglu: bool
 ) -> torch.Tensor:
@@ -205,7 +237,11 @@ def _gather_tp(
         return shard
     shards = [torch.empty_like(shard) for _ in range(tp)]
     # Over the TP group: its ranks hold the slices of this parameter (same stage, same replica).
-    dist.all_gather(shards, shard, group=groups.tp)
+    # An expert's slices are spread over the expert-TP group (the same ranks: expert TP = TP).
+    group = groups.tp
+    if _is_expert(name) and groups.expt_tp is not None:
+        group = groups.expt_tp
+    dist.all_gather(shards, shard, group=group)
     return merge_tp_shards(
         name,
         shards,
@@ -226,7 +262,8 @@ def iter_hf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(Hugging Face name, full tensor)`` for every HF tensor of the model, on every rank.
 
-    Call on every rank of the replica described by ``groups`` (TP and PP collectives) and
+    Call on every rank of the replica described by ``groups`` (TP and PP collectives; with
+    expert parallelism, EP collectives with the other replicas of the expert-parallel group) and
     exhaust the iterator on all of them. Order: embedding, layers by global index, final norm,
     ``lm_head`` (untied only), then a VLM's projector and vision tower. ``dtype`` casts the
     weights (before any communication); None keeps the model's. Tensors lie on the model's
@@ -237,8 +274,10 @@ def iter_hf_weights(
     hf_mapping.check_family(model_cfg, family)
     net = _unwrap(model)
     mappings = _mappings(model_cfg, vision, VLM_PARTS if parts is None else parts)
+    layout, coords = groups.layout, groups.coords
     if vision is None:
-        local = {full: param for _, full, param in hf_mapping.global_names(net)}
+        offset = hf_mapping.expert_offset(model_cfg, layout, groups.rank)
+        local = {full: p for _, full, p in hf_mapping.global_names(net, expert_offset=offset)}
     else:
         sent = tuple(VLM_PARTS[p] for p in (VLM_PARTS if parts is None else parts))
         local = {
@@ -247,14 +286,20 @@ def iter_hf_weights(
         }  # fmt: skip
     entries = _entries(local, groups, mappings, tied=model_cfg.tie_embeddings, vision=vision)
     device = next(net.parameters()).device
-    layout, coords = groups.layout, groups.coords
+    expert_coords = layout.expert_coords(groups.rank)
     for mapping in mappings:
         entry = entries[mapping.megatron]
         out_dtype = dtype or entry.dtype
-        if entry.stage == coords["pp"]:
+        my_stage = entry.stage == coords["pp"]
+        if my_stage and entry.ep_rank in (None, expert_coords["ep"]):
             full = _gather_tp(entry.name, local[entry.name], groups, out_dtype, mapping.gated)
         else:
             full = torch.empty(entry.shape, dtype=out_dtype, device=device)
+        if my_stage and entry.ep_rank is not None:
+            # Over the EP group: the replicas' ranks of this stage and expert-TP rank; the
+            # holder's copy is full (its TP group gathered it).
+            holder = layout.rank_of(expert_coords | {"ep": entry.ep_rank})
+            dist.broadcast(full, src=holder, group=groups.ep)
         if layout.pp > 1:
             # Over the PP group: the same TP rank of every stage; the owner's copy is full.
             owner = layout.rank_of(coords | {"pp": entry.stage})
