@@ -155,7 +155,7 @@ def offpolicy_metrics(
     one MAX over ``group``): offpolicy/weight_mean (w), offpolicy/ratio_mean and /ratio_max (r
     before truncation or masking), and offpolicy/clip_frac (tis) or offpolicy/mask_frac
     (mask). With no sampled token every value is 0.0."""
-    check_same_shape(weights=weights_BT, sampled_mask=sampled_mask, ratio=info["ratio"])
+    check_same_shape(weights=weights_BT, sampled_mask=sampled_mask, **info)
     with torch.no_grad():
         sampled_BT = sampled_mask.bool()
         ratio_BT = masked_values(info["ratio"].double(), sampled_BT)
