@@ -163,7 +163,7 @@ def test_weights_scale_the_policy_gradient_only_and_rejected_tokens_keep_their_c
         assert lp.grad is not None
         return float(numerator.detach() / count), int(count), lp.grad
 
-    plain, plain_count, plain_grad = loss_and_grad(None, 0.0)
+    _, plain_count, plain_grad = loss_and_grad(None, 0.0)
     weighted, count, grad = loss_and_grad(weights, 0.0)
     assert count == plain_count == 7  # the rejected tokens are still counted
     rejected = mask & (weights == 0)
