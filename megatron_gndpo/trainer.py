@@ -1,7 +1,7 @@
 """The GNDPO training loop: ``Trainer.step()`` is the data flow of docs/DESIGN.md, a call a stage.
 
     prompts -> rollout -> teacher log-probs -> student old log-probs -> advantages
-            -> clipped update -> weight sync -> checkpoint
+            (+ off-policy correction) -> clipped update -> weight sync -> checkpoint
 
 Every rank runs the same step; collectives inside each stage use the groups of the model that
 stage runs on. All randomness of a step derives from (seed, step, data-parallel rank), so a run
@@ -27,6 +27,7 @@ from megatron_gndpo.algorithms.metrics import (
     score_metrics,
     teacher_metrics,
 )
+from megatron_gndpo.algorithms.offpolicy import importance_weights, offpolicy_metrics
 from megatron_gndpo.checkpoint.convert import describe_checkpoints
 from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
 from megatron_gndpo.checkpoint.resume import (
@@ -131,11 +132,13 @@ class Trainer:
             rewards = self._rewards(rollout, prompts)
             if not skip:
                 targets, metrics = self._targets(rollout, teacher, student, rewards, routes)
+                weights, corrected = self._correction(rollout, student.logprobs)
+                metrics |= corrected
         if skip:  # every rank skips together
             metrics = {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
         else:
             with timer.time("update"):
-                metrics |= self._update(rollout, student.logprobs, targets)
+                metrics |= self._update(rollout, student.logprobs, targets, weights)
         # before the checkpoint, whose state must include this step
         metrics |= self.stability.observe(
             metrics.get("grad_norm", math.nan), metrics.get("score/rms", math.nan)
@@ -374,16 +377,43 @@ class Trainer:
         metrics |= extra | advantage_metrics(targets.advantages, mask.float(), group=group)
         return targets, metrics
 
-    def _update(self, rollout: Rollout, old_lp: torch.Tensor, targets: Targets) -> dict[str, float]:
+    def _correction(
+        self, rollout: Rollout, old_lp: torch.Tensor
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """Importance weights ``[n, S]`` of the policy-gradient term for the gap between the
+        sampler's log-probs and the trainer's ``old_lp`` (``algorithm.offpolicy``,
+        docs/methods/offpolicy.md), with their metrics; None and no metrics without a
+        correction."""
+        o = self.cfg.algorithm.offpolicy
+        if o.correction == "none":
+            return None, {}
+        sampled = rollout.sampled_mask  # the tokens with a sampler log-prob
+        weights, info = importance_weights(
+            old_lp, rollout.sampler_logprobs, sampled, correction=o.correction, level=o.level,
+            tis_cap=o.tis_cap, mask_low=o.mask_low, mask_high=o.mask_high,
+        )  # fmt: skip
+        metrics = offpolicy_metrics(
+            weights, info, sampled, correction=o.correction, group=self.c.student_groups.dp_cp
+        )
+        return weights, metrics
+
+    def _update(
+        self,
+        rollout: Rollout,
+        old_lp: torch.Tensor,
+        targets: Targets,
+        is_weights: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         c, t = self.c, self.cfg.trainer
         mask = rollout.response_mask
         steps = run_update(
             c.ddp, c.optimizer, c.scheduler,
             UpdateBatch(
                 rollout.tokens, old_lp, targets.advantages, mask, pg_mask=targets.pg_mask,
-                aux_ids=targets.aux_ids, aux_logq=targets.aux_logq, aux_mask=targets.aux_mask,
-                aux_coef=targets.aux_coef, entropy_coef=targets.entropy_coef,
-                images=rollout.images, routing=self._replayed(rollout),
+                is_weights=is_weights, aux_ids=targets.aux_ids, aux_logq=targets.aux_logq,
+                aux_mask=targets.aux_mask, aux_coef=targets.aux_coef,
+                entropy_coef=targets.entropy_coef, images=rollout.images,
+                routing=self._replayed(rollout),
             ),
             head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
             optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,

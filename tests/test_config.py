@@ -383,6 +383,44 @@ def test_dual_clip_must_exceed_one(value: str) -> None:
     validate(load_config(None, ["algorithm.policy_loss=ppo_clip", "algorithm.dual_clip=3.0"]))
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        ["rollout.temperature=0.7"],
+        ["rollout.top_p=0.9"],
+        ["rollout.top_k=20"],
+        ["rollout.outlier_interval=2", "rollout.outlier_temperature=1.5"],
+    ],
+)
+def test_offpolicy_correction_needs_the_unmodified_distribution(sampling: list[str]) -> None:
+    msg = validation_error(None, "algorithm.offpolicy.correction=tis", *sampling)
+    assert "algorithm.offpolicy.correction=tis needs the sampler's log-probs" in msg
+    assert sampling[-1] in msg and "rollout.temperature=1, top_p=1, top_k=0" in msg
+    assert "or set correction=none" in msg
+    validate(load_config(None, sampling))  # without a correction any sampling is fine
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (
+            "algorithm.offpolicy.tis_cap=0.9",
+            "algorithm.offpolicy: tis_cap must be a finite number >= 1",
+        ),
+        ("algorithm.offpolicy.mask_low=1.5", "algorithm.offpolicy: the mask interval"),
+        ("algorithm.offpolicy.mask_high=0.8", "must contain 1"),
+    ],
+)
+def test_offpolicy_bounds(override: str, needle: str) -> None:
+    assert needle in validation_error(None, "algorithm.offpolicy.correction=mask", override)
+    msg = config_error("algorithm.offpolicy.correction=clip")
+    assert "algorithm.offpolicy.correction" in msg and "tis" in msg
+    for ok in ("tis", "mask"):
+        for level in ("token", "sequence", "geometric"):
+            validate(load_config(None, [f"algorithm.offpolicy.correction={ok}",
+                                        f"algorithm.offpolicy.level={level}"]))  # fmt: skip
+
+
 def test_heads_not_divisible_by_tensor_parallel() -> None:
     msg = validation_error(8, "parallel.tensor_parallel=8")  # the default student has 4 heads
     assert "parallel.tensor_parallel=8 must divide model.num_attention_heads (4)" in msg

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -287,8 +288,25 @@ def _outlier_steps(rank: int, world: int, root: str) -> dict[str, object]:
     return out
 
 
-def test_outlier_steps_draw_their_own_prompts_hotter_and_resume_exactly(tmp_path: Path) -> None:
-    r = run_distributed(_outlier_steps, 1, args=(str(tmp_path),), timeout_s=400)[0]
+def _one_rank_runs(rank: int, world: int, root: str) -> dict[str, object]:
+    """The single-rank runs of the two tests below, in one launch (a launch costs more than
+    the runs: spawn and megatron-core's import)."""
+    return {
+        "outliers": _outlier_steps(rank, world, f"{root}/outliers"),
+        "offpolicy": _offpolicy_steps(rank, world, f"{root}/offpolicy"),
+    }
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("one_rank")
+    return run_distributed(_one_rank_runs, 1, args=(str(root),), timeout_s=500)[0]
+
+
+def test_outlier_steps_draw_their_own_prompts_hotter_and_resume_exactly(
+    one_rank_runs: dict[str, Any],
+) -> None:
+    r = one_rank_runs["outliers"]
     assert r["outlier_steps"] == [2, 4, 6]
     for step, prompts in enumerate(r["drawn"], start=1):
         chains = all(" = ?" in p for p in prompts)  # builtin:chains; arithmetic has no "= ?"
@@ -297,3 +315,58 @@ def test_outlier_steps_draw_their_own_prompts_hotter_and_resume_exactly(tmp_path
     for expected, got in zip(r["full"][3:], r["resumed"], strict=True):
         for key in ("loss", "grad_norm", "score/mean", "tokens/step", *STABILITY_KEYS):
             assert got[key] == expected[key], key
+
+
+def _offpolicy_steps(rank: int, world: int, root: str) -> dict[str, object]:
+    """One step from the same start without a correction (the engine's own log-probs), with
+    TIS on sampler log-probs set equal to the trainer's, and with masking on sampler log-probs
+    pushed 1 nat up on every other position."""
+    runs = {
+        "none": ([], None),
+        "tis, equal": (["correction=tis", "level=sequence"], 0.0),
+        "mask, pushed": (["correction=mask"], 1.0),
+    }
+    out: dict[str, object] = {}
+    for name, (overrides, shift) in runs.items():
+        trainer = tiny_trainer(f"{root}/{name}", *(f"algorithm.offpolicy.{o}" for o in overrides))
+        start = snapshot(trainer.c.student)
+        score = trainer._score
+
+        def scored(rollout, routes, shift=shift, score=score):  # type: ignore[no-untyped-def]
+            teacher, student = score(rollout, routes)
+            if shift is not None:
+                push = torch.zeros_like(student.logprobs)
+                push[:, ::2] = shift
+                logprobs = student.logprobs + push
+                rollout.sampler_logprobs = torch.where(rollout.sampled_mask, logprobs, 0.0)
+            return teacher, student
+
+        trainer._score = scored  # type: ignore[method-assign]
+        metrics = trainer.step()
+        out[name] = {"start": start, "end": snapshot(trainer.c.student), "metrics": metrics}
+        trainer.c.logger.close()
+        reset_megatron()
+    return out
+
+
+def test_offpolicy_correction_with_equal_logprobs_is_the_uncorrected_update(
+    one_rank_runs: dict[str, Any],
+) -> None:
+    r = one_rank_runs["offpolicy"]
+    plain, equal, pushed = r["none"], r["tis, equal"], r["mask, pushed"]
+    assert all(torch.equal(run["start"][n], p) for run in (equal, pushed)
+               for n, p in plain["start"].items())  # fmt: skip
+    m = plain["metrics"]  # the built-in sampler's gap is float32 rounding
+    assert not any(k.startswith("offpolicy/") for k in m)
+    assert m["sampler_gap/k3"] >= 0.0 and abs(m["sampler_gap/kl"]) < 1e-5
+    # weights exactly 1: the very same loss, gradient norm and weights after the step
+    e = equal["metrics"]
+    assert e["offpolicy/weight_mean"] == 1.0 and e["offpolicy/ratio_max"] == 1.0
+    assert (e["loss"], e["grad_norm"]) == (m["loss"], m["grad_norm"])
+    assert all(torch.equal(equal["end"][n], p) for n, p in plain["end"].items())
+    # ratio e^-1 < mask_low on every other position: those tokens are rejected
+    p = pushed["metrics"]
+    assert 0.3 < p["offpolicy/mask_frac"] < 0.7 and p["sampler_gap/kl"] > 0.3
+    assert p["offpolicy/weight_mean"] == pytest.approx(1.0 - p["offpolicy/mask_frac"])
+    assert p["sampler_gap/k3"] > 0.05 and p["loss"] != m["loss"]
+    assert math.isfinite(p["grad_norm"]) and p["skipped"] == 0.0

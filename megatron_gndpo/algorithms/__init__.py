@@ -34,11 +34,13 @@ from megatron_gndpo.algorithms.metrics import (
     spike_flags,
     trailing_medians,
 )
+from megatron_gndpo.algorithms.offpolicy import CORRECTIONS, importance_weights, offpolicy_metrics
 from megatron_gndpo.algorithms.scores import distillation_scores, raw_scores
 from megatron_gndpo.algorithms.stats import global_sum, masked_moments, masked_whiten
 
 __all__ = [
     "AGGREGATIONS",
+    "CORRECTIONS",
     "POLICY_LOSSES",
     "StabilityMonitor",
     "advantage_metrics",
@@ -52,10 +54,12 @@ __all__ = [
     "grpo_advantages",
     "gspo_token_loss",
     "importance_sampled_pg_loss",
+    "importance_weights",
     "log_log_slope",
     "masked_moments",
     "masked_whiten",
     "mix_advantages",
+    "offpolicy_metrics",
     "opd_advantages",
     "outcome_token_rewards",
     "policy_metrics",

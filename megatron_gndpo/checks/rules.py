@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
+from megatron_gndpo.algorithms.offpolicy import bounds_problem
 from megatron_gndpo.checks.moe import moe_problems, routing_replay_problems
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import (
@@ -140,6 +141,7 @@ def _algorithm_problems(cfg: Config) -> list[str]:
         p.append(f"algorithm.gamma must be in [0, 1], got {a.gamma}")
     p += _guidance_problems(a, cfg.model.vocab_size)
     p += routing_replay_problems(cfg)
+    p += _offpolicy_problems(cfg)
     if cfg.rollout.engine == "vllm" and cfg.parallel.pipeline_parallel > 1:
         p.append(
             "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "
@@ -187,6 +189,35 @@ def _guidance_problems(a: AlgorithmConfig, vocab_size: int) -> list[str]:
         if not 0.0 <= share < 1.0:
             p.append(f"algorithm.tropd.{name} must be in [0, 1), got {share}")
     _positive(p, "algorithm.tropd.prefix_decay_steps", t.prefix_decay_steps, strict=False)
+    return p
+
+
+def _offpolicy_problems(cfg: Config) -> list[str]:
+    """The off-policy correction's bounds, and the plain sampling its ratio needs."""
+    o, r, p = cfg.algorithm.offpolicy, cfg.rollout, list[str]()
+    problem = bounds_problem(tis_cap=o.tis_cap, mask_low=o.mask_low, mask_high=o.mask_high)
+    if problem:
+        p.append(f"algorithm.offpolicy: {problem}")
+    if o.correction == "none":
+        return p
+    changed = [
+        f"rollout.{key}={value}"
+        for key, value, plain in (
+            ("temperature", r.temperature, 1.0), ("top_p", r.top_p, 1.0), ("top_k", r.top_k, 0),
+            ("outlier_temperature", r.outlier_temperature, None),
+        )
+        if value != plain and not (key == "outlier_temperature" and value == 1.0)
+    ]  # fmt: skip
+    if changed:
+        p.append(
+            f"algorithm.offpolicy.correction={o.correction} needs the sampler's log-probs of the "
+            f"student's own distribution, but {', '.join(changed)} changes what is sampled from: "
+            "both engines report the log-prob under the distribution they sampled from (after "
+            "temperature, top-k and top-p; vLLM with logprobs_mode=processed_logprobs), while the "
+            "trainer's are at temperature 1 over the whole vocabulary, so the ratio would measure "
+            "the sampling transform instead of the engine gap. Sample with rollout.temperature=1, "
+            "top_p=1, top_k=0 (and no outlier_temperature), or set correction=none"
+        )
     return p
 
 

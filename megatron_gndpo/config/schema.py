@@ -370,6 +370,31 @@ class TrOPDConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OffPolicyConfig:
+    """Importance-sampling correction of the policy gradient for the gap between the sampler's
+    log-probs and the trainer's recomputation of them (docs/methods/offpolicy.md). The weight
+    multiplies only the policy-gradient term; tokens it zeroes still count in the loss's token
+    count."""
+
+    correction: Literal["none", "tis", "mask"] = "none"
+    """none: no weight (the trainer's old log-probs alone, as the GNDPO release); tis: truncated
+    importance sampling, weight min(ratio, tis_cap); mask: ICE-POP-style masked importance
+    sampling, weight ratio inside [mask_low, mask_high] and 0 outside. The ratio is
+    exp(trainer log-prob - sampler log-prob) of the sampled tokens; it needs sampler log-probs of
+    the unmodified distribution (rollout.temperature 1, top_p 1, top_k 0)."""
+    level: Literal["token", "sequence", "geometric"] = "token"
+    """What one ratio covers: token (each token its own), sequence (one per response: exp of the
+    sum of its tokens' log-ratios, the product of their ratios) or geometric (one per response:
+    exp of their mean, the geometric mean)."""
+    tis_cap: float = 2.0
+    """With correction=tis: the largest weight (>= 1)."""
+    mask_low: float = 0.5
+    """With correction=mask: ratios below this are rejected (in [0, 1])."""
+    mask_high: float = 2.0
+    """With correction=mask: ratios above this are rejected (>= 1)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     """The advantage estimator and policy loss (see ALGORITHMS.md in the docs)."""
 
@@ -424,6 +449,8 @@ class AlgorithmConfig:
     """TGPO settings (estimator tgpo)."""
     tropd: TrOPDConfig = dataclasses.field(default_factory=TrOPDConfig)
     """TrOPD settings (estimator tropd)."""
+    offpolicy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)
+    """Importance-sampling correction for the sampler/trainer log-prob gap (any estimator)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,9 +40,11 @@ class UpdateBatch:
     """This rank's rows for the update, in the scoring convention.
 
     Beyond the policy gradient (see ``algorithms/guidance.py`` for the per-token loss
-    ``g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H``): ``pg_mask`` g (None: every response token),
-    the distillation target ``aux_ids`` / ``aux_logq`` on ``aux_mask`` d with weight
-    ``aux_coef`` λ, and the entropy bonus ``entropy_coef`` β.
+    ``w·g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H``): ``is_weights`` w, the off-policy correction's
+    importance weights (``algorithms/offpolicy.py``; None: 1), ``pg_mask`` g (None: every
+    response token), the distillation target ``aux_ids`` / ``aux_logq`` on ``aux_mask`` d with
+    weight ``aux_coef`` λ, and the entropy bonus ``entropy_coef`` β. w and g scale only the
+    policy-gradient term, never the token count the loss is divided by.
     """
 
     tokens: torch.Tensor  # [n, S] int64
@@ -50,6 +52,7 @@ class UpdateBatch:
     advantages: torch.Tensor  # [n, S] float32
     response_mask: torch.Tensor  # [n, S] bool
     pg_mask: torch.Tensor | None = None  # [n, S]
+    is_weights: torch.Tensor | None = None  # [n, S] float32
     aux_ids: torch.Tensor | None = None  # [n, S, K] int64
     aux_logq: torch.Tensor | None = None  # [n, S, K] float32
     aux_mask: torch.Tensor | None = None  # [n, S]
@@ -99,8 +102,8 @@ def policy_loss(
 
 def _micro_batches(batch: UpdateBatch, rows: list[int], size: int) -> list[dict[str, torch.Tensor]]:
     optional = {
-        "pg_mask": batch.pg_mask, "aux_ids": batch.aux_ids, "aux_logq": batch.aux_logq,
-        "aux_mask": batch.aux_mask,
+        "pg_mask": batch.pg_mask, "is_weights": batch.is_weights, "aux_ids": batch.aux_ids,
+        "aux_logq": batch.aux_logq, "aux_mask": batch.aux_mask,
     }  # fmt: skip
     out = []
     for start in range(0, len(rows), size):
@@ -132,13 +135,15 @@ def token_loss(
     batch: UpdateBatch,
     cfg: AlgorithmConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss ``[b, L]`` = ``g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H`` and its info.
+    """Per-token loss ``[b, L]`` = ``w·g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H`` and its info.
 
     ``output``: the head's log-probs ``[b, L]`` (plain batches) or its :class:`Scores` with
     ``extra_logprobs`` at ``aux_ids`` and ``entropy``.
     """
     logprobs = output if isinstance(output, torch.Tensor) else output.logprobs
     loss, info = policy_loss(logprobs, mb["old"], mb["adv"], mb["mask"], cfg)
+    if "is_weights" in mb:  # the off-policy correction: the policy-gradient term only
+        loss = loss * mb["is_weights"]
     if "pg_mask" in mb:
         loss = torch.where(mb["pg_mask"].bool(), loss, 0.0)
     if isinstance(output, Scores) and "aux_ids" in mb and batch.aux_coef:

@@ -45,7 +45,8 @@ class Rollout:
 
     ``tokens[i, :prompt_lengths[i]]`` is the prompt, ``tokens[i, prompt_lengths[i]:lengths[i]]``
     the response (its stop token included when ``finished[i]``). ``sampler_logprobs[i, t]`` is the
-    sampler's log-prob of ``tokens[i, t]`` on response positions, 0 elsewhere. Samples of one
+    sampler's log-prob of ``tokens[i, t]`` on the tokens it sampled (``sampled_mask``), 0
+    elsewhere. Samples of one
     prompt are contiguous rows (GRPO groups).
     """
 
@@ -68,6 +69,13 @@ class Rollout:
         """``[N, S]`` bool: True on response tokens (up to and including the stop token)."""
         positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
         return (positions >= self.prompt_lengths[:, None]) & (positions < self.lengths[:, None])
+
+    @property
+    def sampled_mask(self) -> torch.Tensor:
+        """``[N, S]`` bool: the response tokens the student's sampler drew, the ones with a
+        ``sampler_logprobs`` entry (the response less any ``teacher_written`` prefix)."""
+        mask = self.response_mask
+        return mask if self.teacher_written is None else mask & ~self.teacher_written
 
     @property
     def response_lengths(self) -> torch.Tensor:

@@ -20,34 +20,42 @@ def rollout_metrics(
     rewards_N: torch.Tensor | None,
     group: Any,
 ) -> tuple[dict[str, float], float]:
-    """Response lengths, the sampler-vs-trainer log-prob gap (on the student's own tokens), the
+    """Response lengths, the sampler-vs-trainer log-prob gap on the student's own tokens, the
     student's entropy at the rollout weights, the finished share, the step's generated tokens
     and the mean reward; and the share of response tokens the teacher wrote (TrOPD's prefixes),
-    for the method's own metrics. Two all-reduces over ``group``, every rank calls it."""
+    for the method's own metrics. Two all-reduces over ``group``, every rank calls it.
+
+    The gap, with lo the trainer's and ls the sampler's log-prob of a sampled token and
+    log r = lo − ls: sampler_gap/mean_abs = mean |log r|; sampler_gap/kl = mean(ls − lo) and
+    sampler_gap/k3 = mean(r − 1 − log r), the k1 and k3 estimates of KL(sampler ‖ trainer) from
+    the sampler's own samples (k3 is never negative)."""
     lengths = rollout.response_lengths.double()
     mask = rollout.response_mask
     written = rollout.teacher_written
-    sampled = mask if written is None else mask & ~written  # the student's own tokens
-    gap = (student_logprobs_NS - rollout.sampler_logprobs).abs()[sampled].double()
+    log_ratio = (student_logprobs_NS.double() - rollout.sampler_logprobs.double())[
+        rollout.sampled_mask
+    ]  # log r = lo − ls on the student's own tokens
+    k3 = log_ratio.exp() - 1.0 - log_ratio
     entropy = student_entropy_NS[mask].double()
     teacher_tokens = 0.0 if written is None else float((written & mask).sum())
     reward_sum = rewards_N.double().sum() if rewards_N is not None else torch.tensor(0.0)
     stats = torch.tensor(
-        [len(lengths), float(lengths.sum()), float(gap.sum()), gap.numel(),
+        [len(lengths), float(lengths.sum()), float(log_ratio.abs().sum()), log_ratio.numel(),
          float(reward_sum), float(rollout.finished.sum()), float(entropy.sum()),
-         float(mask.sum()), teacher_tokens],
+         float(mask.sum()), teacher_tokens, float(-log_ratio.sum()), float(k3.sum())],
         dtype=torch.float64,
     )  # fmt: skip
     dist.all_reduce(stats, group=group)
     longest = lengths.max().reshape(1)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-    rows, total, gap_sum, tokens, reward_sum, finished, entropy_sum, response, written_sum = (
-        stats.tolist()
-    )
+    (rows, total, gap_sum, tokens, reward_sum, finished, entropy_sum, response, written_sum,
+     k1_sum, k3_sum) = stats.tolist()  # fmt: skip
     out = {
         "response_length/mean": total / rows,
         "response_length/max": float(longest),
         "sampler_gap/mean_abs": gap_sum / max(tokens, 1.0),
+        "sampler_gap/kl": k1_sum / max(tokens, 1.0),
+        "sampler_gap/k3": k3_sum / max(tokens, 1.0),
         # the student's entropy on its own samples, at the rollout weights
         "entropy/mean": entropy_sum / max(response, 1.0),
         "finished/frac": finished / rows,
