@@ -15,6 +15,7 @@ model's head at position ``t`` predicts token ``t + 1``, so they are shifted by 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -29,7 +30,7 @@ from megatron_gndpo.algorithms.losses import (
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
 from megatron_gndpo.engine import routing
-from megatron_gndpo.engine.moe import router_loss_metrics
+from megatron_gndpo.engine.moe import router_loss_metrics, router_loss_scale
 from megatron_gndpo.engine.optimizer import step_optimizer
 from megatron_gndpo.engine.scoring import required, row_images
 from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
@@ -219,6 +220,11 @@ def run_update(
 
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
+        aux_scale = router_loss_scale(ddp_model.config, micro, algorithm.aggregation, dp_group)
+        if aux_scale is not None:  # MoE: the router losses' weight (engine/moe.py); [1] as
+            # megatron's default scale is, which it copies into the one it kept
+            scale = torch.tensor([aux_scale], device=device)
+            ddp_model.config.moe_grad_scale_func = functools.partial(torch.clone, scale)
         replay: AbstractContextManager[list[Any]] = (
             routing.replaying(ddp_model) if batch.routing is not None else nullcontext([])
         )
@@ -232,6 +238,8 @@ def run_update(
                 micro_batch_size=max(m["tokens"].shape[0] for m in micro),
                 forward_only=False,
             )
+        if aux_scale is not None:
+            ddp_model.config.moe_grad_scale_func = None
         # an MoE student's router losses (megatron's tracker; all ranks, every stage)
         moe = router_loss_metrics(ddp_model.config, len(micro))
         results.append(step_optimizer(optimizer, scheduler) | _summarise(reports, dp_group) | moe)
