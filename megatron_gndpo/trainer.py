@@ -1,7 +1,7 @@
 """The GNDPO training loop: ``Trainer.step()`` is the data flow of docs/DESIGN.md, a call a stage.
 
-    prompts -> rollout -> teacher log-probs -> student old log-probs -> advantages
-            (+ off-policy correction) -> clipped update -> weight sync -> checkpoint
+    prompts -> rollout -> rewards (-> filter) -> teacher log-probs -> student old log-probs
+            -> advantages (+ off-policy correction) -> clipped update -> weight sync -> checkpoint
 
 Every rank runs the same step; collectives inside each stage use the groups of the model that
 stage runs on. All randomness of a step derives from (seed, step, data-parallel rank), so a run
