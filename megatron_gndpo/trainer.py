@@ -449,8 +449,11 @@ class Trainer:
             head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
             optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,
         )  # fmt: skip
-        last = steps[-1] | self._from_last_stage(steps[-1])
+        taken = [s for s in steps if not s.get("empty")]  # a step trains on >= 2 tokens: some
+        last = taken[-1] | self._from_last_stage(taken[-1])
         last["skipped"] = sum(s["skipped"] for s in steps)
+        if len(taken) < len(steps):  # mini-batches whose rows the filter all dropped
+            last["skipped/empty_minibatches"] = float(len(steps) - len(taken))
         return last
 
     def _replayed(self, rollout: Rollout) -> torch.Tensor | None:

@@ -257,6 +257,12 @@ def _filtered_steps(rank: int, world: int, root: str) -> dict[str, Any]:
     uniform, mixed = [0.0] * 4, [1.0, 0.0, 1.0, 1.0]
     run("groups", *GROUPS, rewards=[uniform if rank == 0 else mixed])
     run("all", *GROUPS, rewards=[uniform, mixed], steps=2)
+    # two optimizer steps, the second's rows all dropped: one step, as on the first half alone
+    halves = [1.0, 0.0, 1.0, 1.0]
+    run("halves", *GROUPS, "trainer.optimizer_steps_per_rollout=2", rewards=[halves])
+    first = torch.tensor([True, True, False, False])
+    run("first half", "algorithm.estimator=grpo", rewards=[halves[:2]],
+        sample=_deleted(filtered["rollouts"][0], first))  # fmt: skip
     return out
 
 
@@ -353,3 +359,20 @@ def test_a_step_filtered_away_everywhere_is_skipped_on_every_rank(
         assert _same(a["weights"][0], a["weights"][1])
         assert after["skipped"] == 0.0 and after["grad_norm"] > 0
         assert not _same(a["weights"][1], a["weights"][2])
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_a_mini_batch_filtered_away_takes_no_optimizer_step(steps: list[dict[str, Any]]) -> None:
+    """Two optimizer steps a rollout, the second mini-batch's rows dropped on both ranks: no
+    second step (Adam would move the weights on zero gradients); the result is the one step on
+    the first half alone."""
+    for r in steps:
+        halves, first = r["halves"], r["first half"]
+        m, want = halves["metrics"][0], first["metrics"][0]
+        assert m["skipped/empty_minibatches"] == 1.0 and m["skipped"] == 0.0
+        assert m["tokens/global"] == want["tokens/global"]
+        for key in ("loss", "grad_norm"):
+            assert m[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        for name, p in first["weights"][1].items():
+            torch.testing.assert_close(halves["weights"][1][name], p, rtol=1e-5, atol=1e-7)
