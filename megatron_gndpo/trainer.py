@@ -449,7 +449,7 @@ class Trainer:
             head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
             optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,
         )  # fmt: skip
-        taken = [s for s in steps if not s.get("empty")]  # a step trains on >= 2 tokens: some
+        taken = [s for s in steps if not s.get("empty")]  # >= 2 tokens: one mini-batch has some
         last = taken[-1] | self._from_last_stage(taken[-1])
         last["skipped"] = sum(s["skipped"] for s in steps)
         if len(taken) < len(steps):  # mini-batches whose rows the filter all dropped
