@@ -171,6 +171,9 @@ def run_update(
 ) -> list[dict[str, float]]:
     """Run ``optimizer_steps`` optimizer steps over ``batch``; one metrics dict per step.
 
+    A mini-batch without a response token on any rank (its rows all dropped by
+    ``algorithm.filter``) takes no optimizer step; its dict is ``{"empty": 1.0, "skipped": 0.0}``.
+
     ``dp_group`` is the data-parallel x context-parallel group the loss is averaged over.
     Metrics: ``loss`` (the global aggregated loss of the step, last stage only), ``grad_norm``
     (pre-clip, global), ``skipped`` (1.0 when a non-finite norm skipped the step), ``lr``, and
@@ -185,7 +188,14 @@ def run_update(
     device = next(ddp_model.parameters()).device
     results = []
     for k in range(optimizer_steps):
-        micro = _micro_batches(batch, rows[k * per_step : (k + 1) * per_step], micro_batch_size)
+        mine = rows[k * per_step : (k + 1) * per_step]
+        if _no_tokens(batch.response_mask[mine], dp_group):
+            # every row of this mini-batch, on every rank, was dropped before scoring
+            # (algorithm.filter): no gradient, and a step on none would still move the weights
+            # (Adam's momentum, weight decay)
+            results.append({"empty": 1.0, "skipped": 0.0})
+            continue
+        micro = _micro_batches(batch, mine, micro_batch_size)
 
         def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
             mb = {key: value.to(device) for key, value in next(data_iterator).items()}
@@ -244,6 +254,15 @@ def run_update(
         moe = router_loss_metrics(ddp_model.config, len(micro))
         results.append(step_optimizer(optimizer, scheduler) | _summarise(reports, dp_group) | moe)
     return results
+
+
+def _no_tokens(mask_nS: torch.Tensor, dp_group: Any) -> bool:
+    """Whether no rank of ``dp_group`` has a response token in its rows of a mini-batch (one
+    all-reduce; the pipeline stages and tensor-parallel ranks of a replica hold the same rows,
+    so every rank decides alike)."""
+    count = mask_nS.sum().reshape(1).double().cpu()
+    torch.distributed.all_reduce(count, group=dp_group)
+    return bool(count.item() == 0)
 
 
 def _summarise(reports: list[dict[str, torch.Tensor]], dp_group: Any) -> dict[str, float]:
