@@ -487,22 +487,24 @@ def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
 
 
 def test_demo_on_vllm(tmp_path: Path) -> None:
-    """``megatron-gndpo demo --quick --engine vllm``: the demo's GNDPO and OPD runs sample every
-    rollout with the real engine (each method in a process of its own), the student synced into
-    it each step; the report says so, and every step's sampler gap and post-sync check are ~0."""
+    """``megatron-gndpo demo --quick --engine vllm``: the demo's GNDPO run samples every rollout
+    with the real engine (in a process of its own), the student synced into it each step; the
+    report says so, and every step's sampler gap and post-sync check are ~0. (One method: the
+    others differ only in their advantages, which tests/test_demo.py runs on the built-in
+    engine; each method here costs an engine start and ~2 min of the tier.)"""
     run_dir = tmp_path / "demo"
     env = os.environ | VLLM_ENV | {"PYTHONPATH": str(Path(__file__).parents[1])}
     done = subprocess.run(
         [sys.executable, "-m", "megatron_gndpo.cli", "demo", "--quick", "--engine", "vllm",
-         "--methods", "gndpo,opd", "--run-dir", str(run_dir)],
+         "--methods", "gndpo", "--run-dir", str(run_dir)],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "| student + gndpo |" in done.stdout and "| student + opd |" in done.stdout
+    assert "| student + gndpo |" in done.stdout
     # vLLM warns on every weight reload (the rotary cache has no weight): once per process
-    assert (done.stdout + done.stderr).count("RotaryEmbedding: Failed to load weights") <= 2
+    assert (done.stdout + done.stderr).count("RotaryEmbedding: Failed to load weights") <= 1
     numbers = json.loads((run_dir / "summary.json").read_text())
-    assert numbers["engine"] == "vllm" and set(numbers["methods"]) == {"gndpo", "opd"}
+    assert numbers["engine"] == "vllm" and set(numbers["methods"]) == {"gndpo"}
     assert "rollouts sampled by a real vLLM" in (run_dir / "summary.md").read_text()
     assert (run_dir / "cache" / "student_vllm").is_dir()  # 2 heads of 32, cached apart
     for name, m in numbers["methods"].items():
