@@ -137,10 +137,13 @@ def test_shards_sum_to_the_total_plus_what_is_replicated(
     mp = plan_model("m", model, ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), world)
     assert len(mp.stages) == pp
     assert sum(st.params_per_rank for st in mp.stages) * tp == expected_shard_sum(model, tp, pp)
-    # Layers are split evenly, so only the stages with the embedding/output layer differ.
-    per_stage_layers = layer_params(model, tp) * (model.num_layers // pp)
-    for st in mp.stages[1:-1]:
-        assert st.params_per_rank == per_stage_layers
+    # Layers are split evenly, so only the stages with the embedding/output layer differ (an
+    # MoE model's layers count their router and, at EP=1, all their experts).
+    per = model.num_layers // pp
+    kinds = model.moe_layers if model.is_moe else (False,) * model.num_layers
+    for s, st in enumerate(mp.stages[1:-1], start=1):
+        layers = kinds[s * per : (s + 1) * per]
+        assert st.params_per_rank == sum(layer_params(model, tp, moe=k) for k in layers)
 
 
 def test_tp1_pp1_unpadded_stage_is_the_total() -> None:
