@@ -19,7 +19,10 @@ device, CUDA RNG state get/set, ``torch.cuda.synchronize``/``set_device``, liter
   that megatron's ``finalize_model_grads`` sums their gradients (each TP rank's covers its own
   slice of the sequence) over the TP group. The q/k norms get the mark too, as TE's do (their
   gradients are summed over TP with or without sequence parallelism: each rank's covers its
-  own heads).
+  own heads);
+- **uneven all-gathers**: with expert tensor parallelism the MoE token dispatcher gathers
+  unequal token counts from the TP ranks through ``torch.distributed.all_gather`` with a list
+  of unequal tensors, which NCCL accepts and gloo rejects; the gather pads to the longest.
 
 Nothing happens on import. :func:`enable` applies every patch and returns a handle whose
 ``disable()`` restores the originals; it refuses to run where CUDA is available, because there
@@ -326,10 +329,35 @@ def _sequence_parallel_torch_norm(original_new: Callable[..., Any]) -> Callable[
     return new
 
 
+def _padded_uneven_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``mappings._gather_along_first_dim`` for unequal ``output_split_sizes`` on gloo: each
+    rank's rows padded to the longest, gathered evenly, the padding dropped (same result)."""
+
+    def gather(
+        input_: torch.Tensor,
+        group: Any,
+        output_split_sizes: list[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = original(padded, group, None, False)  # [world * longest, ...]
+        return torch.cat(
+            [gathered[r * longest : r * longest + n] for r, n in enumerate(output_split_sizes)]
+        )
+
+    return gather
+
+
 _RANDOM = "megatron.core.tensor_parallel.random"
 _MOE = "megatron.core.transformer.moe"
 # moe_utils.maybe_move_tensor_to_cpu converts only tensors on CUDA
 _CUDA_ONLY_MOVE = r"if torch\.is_tensor\(tensor\) and tensor\.is_cuda"
+# an all_gather into a list of (possibly unequal) tensors
+_LIST_ALL_GATHER = r"torch\.distributed\.all_gather\(output_tensor_list"
 # WrappedTorchNorm refuses sequence parallelism
 _NO_SEQUENCE_PARALLEL = r"assert\s*\(?\s*not config\.sequence_parallel"
 
@@ -403,6 +431,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
           "the torch norms of the local spec (no Apex/TE) refuse sequence parallelism", "wrap",
           _sequence_parallel_torch_norm, _NO_SEQUENCE_PARALLEL),
+    Patch("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+          "the MoE dispatcher's expert-TP gather of unequal token counts fails on gloo", "wrap",
+          _padded_uneven_gather, _LIST_ALL_GATHER),
 )  # fmt: skip
 
 _CPU_TORCH = _CpuTorch()
