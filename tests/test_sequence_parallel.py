@@ -8,7 +8,8 @@ TP=2 + SP (RMSNorm, q/k norms, QKV bias, SwiGLU):
 - logits, and the gradients of one forward/backward through the fused log-prob head, megatron's
   DDP and ``finalize_model_grads``: every norm's gradient (q/k norms included) is each TP rank's
   half of the sequence until finalize sums it over TP; then both ranks hold TP=1's;
-- ``score_batch``, padded and packed, on ragged rows of odd lengths;
+- ``score_batch``, padded and packed, on ragged rows of odd lengths; also by a teacher at TP=2 +
+  SP on its own groups;
 - the built-in generator, lean decoder and megatron's static path: TP=1's tokens.
 
 A second launch (``_trainer_checks``) trains ``examples/tiny_cpu.yaml`` at TP=2 + SP through the
@@ -69,7 +70,7 @@ def _sp_checks(rank: int, world: int) -> dict[str, Any]:
 
     from megatron_gndpo.engine.optimizer import wrap_ddp
     from megatron_gndpo.engine.scoring import score_batch
-    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.models.gpt import build_gpt, build_teacher
     from megatron_gndpo.models.logprob_head import TokenLogProbs
     from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
 
@@ -124,15 +125,24 @@ def _sp_checks(rank: int, world: int) -> dict[str, Any]:
     out["norm_grads_equal_over_tp"] = bool(torch.equal(theirs[0], theirs[1]))
     out["norms"] = norms
 
+    # a teacher at TP=2 + SP on its own groups (no global state) scores like the student
+    teacher_groups = build_groups(ParallelLayout(world, tp=2), name="teacher")
+    teacher = build_teacher(
+        MODEL, ParallelConfig(tensor_parallel=2, sequence_parallel=True), teacher_groups
+    )
+    teacher.load_state_dict(sp.state_dict())
     ragged, lengths = _ragged_batch()
     for pack in (False, True):
         scores = {}
-        for name, net, g in (("ref", ref, reference_groups), ("sp", ddp, student)):
+        for name, net, g in (("ref", ref, reference_groups), ("sp", ddp, student),
+                             ("teacher", teacher, teacher_groups)):  # fmt: skip
             s = score_batch(net, g, ragged, lengths, head=head, token_budget=40, pack=pack)
             assert s is not None
             scores[name] = s.logprobs
         key = "packed" if pack else "padded"
-        out[f"score_{key}_diff"] = (scores["ref"] - scores["sp"]).abs().max().item()
+        out[f"score_{key}_diff"] = max(
+            (scores["ref"] - scores[name]).abs().max().item() for name in ("sp", "teacher")
+        )
     out |= _generator_checks(ref, reference_groups, ddp, student)
     out["sp_restored"] = bool(sp.config.sequence_parallel)
     with torch.no_grad():

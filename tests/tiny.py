@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatron_gndpo.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 TINY_MODEL: dict[str, Any] = dict(
     num_layers=2,
@@ -36,6 +37,8 @@ def copy_tp_shards(
 ) -> None:
     """Load the TP=1 model's weights into this rank's TP shard (megatron layouts; ``swiglu``:
     fc1 stacks [gate; up], each rank holding its slice of both)."""
+    import torch
+
     full = dict(reference.named_parameters())
     with torch.no_grad():
         for name, param in sharded.named_parameters():
