@@ -1,7 +1,7 @@
 """The GNDPO training loop: ``Trainer.step()`` is the data flow of docs/DESIGN.md, a call a stage.
 
-    prompts -> rollout -> teacher log-probs -> student old log-probs -> advantages
-            (+ off-policy correction) -> clipped update -> weight sync -> checkpoint
+    prompts -> rollout -> rewards (-> filter) -> teacher log-probs -> student old log-probs
+            -> advantages (+ off-policy correction) -> clipped update -> weight sync -> checkpoint
 
 Every rank runs the same step; collectives inside each stage use the groups of the model that
 stage runs on. All randomness of a step derives from (seed, step, data-parallel rank), so a run
@@ -56,6 +56,13 @@ from megatron_gndpo.logging.throughput import update_mfu
 from megatron_gndpo.methods import StepBatch, Targets, build_method
 from megatron_gndpo.rewards.verifiable import reward
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
+from megatron_gndpo.rollout.filters import (
+    MIN_STEP_TOKENS,
+    drop_reasons,
+    filter_metrics,
+    hollow,
+    keep_rows,
+)
 from megatron_gndpo.rollout.metrics import rollout_metrics
 from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
@@ -117,28 +124,33 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
-        """One rollout batch: sample, score, estimate advantages, update, sync, checkpoint."""
+        """One rollout batch: sample, reward and filter, score, estimate advantages, update,
+        sync, checkpoint."""
         c, timer = self.c, self.c.timer
         started = time.perf_counter()
         with timer.time("rollout"):
             prompts = self._next_prompts()
-            rollout = self._sample(prompts)
+            sampled = self._sample(prompts)
             if hasattr(c.generator, "sleep"):
                 c.generator.sleep()  # give the GPU memory to scoring and training
-        routes = self.c.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
-        teacher, student = self._score(rollout, routes)  # timed inside: the method sets the order
-        skip = self._nonfinite(teacher.logprobs, rollout.response_mask)  # before any use of them
-        with timer.time("advantages"):
-            rewards = self._rewards(rollout, prompts)
-            if not skip:
-                targets, metrics = self._targets(rollout, teacher, student, rewards, routes)
-                weights, corrected = self._correction(rollout, student.logprobs)
-                metrics |= corrected
-        if skip:  # every rank skips together
-            metrics = {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}
+        with timer.time("rewards"):  # a verifiable reward needs no teacher: it can filter rows
+            rewards = self._rewards(sampled, prompts)
+            rollout, kept, metrics = self._filter(sampled, rewards)  # dropped rows: stubs
+        student, self._routing = None, None  # this step's, once the student scores it
+        if metrics.get("filter/tokens_kept", math.inf) < MIN_STEP_TOKENS:  # global: all skip
+            metrics |= {"skipped": 1.0, "skipped/filtered_all": 1.0}  # and nothing is scored
         else:
-            with timer.time("update"):
-                metrics |= self._update(rollout, student.logprobs, targets, weights)
+            routes = c.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
+            teacher, student = self._score(rollout, routes)  # timed inside: the method's order
+            if self._nonfinite(teacher.logprobs, rollout.response_mask):  # before any use
+                metrics |= {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}  # all ranks
+            else:
+                with timer.time("advantages"):
+                    targets, found = self._targets(rollout, teacher, student, rewards, routes)
+                    weights, corrected = self._correction(rollout, student.logprobs)
+                with timer.time("update"):
+                    updated = self._update(rollout, student.logprobs, targets, weights)
+                metrics |= found | corrected | updated
         # before the checkpoint, whose state must include this step
         metrics |= self.stability.observe(
             metrics.get("grad_norm", math.nan), metrics.get("score/rms", math.nan)
@@ -148,12 +160,12 @@ class Trainer:
         self.step_count += 1
         with timer.time("checkpoint"):
             self._maybe_save()
-        metrics |= self._rollout_metrics(rollout, student, rewards)
+        metrics |= self._rollout_metrics(sampled, student, rewards, kept)
         metrics |= self._routing_metrics()
         metrics |= timer.pop()
         metrics["time/step"] = time.perf_counter() - started
         metrics["tokens/s"] = metrics["tokens/step"] / metrics["time/step"]
-        metrics |= self._mfu(rollout, metrics)
+        metrics |= self._mfu(rollout, metrics)  # the rows trained on, stubs included
         return metrics
 
     def train(self) -> list[dict[str, float]]:
@@ -339,6 +351,25 @@ class Trainer:
         ]
         return torch.tensor([reward(t, a) for t, a in zip(texts, answers, strict=True)])
 
+    def _filter(
+        self, rollout: Rollout, rewards: torch.Tensor | None
+    ) -> tuple[Rollout, torch.Tensor | None, dict[str, float]]:
+        """The rollout with the rows ``algorithm.filter`` drops made one-token stubs
+        (rollout/filters.py), the kept rows ``[n]`` bool and the filter's metrics (global; one
+        all-reduce over the student's data-parallel group). Without a filter: the rollout
+        itself, None and no metrics, and no collective."""
+        f = self.cfg.algorithm.filter
+        if not f.enabled:
+            return rollout, None, {}
+        reasons = drop_reasons(
+            rollout, rewards, self.params.samples_per_prompt, drop_truncated=f.drop_truncated,
+            min_response_tokens=f.min_response_tokens,
+            drop_zero_variance_groups=f.drop_zero_variance_groups,
+        )  # fmt: skip
+        keep = keep_rows(reasons, rollout.tokens.shape[0])
+        metrics = filter_metrics(rollout, reasons, keep, self.c.student_groups.dp)
+        return hollow(rollout, keep, pad_id=self.c.tokenizer.pad_id), keep, metrics
+
     def _targets(
         self,
         rollout: Rollout,
@@ -418,8 +449,11 @@ class Trainer:
             head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
             optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,
         )  # fmt: skip
-        last = steps[-1] | self._from_last_stage(steps[-1])
+        taken = [s for s in steps if not s.get("empty")]  # >= 2 tokens: one mini-batch has some
+        last = taken[-1] | self._from_last_stage(taken[-1])
         last["skipped"] = sum(s["skipped"] for s in steps)
+        if len(taken) < len(steps):  # mini-batches whose rows the filter all dropped
+            last["skipped/empty_minibatches"] = float(len(steps) - len(taken))
         return last
 
     def _replayed(self, rollout: Rollout) -> torch.Tensor | None:
@@ -449,11 +483,21 @@ class Trainer:
         return {k: v for k, v in out.items() if k not in _OPTIONAL_KEYS or not math.isnan(v)}
 
     def _rollout_metrics(
-        self, rollout: Rollout, student: Scores, rewards: torch.Tensor | None
+        self,
+        rollout: Rollout,
+        student: Scores | None,
+        rewards: torch.Tensor | None,
+        kept: torch.Tensor | None,
     ) -> dict[str, float]:
+        """What the sampled ``rollout`` looked like, before any filter; the student's
+        (``student``: its scores of the ``kept`` rows; None when it scored nothing) sampler gap
+        and entropy over the rows it scored."""
+        if student is None:  # every row was dropped: the student scored none
+            zeros = torch.zeros(rollout.tokens.shape, device=rollout.tokens.device)
+            student, kept = Scores(zeros, entropy=zeros), zeros[:, 0].bool()
         entropy = required(student.entropy, "the student's entropy")
         out, written_frac = rollout_metrics(
-            rollout, student.logprobs, entropy, rewards, self.c.student_groups.dp_cp
+            rollout, student.logprobs, entropy, rewards, self.c.student_groups.dp_cp, kept
         )
         out["prompts/skipped_too_long"] = float(self.c.skipped_prompts)
         out["rollout/temperature"] = temperature_at(self.cfg.rollout, self.step_count)

@@ -69,18 +69,32 @@ def _bridge(work: Path, *step: str) -> None:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def hf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random HF model of the family, written by transformers 5.12.1 (Bridge's)."""
+    """A tiny random HF model of the family in WORK/hf, written by transformers 5.12.1 (Bridge's),
+    and Bridge's import of it (``to_megatron_provider`` + ``save_megatron_model``: its trackers,
+    ``run_config.yaml``, 1000 embedding rows) in WORK/bridge_ckpt: one Bridge process."""
     work = tmp_path_factory.mktemp(request.param)
-    _bridge(work, "make_hf", request.param)
+    _bridge(work, "prepare", request.param)
     return work
 
 
-def _teacher_logprobs(
-    rank: int, world: int, work: str, ckpt: str, tokens: torch.Tensor
-) -> torch.Tensor:
-    """Rank 0 of a 1-rank world: the checkpoint loaded as our teacher; its log-probs [b, s, v]."""
-    from megatron_gndpo.checkpoint import hf_mapping
-    from megatron_gndpo.checkpoint.convert import read_hf_config
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _our_side(rank: int, world: int, work: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Everything of ours on one family, in one process (each start costs ~10 s of imports):
+
+    - Bridge's checkpoint loaded as our teacher: its log-probs ``[b, s, v]`` (returned);
+    - HF -> ours (``convert hf-to-mcore``, WORK/ours_ckpt) -> HF (WORK/ours_export);
+    - our ``convert mcore-to-hf`` CLI on Bridge's checkpoint, no --model-config
+      (WORK/ours_export_of_bridge).
+    """
+    from megatron_gndpo.checkpoint import convert_cli, hf_mapping
+    from megatron_gndpo.checkpoint.convert import (
+        convert_hf_to_mcore,
+        convert_mcore_to_hf,
+        read_hf_config,
+    )
     from megatron_gndpo.checkpoint.dist import load_checkpoint
     from megatron_gndpo.compat import cpu
     from megatron_gndpo.config.schema import ParallelConfig
@@ -91,11 +105,25 @@ def _teacher_logprobs(
     model = hf_mapping.model_config_from_hf(read_hf_config(f"{work}/hf"))
     groups = build_student_groups(ParallelLayout(1), seed=1)
     teacher = build_teacher(model, ParallelConfig(), groups)
-    load_checkpoint(ckpt, teacher, vocab_size=model.vocab_size)
+    load_checkpoint(f"{work}/bridge_ckpt", teacher, vocab_size=model.vocab_size)
     positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
     with torch.no_grad():
         logits = teacher(tokens, positions, None)  # [b, s, padded v]
+    del teacher
+    convert_hf_to_mcore(f"{work}/hf", f"{work}/ours_ckpt", groups=groups, parallel=ParallelConfig())
+    convert_mcore_to_hf(f"{work}/ours_ckpt", f"{work}/ours_export")
+    convert_cli.mcore_to_hf_main(
+        ["--mcore-dir", f"{work}/bridge_ckpt", "--out", f"{work}/ours_export_of_bridge"]
+    )
     return logits[..., :VOCAB].double().log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def ours(hf_model: Path) -> torch.Tensor:
+    """:func:`_our_side` on this family's models: our teacher's log-probs of :func:`_tokens`."""
+    assert not (hf_model / "bridge_ckpt" / "model_config.yaml").exists()  # nothing of ours there
+    [logprobs] = run_distributed(_our_side, 1, args=(str(hf_model), _tokens()), timeout_s=300)
+    return logprobs
 
 
 def _hf_logprobs(work: Path, tokens: torch.Tensor, name: str = "hf") -> torch.Tensor:
@@ -106,72 +134,34 @@ def _hf_logprobs(work: Path, tokens: torch.Tensor, name: str = "hf") -> torch.Te
         return hf.eval()(input_ids=tokens).logits.double().log_softmax(-1)
 
 
-@pytest.fixture(scope="module")
-def bridge_ckpt(hf_model: Path) -> Path:
-    """The HF model imported by Bridge and saved as its Megatron checkpoint in WORK/bridge_ckpt
-    (``save_megatron_model``: its trackers, ``run_config.yaml``, 1000 embedding rows)."""
-    _bridge(hf_model, "import")
-    return hf_model / "bridge_ckpt"
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-
-
-def test_bridge_import_loads_as_our_teacher(hf_model: Path, bridge_ckpt: Path) -> None:
-    tokens = _tokens()
-    ckpt = str(bridge_ckpt)
-    [ours] = run_distributed(
-        _teacher_logprobs, 1, args=(str(hf_model), ckpt, tokens), timeout_s=300
-    )
-    diff = (ours - _hf_logprobs(hf_model, tokens)).abs().max().item()
+def test_bridge_import_loads_as_our_teacher(hf_model: Path, ours: torch.Tensor) -> None:
+    diff = (ours - _hf_logprobs(hf_model, _tokens())).abs().max().item()
     print(
         f"{hf_model.name}: Bridge import as our teacher vs transformers, max |dlogp| = {diff:.3g}"
     )
     assert diff < LOGP_TOL
 
 
-def _convert_both_ways(rank: int, world: int, work: str) -> None:
-    from megatron_gndpo.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf
-    from megatron_gndpo.compat import cpu
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
-
-    cpu.enable()
-    groups = build_student_groups(ParallelLayout(1), seed=1)
-    convert_hf_to_mcore(f"{work}/hf", f"{work}/ours_ckpt", groups=groups, parallel=ParallelConfig())
-    convert_mcore_to_hf(f"{work}/ours_ckpt", f"{work}/ours_export")
-
-
-def test_bridge_exports_our_checkpoint(hf_model: Path) -> None:
+def test_bridge_exports_our_checkpoint(hf_model: Path, ours: torch.Tensor) -> None:
     from safetensors.torch import load_file
 
-    run_distributed(_convert_both_ways, 1, args=(str(hf_model),), timeout_s=300)
     _bridge(hf_model, "export", str(hf_model / "ours_ckpt"), str(hf_model / "bridge_export"))
     source = load_file(hf_model / "hf" / "model.safetensors")
-    ours = load_file(hf_model / "ours_export" / "model.safetensors")
+    mine = load_file(hf_model / "ours_export" / "model.safetensors")
     bridge = load_file(hf_model / "bridge_export" / "model.safetensors")
-    assert set(bridge) == set(ours) == set(source)
+    assert set(bridge) == set(mine) == set(source)
     assert bridge["model.embed_tokens.weight"].shape == (VOCAB, 64)  # our padding rows trimmed
-    differ = [k for k in source if not torch.equal(bridge[k], ours[k])]
+    differ = [k for k in source if not torch.equal(bridge[k], mine[k])]
     assert not differ, f"Bridge's export of our checkpoint differs from ours in {differ}"
     assert all(torch.equal(bridge[k], source[k]) for k in source)
 
 
-def _export_with_our_cli(rank: int, world: int, ckpt: str, out: str) -> None:
-    from megatron_gndpo.checkpoint import convert_cli
-
-    convert_cli.mcore_to_hf_main(["--mcore-dir", ckpt, "--out", out])
-
-
-def test_our_export_of_a_bridge_checkpoint(hf_model: Path, bridge_ckpt: Path) -> None:
+def test_our_export_of_a_bridge_checkpoint(hf_model: Path, ours: torch.Tensor) -> None:
     """`convert mcore-to-hf` on Bridge's checkpoint, no --model-config: the architecture from its
     run_config.yaml, the family from the HF model it names (hf_model_id)."""
     from safetensors.torch import load_file
 
-    assert not (bridge_ckpt / "model_config.yaml").exists()  # nothing of ours to read
     out = hf_model / "ours_export_of_bridge"
-    run_distributed(_export_with_our_cli, 1, args=(str(bridge_ckpt), str(out)), timeout_s=300)
     source = load_file(hf_model / "hf" / "model.safetensors")
     exported = load_file(out / "model.safetensors")
     assert set(exported) == set(source)

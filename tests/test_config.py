@@ -421,6 +421,30 @@ def test_offpolicy_bounds(override: str, needle: str) -> None:
                                         f"algorithm.offpolicy.level={level}"]))  # fmt: skip
 
 
+def test_rollout_filter_rules() -> None:
+    zero = "algorithm.filter.drop_zero_variance_groups=true"
+    msg = validation_error(None, zero)  # the default estimator, gndpo, has no reward
+    assert "drop_zero_variance_groups drops prompt groups whose verifiable rewards" in msg
+    assert "algorithm.estimator=gndpo does not train on the reward" in msg
+    assert "(grpo, reinforce_pp, mix, tgpo) or turn the filter off" in msg
+    msg = validation_error(None, zero, "algorithm.estimator=reinforce_pp",
+                           "rollout.samples_per_prompt=1")  # fmt: skip
+    assert "rollout.samples_per_prompt must be >= 2, got 1" in msg
+    assert "does not train on the reward" not in msg
+    msg = validation_error(None, "algorithm.filter.min_response_tokens=4097",
+                           "rollout.max_response_length=4096")  # fmt: skip
+    assert "min_response_tokens=4097 exceeds rollout.max_response_length=4096" in msg
+    assert "min_response_tokens must be >= 0" in validation_error(
+        None, "algorithm.filter.min_response_tokens=-1"
+    )
+    for estimator in ("grpo", "reinforce_pp", "tgpo"):
+        validate(load_config(None, [zero, f"algorithm.estimator={estimator}"]))
+    mix = ["algorithm.estimator=mix", "algorithm.outcome_weight=0.5"]
+    validate(load_config(None, [zero, *mix]))
+    validate(load_config(None, ["algorithm.filter.drop_truncated=true",
+                                "algorithm.filter.min_response_tokens=1"]))  # fmt: skip
+
+
 def test_heads_not_divisible_by_tensor_parallel() -> None:
     msg = validation_error(8, "parallel.tensor_parallel=8")  # the default student has 4 heads
     assert "parallel.tensor_parallel=8 must divide model.num_attention_heads (4)" in msg

@@ -273,6 +273,80 @@ def test_ep2_equals_ep1_and_a_teacher_at_its_own_ep() -> None:
         assert r["lockstep/same_tokens"] == 1.0 and r["lockstep/logprob_diff"] < 1e-5, r
 
 
+def _aux_scale_checks(rank: int, world: int) -> dict[str, Any]:
+    """Router-loss gradients (zero advantages: nothing else moves): megatron's own schedule with a
+    loss that counts every routed token, the case its per-token router-loss weighting is derived
+    for; then run_update with a long and a short response on the same tokens."""
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_gndpo.config.schema import AlgorithmConfig, OptimizerConfig
+    from megatron_gndpo.engine.optimizer import build_optimizer, wrap_ddp
+    from megatron_gndpo.engine.update import UpdateBatch, _micro_batches, run_update
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.parallel.groups import build_student_groups
+
+    groups = build_student_groups(ParallelLayout(world), seed=1)
+    torch.manual_seed(0)
+    net = build_gpt(_moe(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01), ParallelConfig(), groups)
+    ddp = wrap_ddp(net, use_distributed_optimizer=False)
+    optimizer = build_optimizer(
+        ddp,
+        OptimizerConfig(lr=0.0, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=False),
+    )
+    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(4))
+    zeros = torch.zeros(tokens.shape)
+    before = {n: p.detach().clone() for n, p in ddp.named_parameters()}
+
+    def batch(first: int) -> UpdateBatch:  # the response starts at position `first`
+        mask = torch.zeros(tokens.shape, dtype=torch.bool)
+        mask[:, first:] = True
+        return UpdateBatch(tokens, zeros, zeros, mask)
+
+    def router_grads() -> torch.Tensor:
+        return torch.cat([p.main_grad.flatten().clone() for n, p in ddp.named_parameters()
+                          if "router" in n])  # fmt: skip
+
+    def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        m = next(data)
+        positions = torch.arange(m["tokens"].shape[1]).expand_as(m["tokens"])
+        routed = torch.tensor(m["tokens"].numel(), dtype=torch.int)
+        return model(m["tokens"], positions, None), lambda o: ((o * 0.0).sum(), routed, {})
+
+    micro = _micro_batches(batch(3), list(range(4)), 2)
+    ddp.zero_grad_buffer()
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro), model=[ddp],
+        num_microbatches=len(micro), seq_length=16, micro_batch_size=2, forward_only=False,
+    )  # fmt: skip
+    out: dict[str, Any] = {"all_routed": router_grads()}
+    for name, first in (("long", 3), ("short", 12)):
+        run_update(
+            ddp, optimizer, None, batch(first), head=TokenLogProbs(vocab_size=VOCAB),
+            algorithm=AlgorithmConfig(), micro_batch_size=2, optimizer_steps=1,
+            dp_group=groups.dp_cp,
+        )  # fmt: skip
+        out[name] = router_grads()
+    out["moved"] = [n for n, p in ddp.named_parameters() if not torch.equal(p, before[n])]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_router_losses_weigh_the_same_whatever_the_loss_counts() -> None:
+    """Our loss counts response tokens, the router sees every token: the router losses must not
+    weigh (routed tokens / response tokens) times more (engine/moe.py, router_loss_scale)."""
+    [r] = run_distributed(_aux_scale_checks, 1, timeout_s=240)
+    assert r["moved"] == []  # lr 0: every pass saw the same weights
+    scale = r["all_routed"].abs().max().item()
+    assert scale > 0
+    for name in ("long", "short"):
+        assert (r[name] - r["all_routed"]).abs().max().item() < 1e-5 * scale, name
+
+
 def _trainer_checks(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 

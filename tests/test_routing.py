@@ -138,6 +138,25 @@ def _routing_checks(rank: int, world: int) -> dict[str, Any]:
     out["forced_after"] = delta[0, p + 1 :].max().item()
     out["forced_other_rows"] = delta[1:].max().item()
 
+    # a row algorithm.filter dropped (a one-token stub, rollout/filters.py) is never compared,
+    # and replaying the stubbed rollout leaves the kept rows' log-probs as they were
+    from megatron_gndpo.rollout.filters import hollow
+
+    keep = torch.tensor([True, False, True, True])
+    stubbed = hollow(rollout, keep, pad_id=0)
+    stub_lengths = stubbed.lengths.tolist()
+    stub_count = routing.RoutingPass(net, stub_lengths, stubbed.routing)
+    _scores(net, groups, stubbed, routing=stub_count)
+    out["stub_compared"] = (
+        stub_count.compared,
+        compare.compared - (lengths[1] - 1) * sampled.shape[2],
+    )
+    replay = [
+        _scores(net, groups, r, routing=routing.RoutingPass(net, n, r.routing, replay=True))
+        for r, n in ((rollout, lengths), (stubbed, stub_lengths))
+    ]
+    out["stub_replay_diff"] = (replay[1][keep] - replay[0][keep]).abs().max().item()
+
     # the update's micro-batches carry the rows' routing at the model's positions (not shifted):
     # the training forward under replay gives the same logits as without, and changes with it
     mask = rollout.response_mask
@@ -183,3 +202,6 @@ def test_sampler_routing_is_recorded_compared_and_replayed_at_ep2() -> None:
         assert r["forced_after"] > 1e-4, r  # tiny random weights: small but far above 1e-5
         assert r["update_replay_diff"] < 1e-5, r
         assert r["update_changed_diff"] > 1e-4, r
+        stub_compared, without_row = r["stub_compared"]
+        assert stub_compared == without_row, r
+        assert r["stub_replay_diff"] < 1e-5, r

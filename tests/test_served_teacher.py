@@ -158,8 +158,9 @@ def _score(groups: Any, url: str, top_k: int, server: dict[str, Any]) -> Any:
     settings = TeacherServerConfig(url=url, rows_per_request=2, concurrency=2, **server)
     try:
         teacher = ServedTeacher(settings, groups, name="math")
-        tokens = torch.tensor([[3, 4, 5, 6, 0], [7, 8, 0, 0, 0], [9, 10, 11, 0, 0]])
-        lengths = torch.tensor([4, 2, 3])
+        # the last row has one token (a row algorithm.filter dropped): nothing to send
+        tokens = torch.tensor([[3, 4, 5, 6, 0], [7, 8, 0, 0, 0], [9, 10, 11, 0, 0], [0] * 5])
+        lengths = torch.tensor([4, 2, 3, 1])
         scores = teacher.score_batch(tokens, lengths, ScoreRequest(top_k=top_k) if top_k else None)
         return {
             "scores": scores,
@@ -186,6 +187,7 @@ def test_scores_come_from_the_server_once_per_row_for_every_rank(
     assert server.state["ok"] == {"rows": 3, "requests": 2}  # rows_per_request 2, one rank asks
     for r in results:
         s, tokens, lengths = r["scores"], r["tokens"], r["lengths"]
+        assert (s.logprobs[3] == 0).all() and (s.topk_ids[3] == 0).all()  # the one-token row
         for i in range(3):
             for t in range(1, int(lengths[i])):
                 assert float(s.logprobs[i, t]) == pytest.approx(fake_logprob(t, int(tokens[i, t])))

@@ -25,7 +25,13 @@ VLM = [
 ]  # fmt: skip
 LAYOUTS = {
     "dp2": [],
-    "tp2 / teacher pp2": ["parallel.tensor_parallel=2", "teacher.parallel.pipeline_parallel=2"],
+    # with the rollout filter: 16 stop ids give short, finished and truncated responses; the
+    # dropped rows cross to the teacher's layout as one-token stubs without images
+    "tp2 / teacher pp2, filtered": [
+        "parallel.tensor_parallel=2", "teacher.parallel.pipeline_parallel=2",
+        f"rollout.stop_token_ids=[{','.join(str(i) for i in range(40, 56))}]",
+        "algorithm.filter.drop_truncated=true", "algorithm.filter.min_response_tokens=2",
+    ],
     "pp2 / teacher tp2": ["parallel.pipeline_parallel=2", "teacher.parallel.tensor_parallel=2"],
     # TrOPD with teacher-written prefixes: the VLM teacher answers with the images (on its own
     # layout), the student continues half of it at step 1, a quarter at step 2
@@ -94,6 +100,11 @@ def test_vlm_gndpo_trains_at_dp2_tp2_pp2(tmp_path: Path) -> None:
                 assert m["skipped"] == 0.0 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
                 assert math.isfinite(m["loss"]) and m["tokens/step"] > 0, name
                 assert 0.0 <= m["eval/accuracy"] <= 1.0, name
+            if name.endswith("filtered"):  # rows dropped, teacher work saved, tokens exact
+                dropped = [m["filter/rows_dropped_frac"] for m in r["history"]]
+                assert all(0 < d < 1 for d in dropped), dropped
+                assert all(m["filter/tokens_kept"] == m["tokens/global"] for m in r["history"])
+                assert all(m["filter/teacher_tokens_saved"] > 0 for m in r["history"])
             if name.startswith("tropd"):
                 first, second = r["history"]
                 assert (first["tropd/prefix_share"], second["tropd/prefix_share"]) == (0.5, 0.25)

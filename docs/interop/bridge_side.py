@@ -4,6 +4,7 @@ checkout on PYTHONPATH; see README.md; tests/test_bridge.py runs it).
     python bridge_side.py WORK make_hf FAMILY   # a tiny random qwen2/qwen3/llama in WORK/hf
     python bridge_side.py WORK import           # HF -> Bridge checkpoint WORK/bridge_ckpt
     python bridge_side.py WORK export CKPT OUT  # a megatron checkpoint -> HF via Bridge
+    python bridge_side.py WORK prepare FAMILY   # make_hf then import, in one process
 """
 
 import os
@@ -123,7 +124,8 @@ def main():
     root, what = sys.argv[1], sys.argv[2]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    if what == "import":  # Bridge would call torch.cuda.set_device and NCCL with no world
+    # Bridge would call torch.cuda.set_device and NCCL with no world
+    if what in ("import", "prepare"):
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
 
@@ -135,7 +137,9 @@ def main():
     t0 = time.time()
     if what == "make_hf":
         make_hf(root, sys.argv[3])
-    elif what == "import":
+    elif what in ("import", "prepare"):  # prepare: make_hf first (one Bridge start, not two)
+        if what == "prepare":
+            make_hf(root, sys.argv[3])
         parallel_state.initialize_model_parallel()
         bridge_import(root)
     elif what == "export":  # export_ckpt makes its own gloo world

@@ -142,6 +142,7 @@ def _algorithm_problems(cfg: Config) -> list[str]:
     p += _guidance_problems(a, cfg.model.vocab_size)
     p += routing_replay_problems(cfg)
     p += _offpolicy_problems(cfg)
+    p += _filter_problems(cfg)
     if cfg.rollout.engine == "vllm" and cfg.parallel.pipeline_parallel > 1:
         p.append(
             "rollout.engine=vllm needs the student at parallel.pipeline_parallel=1 (the engine is "
@@ -217,6 +218,35 @@ def _offpolicy_problems(cfg: Config) -> list[str]:
             "trainer's are at temperature 1 over the whole vocabulary, so the ratio would measure "
             "the sampling transform instead of the engine gap. Sample with rollout.temperature=1, "
             "top_p=1, top_k=0 (and no outlier_temperature), or set correction=none"
+        )
+    return p
+
+
+def _filter_problems(cfg: Config) -> list[str]:
+    """The rollout filter: a length the responses can have, and zero-variance groups only
+    where there is a group and a reward the estimator trains on."""
+    f, r, p = cfg.algorithm.filter, cfg.rollout, list[str]()
+    _positive(p, "algorithm.filter.min_response_tokens", f.min_response_tokens, strict=False)
+    if f.min_response_tokens > r.max_response_length:
+        p.append(
+            f"algorithm.filter.min_response_tokens={f.min_response_tokens} exceeds "
+            f"rollout.max_response_length={r.max_response_length}: every response would be "
+            "dropped; lower it (or raise max_response_length)"
+        )
+    if not f.drop_zero_variance_groups:
+        return p
+    method = _method(cfg)
+    if method is not None and not method.uses_reward:
+        p.append(
+            "algorithm.filter.drop_zero_variance_groups drops prompt groups whose verifiable "
+            "rewards are all equal (a group-relative advantage of 0), but "
+            f"algorithm.estimator={cfg.algorithm.estimator} does not train on the reward; use "
+            "an estimator that does (grpo, reinforce_pp, mix, tgpo) or turn the filter off"
+        )
+    if r.samples_per_prompt < 2:
+        p.append(
+            "algorithm.filter.drop_zero_variance_groups compares the samples of one prompt: "
+            f"rollout.samples_per_prompt must be >= 2, got {r.samples_per_prompt}"
         )
     return p
 

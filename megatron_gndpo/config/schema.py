@@ -395,6 +395,32 @@ class OffPolicyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FilterConfig:
+    """Dynamic sampling: rollout rows dropped before the teacher and the student score them
+    (docs/methods/filter.md). A dropped row stays in the batch as a one-token stub with no
+    response tokens: it costs the scoring passes one token, adds nothing to the loss or to its
+    token count, and keeps its reward in its prompt group's statistics. Every filter is off by
+    default."""
+
+    drop_truncated: bool = False
+    """Drop responses cut at rollout.max_response_length without a stop token (DAPO's overlong
+    filtering, TRL's mask_truncated_completions)."""
+    min_response_tokens: int = 0
+    """Drop responses with fewer tokens than this, the stop token not counted (1 drops empty
+    responses, an immediate stop); 0 keeps every length."""
+    drop_zero_variance_groups: bool = False
+    """Drop whole prompt groups whose verifiable rewards are all equal, so that their
+    group-relative advantage is 0 (DAPO's dynamic sampling, verl's filter_groups, without the
+    refill: the step trains on fewer rows). Needs an estimator trained on the reward and
+    rollout.samples_per_prompt >= 2."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any filter is on."""
+        return self.drop_truncated or self.min_response_tokens > 0 or self.drop_zero_variance_groups
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     """The advantage estimator and policy loss (see ALGORITHMS.md in the docs)."""
 
@@ -451,6 +477,8 @@ class AlgorithmConfig:
     """TrOPD settings (estimator tropd)."""
     offpolicy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)
     """Importance-sampling correction for the sampler/trainer log-prob gap (any estimator)."""
+    filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
+    """Rollout rows dropped before scoring (dynamic sampling; any estimator, all off)."""
 
 
 @dataclasses.dataclass(frozen=True)

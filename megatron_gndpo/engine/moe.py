@@ -5,8 +5,9 @@ and the z-loss during the student's training forward, attaches their gradients t
 activations through ``MoEAuxLossAutoScaler`` (the schedule sets that scaler's loss scale, as in
 megatron's training loop, so their weight per micro-batch does not depend on the number of
 micro-batches or data-parallel ranks) and records their values in megatron's MoE metrics tracker.
-Nothing here changes a gradient: this module reads the tracker after the forward/backward
-schedule, as megatron's own training loop does, and clears it.
+This module reads the tracker after the forward/backward schedule, as megatron's own training
+loop does, and clears it; and :func:`router_loss_scale` corrects the losses' weight for a loss
+that does not count every token the router sees (its docstring).
 
 The teacher adds no router loss: it scores in eval mode under ``torch.no_grad``, where the router
 neither attaches nor records them (the student's no-grad scoring passes neither).
@@ -15,6 +16,8 @@ neither attaches nor records them (the student's no-grad scoring passes neither)
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 # megatron's tracker name -> our metric name
 _LOSSES = {"load_balancing_loss": "moe/load_balancing_loss", "z_loss": "moe/z_loss"}
@@ -51,3 +54,33 @@ def router_loss_metrics(
         pg_collection=pg_collection,
     )
     return {_LOSSES[name]: float(value) for name, value in total.items()}
+
+
+def router_loss_scale(
+    config: Any, micro_batches: list[dict[str, Any]], aggregation: str, dp_group: Any
+) -> float | None:
+    """The scale that gives the router losses megatron's intended weight under our loss.
+
+    With ``calculate_per_token_loss`` megatron multiplies each micro-batch's router loss by the
+    tokens its router saw (``num_local_tokens`` x TP x CP) and divides every gradient by the
+    global loss count, so that the router loss ends up averaged over micro-batches and DP ranks
+    *when the loss counts every token the router sees*. Our loss counts response tokens (or
+    rows, seq-mean-token-mean), while the router also sees the prompt and the padding: left
+    alone, the router losses would weigh (routed tokens / loss count) times too much (5x for
+    48-token prompts and 12-token responses). This is count / routed tokens, over the step's
+    micro-batches and the DP x CP ranks (collective over ``dp_group``), for
+    ``config.moe_grad_scale_func`` (megatron's hook for this scale); None for a dense model.
+    Then each micro-batch's router loss enters with weight (its routed tokens / all routed
+    tokens): a token-weighted mean, times its coefficient.
+    """
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    from megatron_gndpo.algorithms import aggregate_loss
+
+    totals = torch.zeros(2, dtype=torch.float64)
+    for mb in micro_batches:
+        mask = mb["mask"]
+        totals[0] += float(aggregate_loss(torch.zeros(mask.shape), mask, aggregation)[1])
+        totals[1] += mb["tokens"].numel()  # the router sees every position, padding included
+    torch.distributed.all_reduce(totals, group=dp_group)
+    return float(totals[0] / totals[1].clamp(min=1.0))

@@ -10,7 +10,8 @@ log-probs are the served model's over its whole vocabulary, at temperature 1.
 One rank per student replica (its first: tensor, pipeline and context rank 0) sends that
 replica's rows, ``rows_per_request`` sequences a request, ``concurrency`` requests in flight;
 the other ranks of the replica receive the scores by broadcast, so the server sees each row
-once. A request that fails (connection refused or reset, timeout, HTTP 5xx) is retried
+once (a one-token row, such as a row ``algorithm.filter`` dropped, not at all: it has no token
+to score). A request that fails (connection refused or reset, timeout, HTTP 5xx) is retried
 ``retries`` times with doubling back-off; a reply that is not the expected JSON, or an HTTP 4xx,
 is not retried. Any failure stops every rank with one :class:`TeacherServerError` naming the
 URL and what went wrong, before the step's scores reach the update: the weights, the optimizer
@@ -120,8 +121,11 @@ class ServedTeacher:
 
     def _fill(self, scores: Scores, tokens: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
         rows = [tokens[i, : int(lengths[i])].tolist() for i in range(tokens.shape[0])]
+        # A one-token row (a row algorithm.filter dropped, a pad row) has no token to score:
+        # its first token's log-prob is 0 by convention, so it is not sent.
+        sent = [i for i, row in enumerate(rows) if len(row) > 1]
         size = self.cfg.rows_per_request
-        chunks = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
+        chunks = [sent[i : i + size] for i in range(0, len(sent), size)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
             replies = pool.map(lambda chunk: self._score_rows([rows[i] for i in chunk], k), chunks)
             for chunk, reply in zip(chunks, replies, strict=True):

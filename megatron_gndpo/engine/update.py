@@ -15,6 +15,7 @@ model's head at position ``t`` predicts token ``t + 1``, so they are shifted by 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -29,7 +30,7 @@ from megatron_gndpo.algorithms.losses import (
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
 from megatron_gndpo.engine import routing
-from megatron_gndpo.engine.moe import router_loss_metrics
+from megatron_gndpo.engine.moe import router_loss_metrics, router_loss_scale
 from megatron_gndpo.engine.optimizer import step_optimizer
 from megatron_gndpo.engine.scoring import (
     padded_positions,
@@ -192,6 +193,9 @@ def run_update(
 ) -> list[dict[str, float]]:
     """Run ``optimizer_steps`` optimizer steps over ``batch``; one metrics dict per step.
 
+    A mini-batch without a response token on any rank (its rows all dropped by
+    ``algorithm.filter``) takes no optimizer step; its dict is ``{"empty": 1.0, "skipped": 0.0}``.
+
     ``dp_group`` is the data-parallel x context-parallel group the loss is averaged over.
     Metrics: ``loss`` (the global aggregated loss of the step, last stage only), ``grad_norm``
     (pre-clip, global), ``skipped`` (1.0 when a non-finite norm skipped the step), ``lr``, and
@@ -207,9 +211,14 @@ def run_update(
     multiple = sequence_multiple(ddp_model)
     results = []
     for k in range(optimizer_steps):
-        micro = _micro_batches(
-            batch, rows[k * per_step : (k + 1) * per_step], micro_batch_size, multiple
-        )
+        mine = rows[k * per_step : (k + 1) * per_step]
+        if _no_tokens(batch.response_mask[mine], dp_group):
+            # every row of this mini-batch, on every rank, was dropped before scoring
+            # (algorithm.filter): no gradient, and a step on none would still move the weights
+            # (Adam's momentum, weight decay)
+            results.append({"empty": 1.0, "skipped": 0.0})
+            continue
+        micro = _micro_batches(batch, mine, micro_batch_size, multiple)
 
         def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
             mb = {key: value.to(device) for key, value in next(data_iterator).items()}
@@ -243,6 +252,11 @@ def run_update(
 
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
+        aux_scale = router_loss_scale(ddp_model.config, micro, algorithm.aggregation, dp_group)
+        if aux_scale is not None:  # MoE: the router losses' weight (engine/moe.py); [1] as
+            # megatron's default scale is, which it copies into the one it kept
+            scale = torch.tensor([aux_scale], device=device)
+            ddp_model.config.moe_grad_scale_func = functools.partial(torch.clone, scale)
         replay: AbstractContextManager[list[Any]] = (
             routing.replaying(ddp_model) if batch.routing is not None else nullcontext([])
         )
@@ -256,10 +270,21 @@ def run_update(
                 micro_batch_size=max(m["tokens"].shape[0] for m in micro),
                 forward_only=False,
             )
+        if aux_scale is not None:
+            ddp_model.config.moe_grad_scale_func = None
         # an MoE student's router losses (megatron's tracker; all ranks, every stage)
         moe = router_loss_metrics(ddp_model.config, len(micro))
         results.append(step_optimizer(optimizer, scheduler) | _summarise(reports, dp_group) | moe)
     return results
+
+
+def _no_tokens(mask_nS: torch.Tensor, dp_group: Any) -> bool:
+    """Whether no rank of ``dp_group`` has a response token in its rows of a mini-batch (one
+    all-reduce; the pipeline stages and tensor-parallel ranks of a replica hold the same rows,
+    so every rank decides alike)."""
+    count = mask_nS.sum().reshape(1).double().cpu()
+    torch.distributed.all_reduce(count, group=dp_group)
+    return bool(count.item() == 0)
 
 
 def _summarise(reports: list[dict[str, torch.Tensor]], dp_group: Any) -> dict[str, float]:

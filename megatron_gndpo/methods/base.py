@@ -82,6 +82,11 @@ class Method(Protocol):
         """Whether the teacher generates (TrOPD's prefixes): it then needs a generator."""
         ...
 
+    @property
+    def uses_reward(self) -> bool:
+        """Whether the advantages come (at least in part) from the verifiable reward."""
+        ...
+
     def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:
         """What the teacher scores besides the sampled tokens (``student``: when it went first;
         ``seed``: of sampled teacher tokens, the same on every rank for one step)."""
@@ -141,6 +146,10 @@ class BaseMethod:
 
     @property
     def teacher_samples(self) -> bool:
+        return False
+
+    @property
+    def uses_reward(self) -> bool:
         return False
 
     def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:

@@ -47,6 +47,10 @@ class Mix(BaseMethod):
         return self._parts()[0].student_first
 
     @property
+    def uses_reward(self) -> bool:
+        return True
+
+    @property
     def uses_gndpo_switches(self) -> bool:
         return self.distill is not None and self.distill.uses_gndpo_switches
 

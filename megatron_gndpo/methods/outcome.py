@@ -19,6 +19,10 @@ from megatron_gndpo.methods.base import BaseMethod, StepBatch, Targets, needs_re
 class OutcomeMethod(BaseMethod):
     """A method whose advantage comes from a scalar reward per response."""
 
+    @property
+    def uses_reward(self) -> bool:
+        return True
+
     def outcome(self, batch: StepBatch, rewards: torch.Tensor) -> torch.Tensor:
         """Float32 ``[n, S]`` advantages of ``rewards [n]``, 0 off the response."""
         raise NotImplementedError

@@ -32,6 +32,10 @@ class TGPO(BaseMethod):
     name: ClassVar[str] = "tgpo"
     default_entropy_coef: ClassVar[float] = 0.001  # the release's
 
+    @property
+    def uses_reward(self) -> bool:
+        return True
+
     def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:
         t = self.cfg.tgpo
         if t.teacher_token == "sampled":
