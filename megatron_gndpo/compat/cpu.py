@@ -3,7 +3,9 @@
 megatron-core assumes CUDA in a few dozen places: ``torch.cuda.current_device()`` used as a
 device, CUDA RNG state get/set, ``torch.cuda.synchronize``/``set_device``, literal
 ``device="cuda"`` and ``pin_memory=True`` in tensor factories, ``Tensor.cuda()``, and
-``torch.cuda.Event``/``Stream``. This module redirects exactly those, and nothing else:
+``torch.cuda.Event``/``Stream``. It also leans on what a GPU machine brings besides: Apex or
+Transformer Engine norms (sequence parallelism) and NCCL (uneven all-gathers). This module
+redirects exactly those, and nothing else:
 
 - **module redirects**: in each listed megatron module the global name ``torch`` is replaced by a
   proxy that forwards everything to torch except ``torch.cuda`` (a CPU stand-in) and the tensor
@@ -27,8 +29,8 @@ device, CUDA RNG state get/set, ``torch.cuda.synchronize``/``set_device``, liter
 Nothing happens on import. :func:`enable` applies every patch and returns a handle whose
 ``disable()`` restores the originals; it refuses to run where CUDA is available, because there
 megatron-core needs none of this. :func:`report` tells, for the installed megatron-core, which
-patches still find the CUDA assumption they exist for (a patch that no longer does is a candidate
-for deletion), and which megatron modules outside the list mention CUDA.
+patches still find the assumption they exist for (a patch that no longer does is a candidate for
+deletion), and which megatron modules outside the list mention CUDA.
 """
 
 from __future__ import annotations
