@@ -21,11 +21,7 @@ def test_import_changes_nothing() -> None:
 def test_enable_and_disable_restore_everything() -> None:
     from megatron_gndpo.compat import cpu
 
-    targets = {}
-    for patch in cpu.PATCHES:
-        module = importlib.import_module(patch.module_name)
-        attr = patch.target.split(":")[1] if ":" in patch.target else "torch"
-        targets[patch.target] = (module, attr, getattr(module, attr))
+    targets = {patch.target: (patch, patch.current()) for patch in cpu.PATCHES}
     cuda_method, type_method = torch.Tensor.cuda, torch.Tensor.type
 
     handle = cpu.enable()
@@ -46,8 +42,8 @@ def test_enable_and_disable_restore_everything() -> None:
 
     assert not cpu.is_enabled()
     assert torch.Tensor.cuda is cuda_method and torch.Tensor.type is type_method
-    for target, (module, attr, original) in targets.items():
-        assert getattr(module, attr) is original, f"{target} was not restored"
+    for target, (patch, original) in targets.items():
+        assert patch.current() is original, f"{target} was not restored"
 
 
 def test_type_names_only_for_listed_callers() -> None:
@@ -61,6 +57,39 @@ def test_type_names_only_for_listed_callers() -> None:
         assert seen == "torch.cuda.FloatTensor"
     finally:
         handle.disable()
+
+
+def test_torch_norms_under_sequence_parallelism_are_marked_like_apex_and_te_norms() -> None:
+    """megatron's WrappedTorchNorm asserts ``not config.sequence_parallel``; enabled, it builds
+    the same norm and marks its parameters ``sequence_parallel`` (finalize_model_grads sums
+    their gradients over TP), and only under sequence parallelism."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_gndpo.compat import cpu
+
+    def config(sp: bool, normalization: str) -> TransformerConfig:
+        return TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=2, normalization=normalization,
+            tensor_model_parallel_size=2, sequence_parallel=sp,
+        )  # fmt: skip
+
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(config(True, "LayerNorm"), 8)
+    handle = cpu.enable()
+    try:
+        kinds = (("LayerNorm", torch.nn.LayerNorm), ("RMSNorm", torch.nn.RMSNorm))
+        for normalization, kind in kinds:
+            norm = WrappedTorchNorm(config(True, normalization), 8, eps=1e-6)
+            assert type(norm) is kind and norm.eps == 1e-6
+            params = list(norm.parameters())
+            assert params and all(p.sequence_parallel is True for p in params)
+            plain = WrappedTorchNorm(config(False, normalization), 8)
+            assert not any(hasattr(p, "sequence_parallel") for p in plain.parameters())
+    finally:
+        handle.disable()
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(config(True, "LayerNorm"), 8)
 
 
 def test_enable_refuses_on_gpu_machines(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,6 +93,8 @@ def test_tokenizer_round_trips_and_is_cached(tmp_path: Path) -> None:
 
 
 def test_sft_micro_batch_masks_the_response_only() -> None:
+    import torch
+
     from megatron_gndpo.data.tokenizer import CharTokenizer
     from megatron_gndpo.engine.sft import encode_sft, micro_batch
 
@@ -107,6 +109,11 @@ def test_sft_micro_batch_masks_the_response_only() -> None:
         targets = mb["targets"][row, positions].tolist()
         assert targets == list(s.tokens[s.prompt_length :])
     assert tok.decode(mb["targets"][1, mb["mask"][1]].tolist()) == "9 ok"
+    # under sequence parallelism the width is a multiple of TP; the padding is outside the mask
+    wide = micro_batch(seqs, tok.pad_id, multiple=4)
+    width = mb["tokens"].shape[1]
+    assert wide["tokens"].shape[1] % 4 == 0 and wide["tokens"].shape[1] >= width
+    assert torch.equal(wide["mask"][:, :width], mb["mask"]) and not wide["mask"][:, width:].any()
 
 
 # ---------------------------------------------------------------------------- on megatron

@@ -153,6 +153,7 @@ FIELD_DIMS = {
     "dp_cp": ("cp", "dp"),  # the group that owns distinct tokens (GNDPO statistics)
     "mp": ("tp", "pp"),
     "tp_cp": ("tp", "cp"),
+    "tp_dp_cp": ("tp", "cp", "dp"),  # megatron's routers average their z-loss over it
 }
 
 
@@ -199,7 +200,8 @@ def _groups_body(rank: int, world_size: int) -> dict[str, object]:
     for name, groups in (("student", student), ("teacher", teacher)):
         pgs = groups.pg_collection()
         assert isinstance(pgs, ProcessGroupCollection)
-        out[f"{name}_pgs"] = {f: _ranks(getattr(pgs, f)) for f in ("tp", "pp", "dp", "dp_cp")}
+        fields = ("tp", "pp", "dp", "dp_cp", "tp_dp_cp")
+        out[f"{name}_pgs"] = {f: _ranks(getattr(pgs, f)) for f in fields}
 
     try:
         build_groups(ParallelLayout(2 * world_size, tp=2), name="wrong")
@@ -238,6 +240,7 @@ def test_student_and_teacher_groups_on_one_world() -> None:
             assert pgs["tp"] == layout.group_of(rank, ("tp",))
             assert pgs["pp"] == layout.group_of(rank, ("pp",))
             assert pgs["dp"] == layout.group_of(rank, ("dp",))
+            assert pgs["tp_dp_cp"] == layout.group_of(rank, ("tp", "cp", "dp"))
             assert pgs["dp_cp"] == layout.group_of(rank, ("cp", "dp"))
         assert "is for 8 ranks but 4 were started" in r["wrong_world"]
         assert "launch 8 processes" in r["wrong_world"]

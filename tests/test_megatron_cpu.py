@@ -15,6 +15,7 @@ import torch
 from megatron_gndpo.compat import cpu
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
 from tests.harness import run_distributed
+from tests.tiny import copy_tp_shards
 
 pytestmark = [pytest.mark.megatron]
 
@@ -36,25 +37,6 @@ def _tiny(**overrides: object) -> ModelConfig:
     )
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]
-
-
-def _copy_tp_shards(reference: torch.nn.Module, sharded: torch.nn.Module, tp: int, rank: int,
-                    swiglu: bool) -> None:  # fmt: skip
-    """Load the TP=1 model's weights into this rank's TP shard (megatron layouts)."""
-    full = dict(reference.named_parameters())
-    with torch.no_grad():
-        for name, param in sharded.named_parameters():
-            src = full[name]
-            if not getattr(param, "tensor_model_parallel", False):
-                param.copy_(src)
-                continue
-            dim = param.partition_dim
-            if swiglu and "linear_fc1" in name:
-                # [gate; up] stacked: each rank holds its slice of both halves.
-                halves = [h.chunk(tp, dim)[rank] for h in src.chunk(2, dim=0)]
-                param.copy_(torch.cat(halves, dim=0))
-            else:
-                param.copy_(src.chunk(tp, dim)[rank])
 
 
 def _gathered_logits(model: torch.nn.Module, tokens: torch.Tensor, group: object) -> torch.Tensor:
@@ -84,7 +66,7 @@ def _tp2_equals_tp1(rank: int, world_size: int) -> dict[str, float]:
     torch.manual_seed(0)
     reference = build_gpt(model, ParallelConfig(tensor_parallel=1), reference_groups)
     sharded = build_gpt(model, ParallelConfig(tensor_parallel=2), student)
-    _copy_tp_shards(reference, sharded, tp=2, rank=student.coords["tp"], swiglu=model.swiglu)
+    copy_tp_shards(reference, sharded, tp=2, rank=student.coords["tp"], swiglu=model.swiglu)
 
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
     weights = torch.randn(2, 24, VOCAB, generator=torch.Generator().manual_seed(6))

@@ -11,7 +11,10 @@ Two multi-process launches hold the expensive checks:
 - ``_trainer_checks`` (2 ranks): ``examples/tiny_cpu_moe.yaml`` through the real trainer (student
   EP=2, teacher EP=1): two steps, router losses and the sampler/trainer routing mismatch logged,
   a third step with rollout routing replay, every expert that received tokens moved, the
-  teacher's weights never did (the routing itself: tests/test_routing.py).
+  teacher's weights never did (the routing itself: tests/test_routing.py);
+- ``_tp_ep_checks`` (4 ranks): TP=2 x EP=2 with sequence parallelism against the same weights at
+  TP=1 x EP=1 (gradients through megatron's DDP, log-probs, scoring, generated tokens), then
+  ``examples/tiny_cpu_moe.yaml`` at that layout through the real trainer for two steps.
 """
 
 from __future__ import annotations
@@ -118,14 +121,20 @@ def test_moe_fields_reach_megatrons_config_and_layer_specs() -> None:
 
 
 def _copy_into_ep_shard(reference: torch.nn.Module, sharded: torch.nn.Module, ep: int,
-                        ep_rank: int) -> None:  # fmt: skip
-    """Load the EP=1 model's weights into this rank's EP shard (local expert i is global
-    expert ep_rank * E/ep + i)."""
+                        ep_rank: int, tp: int = 1, tp_rank: int = 0) -> None:  # fmt: skip
+    """Load the EP=1 TP=1 model's weights into this rank's EP x TP shard (local expert i is
+    global expert ep_rank * E/ep + i; experts are split over TP like dense layers, SwiGLU's
+    fc1 holding a slice of both halves)."""
     full = dict(reference.named_parameters())
     per_rank = EXPERTS // ep
     with torch.no_grad():
         for name, param in sharded.named_parameters():
-            param.copy_(full[_global_name(name, per_rank, ep_rank)])
+            src = full[_global_name(name, per_rank, ep_rank)]
+            if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                dim = param.partition_dim
+                halves = src.chunk(2, 0) if "linear_fc1" in name else (src,)  # SwiGLU
+                src = torch.cat([h.chunk(tp, dim)[tp_rank] for h in halves])
+            param.copy_(src)
 
 
 def _global_name(name: str, per_rank: int, ep_rank: int) -> str:
@@ -397,6 +406,163 @@ def test_tiny_moe_example_trains_at_ep2_beside_an_ep1_teacher(tmp_path: Path) ->
         assert all(m is not None and 0.0 <= m < 0.05 for m in r["mismatch"]), r["mismatch"]
         assert math.isfinite(r["replayed"]["loss"]), r  # replayed: nothing left to compare
         assert "moe/routing_mismatch" not in r["replayed"], r
+
+
+def _tp_ep_gradients(rank: int, world: int) -> dict[str, float]:
+    """The same MoE weights at TP=2 x EP=2 + SP (megatron DDP and finalize_model_grads) and at
+    TP=1 x EP=1: one forward/backward of each DP replica's own rows through the log-prob head
+    gives the same log-probs and, summed over the replicas, the same gradients (router losses
+    off, dropless). Leaves megatron's global state as it found it (none)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_gndpo.engine.optimizer import wrap_ddp
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.parallel.groups import build_groups, build_student_groups
+    from tests.trainers import reset_megatron
+
+    groups = build_student_groups(ParallelLayout(world, tp=2, ep=2), seed=1234)
+    ref_groups = build_groups(ParallelLayout(world), name="grad-reference")
+    torch.manual_seed(0)
+    ref = build_gpt(_moe(), ParallelConfig(), ref_groups)
+    layout = ParallelConfig(tensor_parallel=2, expert_parallel=2, sequence_parallel=True)
+    sp = build_gpt(_moe(), layout, groups)
+    tp_rank, ep_rank = groups.coords["tp"], groups.layout.expert_coords(rank)["ep"]
+    _copy_into_ep_shard(ref, sp, 2, ep_rank, tp=2, tp_rank=tp_rank)
+    g = torch.Generator().manual_seed(30 + groups.coords["dp"])  # a replica's own rows
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=g)
+    weights = torch.randn(2, 24, generator=g)
+    positions, targets = torch.arange(24).expand_as(tokens), torch.roll(tokens, -1, dims=1)
+    head = TokenLogProbs(vocab_size=VOCAB)
+    ddp = wrap_ddp(sp, use_distributed_optimizer=False)
+    logp = {}
+    for name, net in (("ref", ref), ("sp", ddp)):
+        lp = net(tokens, positions, None, output_processor=head, output_processor_context=targets)
+        (lp * weights).sum().backward()
+        logp[name] = lp.detach()
+    finalize_model_grads([ddp])  # DP sum (per-token loss), norms and routers summed over TP
+    full = {n: p.grad for n, p in ref.named_parameters()}
+    for grad in full.values():  # every replica's rows, each counted by its two TP ranks
+        torch.distributed.all_reduce(grad)
+        grad /= 2
+    worst = 0.0
+    for name, param in sp.named_parameters():
+        expected = full[_global_name(name, EXPERTS // 2, ep_rank)]
+        if getattr(param, "tensor_model_parallel", False):
+            dim = param.partition_dim
+            halves = expected.chunk(2, 0) if "linear_fc1" in name else (expected,)  # SwiGLU
+            expected = torch.cat([h.chunk(2, dim)[tp_rank] for h in halves])
+        worst = max(worst, (param.main_grad - expected).abs().max().item())
+    reset_megatron()
+    return {
+        "grad/logprob_diff": (logp["ref"] - logp["sp"]).abs().max().item(),
+        "grad/diff": worst,
+        "grad/scale": max(g.abs().max().item() for g in full.values()),
+    }
+
+
+def _tp_ep_checks(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """TP=2 x EP=2 with sequence parallelism on 4 ranks (expert TP=2; DP=2, EP out of it):
+    gradients equal TP=1 x EP=1's (:func:`_tp_ep_gradients`); with an EP=1 TP=1 model's
+    weights, the student scores and samples like it (on unequal work per EP rank); then
+    ``examples/tiny_cpu_moe.yaml`` trains 2 steps through the Trainer."""
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    gradients = _tp_ep_gradients(rank, world)
+    from megatron_gndpo.engine.scoring import score_batch
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.parallel.groups import build_groups
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.builtin import MegatronGenerator
+    from megatron_gndpo.trainer import Trainer
+
+    cfg = load_config(EXAMPLE, [f"logging.run_dir={run_dir}", *TP_EP_SP])
+    validate(cfg, world)
+    trainer = Trainer(cfg)
+    student, groups = trainer.c.student, trainer.c.student_groups
+    ref_groups = build_groups(ParallelLayout(world), name="reference")
+    torch.manual_seed(0)
+    ref = build_gpt(cfg.model, ParallelConfig(), ref_groups)
+    ep_rank, tp_rank = groups.layout.expert_coords(rank)["ep"], groups.coords["tp"]
+    _copy_into_ep_shard(ref, student, 2, ep_rank, tp=2, tp_rank=tp_rank)
+
+    out: dict[str, Any] = {"layout": groups.layout.describe(), **gradients}
+    dp = groups.coords["dp"]  # the TP ranks of a replica share its rows; the DP ranks do not
+    prompts = [[3, 4, 5]] if dp == 0 else [[7, 8], [9, 10, 11, 12, 13, 14]]
+    params = SamplingParams(max_new_tokens=4 + 4 * dp, samples_per_prompt=2)
+    seeds = [5 + dp + i for i in range(len(prompts))]
+    vocab = cfg.model.vocab_size
+    results = {}
+    for name, net, g in (("ref", ref, ref_groups), ("student", student, groups)):
+        gen = MegatronGenerator(net, g, vocab_size=vocab, pad_id=0, max_sequence_length=64)
+        rollout = gen.generate(prompts, params, seeds=seeds)
+        head = TokenLogProbs(vocab_size=vocab)
+        budget = 64 if dp == 0 else 16  # 1 micro-batch against 4: unequal per EP rank
+        scores = score_batch(
+            net, g, rollout.tokens, rollout.lengths, head=head, token_budget=budget
+        )
+        assert scores is not None
+        results[name] = (rollout, scores.logprobs)
+    (a, lp_a), (b, lp_b) = results["ref"], results["student"]
+    out["same_tokens"] = bool(torch.equal(a.tokens, b.tokens))
+    out["sampler_logprob_diff"] = (a.sampler_logprobs - b.sampler_logprobs).abs().max().item()
+    out["score_diff"] = (lp_a - lp_b).abs().max().item()
+    out["sampled_routing"] = b.routing is not None  # not tracked under sequence parallelism
+
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    teacher_model = trainer.c.teacher.model
+    teacher = {n: p.detach().clone() for n, p in teacher_model.named_parameters()}
+    steps = [trainer.step() for _ in range(2)]
+    experts = [n for n in before if ".local_experts." in n]
+    replicated = [n for n, p in student.named_parameters()
+                  if not getattr(p, "tensor_model_parallel", False)]  # fmt: skip
+    flat = torch.cat([student.get_parameter(n).detach().flatten() for n in replicated])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    torch.distributed.all_gather(both, flat, group=groups.tp)
+    out |= {
+        "steps": [
+            {k: v for k, v in s.items() if k.startswith(("moe/", "loss", "grad_norm"))}
+            for s in steps
+        ],
+        "experts": len(experts),
+        "unchanged": [n for n, p in student.named_parameters() if torch.equal(p, before[n])],
+        "replicated_equal_over_tp": bool(torch.equal(both[0], both[1])),
+        "teacher_moved": [
+            n for n, p in teacher_model.named_parameters() if not torch.equal(p, teacher[n])
+        ],
+    }
+    trainer.c.logger.close()
+    return out
+
+
+TP_EP_SP = ("parallel.tensor_parallel=2", "parallel.expert_parallel=2",
+            "parallel.sequence_parallel=true")  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_tiny_moe_example_trains_at_tp2_x_ep2_with_sequence_parallelism(tmp_path: Path) -> None:
+    results = run_distributed(_tp_ep_checks, 4, args=(str(tmp_path),), timeout_s=420)
+    # the router losses are averaged over TP x DP (each TP rank routes its own tokens under SP)
+    assert len({str(r["steps"]) for r in results}) == 1, [r["steps"] for r in results]
+    for r in results:
+        print({k: v for k, v in r.items() if k != "unchanged"})
+        assert "TP=2" in r["layout"] and "EP=2" in r["layout"], r["layout"]
+        assert r["grad/logprob_diff"] < 1e-5, r
+        assert r["grad/diff"] < 1e-5 * max(1.0, r["grad/scale"]), r
+        assert r["same_tokens"] and r["sampler_logprob_diff"] < 1e-5, r
+        assert r["score_diff"] < 1e-5, r
+        assert not r["sampled_routing"]
+        assert r["experts"] == 2 * 2 * 2  # 2 layers x 2 local experts x fc1/fc2
+        # 2 steps of 8 rollouts route hundreds of tokens to each of the 4 experts
+        assert r["unchanged"] == [], r["unchanged"]
+        assert r["replicated_equal_over_tp"], r  # norms and routers: summed gradients over TP
+        assert r["teacher_moved"] == []
+        for step in r["steps"]:
+            assert step["moe/load_balancing_loss"] > 0 and step["moe/z_loss"] > 0, step
+            assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]), step
 
 
 def test_plan_counts_expert_params_per_rank_divided_by_ep() -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_gndpo.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 TINY_MODEL: dict[str, Any] = dict(
     num_layers=2,
@@ -27,3 +30,26 @@ def tiny_model(**overrides: Any) -> ModelConfig:
     ``vocab_size`` and whatever else they need (``max_position_embeddings``, ``add_qkv_bias``).
     """
     return ModelConfig(**{**TINY_MODEL, **overrides})
+
+
+def copy_tp_shards(
+    reference: torch.nn.Module, sharded: torch.nn.Module, tp: int, rank: int, swiglu: bool
+) -> None:
+    """Load the TP=1 model's weights into this rank's TP shard (megatron layouts; ``swiglu``:
+    fc1 stacks [gate; up], each rank holding its slice of both)."""
+    import torch
+
+    full = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, param in sharded.named_parameters():
+            src = full[name]
+            if not getattr(param, "tensor_model_parallel", False):
+                param.copy_(src)
+                continue
+            dim = param.partition_dim
+            if swiglu and "linear_fc1" in name:
+                # [gate; up] stacked: each rank holds its slice of both halves.
+                halves = [h.chunk(tp, dim)[rank] for h in src.chunk(2, dim=0)]
+                param.copy_(torch.cat(halves, dim=0))
+            else:
+                param.copy_(src.chunk(tp, dim)[rank])

@@ -3,7 +3,9 @@
 megatron-core assumes CUDA in a few dozen places: ``torch.cuda.current_device()`` used as a
 device, CUDA RNG state get/set, ``torch.cuda.synchronize``/``set_device``, literal
 ``device="cuda"`` and ``pin_memory=True`` in tensor factories, ``Tensor.cuda()``, and
-``torch.cuda.Event``/``Stream``. This module redirects exactly those, and nothing else:
+``torch.cuda.Event``/``Stream``. It also leans on what a GPU machine brings besides: Apex or
+Transformer Engine norms (sequence parallelism) and NCCL (uneven all-gathers). This module
+redirects exactly those, and nothing else:
 
 - **module redirects**: in each listed megatron module the global name ``torch`` is replaced by a
   proxy that forwards everything to torch except ``torch.cuda`` (a CPU stand-in) and the tensor
@@ -11,13 +13,24 @@ device, CUDA RNG state get/set, ``torch.cuda.synchronize``/``set_device``, liter
 - **function patches**: megatron's private CUDA RNG helpers become the CPU generator's;
 - **tensor patches**: ``Tensor.cuda()`` returns the tensor itself (on a CPU-only machine it could
   only raise); ``Tensor.type()``, called from a listed megatron module, names CPU tensors as
-  their CUDA types (the distributed optimizer and gradient clipping compare those names).
+  their CUDA types (the distributed optimizer and gradient clipping compare those names);
+- **sequence-parallel torch norms**: without Apex or Transformer Engine megatron's local spec
+  builds its norms with ``WrappedTorchNorm``, which asserts ``not config.sequence_parallel``.
+  A norm is per token, so under sequence parallelism it needs nothing but what Apex's
+  ``FusedLayerNorm`` and TE's norms do: mark its parameters ``sequence_parallel = True``, so
+  that megatron's ``finalize_model_grads`` sums their gradients (each TP rank's covers its own
+  slice of the sequence) over the TP group. The q/k norms get the mark too, as TE's do (their
+  gradients are summed over TP with or without sequence parallelism: each rank's covers its
+  own heads);
+- **uneven all-gathers**: with expert tensor parallelism the MoE token dispatcher gathers
+  unequal token counts from the TP ranks through ``torch.distributed.all_gather`` with a list
+  of unequal tensors, which NCCL accepts and gloo rejects; the gather pads to the longest.
 
 Nothing happens on import. :func:`enable` applies every patch and returns a handle whose
 ``disable()`` restores the originals; it refuses to run where CUDA is available, because there
 megatron-core needs none of this. :func:`report` tells, for the installed megatron-core, which
-patches still find the CUDA assumption they exist for (a patch that no longer does is a candidate
-for deletion), and which megatron modules outside the list mention CUDA.
+patches still find the assumption they exist for (a patch that no longer does is a candidate for
+deletion), and which megatron modules outside the list mention CUDA.
 """
 
 from __future__ import annotations
@@ -190,16 +203,17 @@ class _CpuTorch(types.ModuleType):
 class Patch:
     """One redirect of a CUDA assumption in megatron-core.
 
-    ``target`` is ``"module"`` or ``"module:attr"``. ``kind`` says what is redirected:
-    ``"torch"`` replaces the module's global ``torch`` with the CPU proxy, ``"function"`` replaces
-    ``attr`` with ``replacement()``, ``"type_names"`` makes ``Tensor.type()`` called from the
+    ``target`` is ``"module"``, ``"module:attr"`` or ``"module:Class.attr"``. ``kind`` says
+    what is redirected: ``"torch"`` replaces the module's global ``torch`` with the CPU proxy,
+    ``"function"`` replaces ``attr`` with ``replacement()``, ``"wrap"`` with
+    ``replacement(original)``, ``"type_names"`` makes ``Tensor.type()`` called from the
     module return CUDA type names. ``why`` says what fails on CPU without it.
     """
 
     target: str
     why: str
     kind: str = "torch"
-    replacement: Callable[[], Any] | None = None
+    replacement: Callable[..., Any] | None = None
     marker: str = ""
     """A regex of the assumption in the target's source when it is not a CUDA call (for
     :meth:`still_needed`); empty: the CUDA markers."""
@@ -208,31 +222,49 @@ class Patch:
     def module_name(self) -> str:
         return self.target.split(":")[0]
 
-    def _resolve(self) -> tuple[types.ModuleType, str]:
+    def resolve(self) -> tuple[Any, str]:
+        """``(owner, attr)``: the module (or class in it) and the name this patch replaces."""
         module = importlib.import_module(self.module_name)
-        attr = self.target.split(":")[1] if ":" in self.target else "torch"
-        if not hasattr(module, attr):
+        path = self.target.split(":")[1] if ":" in self.target else "torch"
+        *classes, attr = path.split(".")
+        owner: Any = module
+        for name in classes:
+            owner = getattr(owner, name, None)
+        if owner is None or not hasattr(owner, attr):
             raise AttributeError(
-                f"megatron-core changed: {self.module_name} has no {attr!r}; update "
+                f"megatron-core changed: {self.module_name} has no {path!r}; update "
                 f"megatron_gndpo/compat/cpu.py for this version"
             )
-        return module, attr
+        return owner, attr
+
+    def current(self) -> Any:
+        """What the target holds now (a class attribute as stored: a staticmethod stays one)."""
+        owner, attr = self.resolve()
+        return vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
 
     def apply(self) -> Callable[[], None]:
         """Apply; return the function that undoes it."""
-        module, attr = self._resolve()
+        owner, attr = self.resolve()
         if self.kind == "type_names":
-            _TYPE_NAME_CALLERS.add(module.__name__)
-            return lambda: _TYPE_NAME_CALLERS.discard(module.__name__)
-        original = getattr(module, attr)
-        new = _CPU_TORCH if self.kind == "torch" else self.replacement()  # type: ignore[misc]
-        setattr(module, attr, new)
-        return lambda: setattr(module, attr, original)
+            _TYPE_NAME_CALLERS.add(owner.__name__)
+            return lambda: _TYPE_NAME_CALLERS.discard(owner.__name__)
+        original = self.current()
+        new: Any
+        if self.kind == "torch":
+            new = _CPU_TORCH
+        elif self.kind == "wrap":
+            new = self.replacement(getattr(owner, attr))  # type: ignore[misc]
+        else:
+            new = self.replacement()  # type: ignore[misc]
+        if isinstance(original, staticmethod):  # e.g. __new__: keep it static
+            new = staticmethod(new)
+        setattr(owner, attr, new)
+        return lambda: setattr(owner, attr, original)
 
     def still_needed(self) -> bool:
         """Whether the installed megatron-core still has the CUDA assumption this patch covers."""
-        module, attr = self._resolve()
-        source = inspect.getsource(getattr(module, attr) if ":" in self.target else module)
+        owner, attr = self.resolve()
+        source = inspect.getsource(getattr(owner, attr) if ":" in self.target else owner)
         markers = _CUDA_TYPE_NAMES if self.kind == "type_names" else _CUDA_MARKERS
         if self.marker:
             markers = re.compile(self.marker)
@@ -273,10 +305,63 @@ def _cpu_maybe_move_tensor_to_cpu(
     return tensor
 
 
+class _WithoutSequenceParallel:
+    """A TransformerConfig read as if sequence parallelism were off (every other field as is)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return False if name == "sequence_parallel" else getattr(self._config, name)
+
+
+def _sequence_parallel_torch_norm(original_new: Callable[..., Any]) -> Callable[..., Any]:
+    """``WrappedTorchNorm.__new__`` that builds the same torch norm under sequence parallelism
+    and marks its parameters as Apex's ``FusedLayerNorm`` and TE's norms do (module docstring)."""
+
+    def new(cls: type, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        norm = original_new(cls, _WithoutSequenceParallel(config), hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            # finalize_model_grads all-reduces these over TP (config.sequence_parallel is set)
+            param.sequence_parallel = True
+        return norm
+
+    return new
+
+
+def _padded_uneven_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``mappings._gather_along_first_dim`` for unequal ``output_split_sizes`` on gloo: each
+    rank's rows padded to the longest, gathered evenly, the padding dropped (same result)."""
+
+    def gather(
+        input_: torch.Tensor,
+        group: Any,
+        output_split_sizes: list[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = original(padded, group, None, False)  # [world * longest, ...]
+        return torch.cat(
+            [gathered[r * longest : r * longest + n] for r, n in enumerate(output_split_sizes)]
+        )
+
+    return gather
+
+
 _RANDOM = "megatron.core.tensor_parallel.random"
 _MOE = "megatron.core.transformer.moe"
 # moe_utils.maybe_move_tensor_to_cpu converts only tensors on CUDA
 _CUDA_ONLY_MOVE = r"if torch\.is_tensor\(tensor\) and tensor\.is_cuda"
+# an all_gather into a list of (possibly unequal) tensors
+_LIST_ALL_GATHER = r"torch\.distributed\.all_gather\(output_tensor_list"
+# WrappedTorchNorm refuses sequence parallelism
+_NO_SEQUENCE_PARALLEL = r"assert\s*\(?\s*not config\.sequence_parallel"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(f"{_RANDOM}:_get_cuda_rng_state", "indexes torch.cuda.default_generators",
@@ -345,6 +430,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(f"{_MOE}.token_dispatcher:maybe_move_tensor_to_cpu",
           "the dispatcher's imported copy of moe_utils.maybe_move_tensor_to_cpu", "function",
           lambda: _cpu_maybe_move_tensor_to_cpu, _CUDA_ONLY_MOVE),
+    Patch("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
+          "the torch norms of the local spec (no Apex/TE) refuse sequence parallelism", "wrap",
+          _sequence_parallel_torch_norm, _NO_SEQUENCE_PARALLEL),
+    Patch("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+          "the MoE dispatcher's expert-TP gather of unequal token counts fails on gloo", "wrap",
+          _padded_uneven_gather, _LIST_ALL_GATHER),
 )  # fmt: skip
 
 _CPU_TORCH = _CpuTorch()

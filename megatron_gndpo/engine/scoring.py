@@ -12,6 +12,9 @@ Two ways to fill a micro-batch, with the same numbers (tests check it):
   depends only on relative positions, which the packing preserves inside each segment; learned
   absolute positions get per-segment position ids.
 
+Under sequence parallelism megatron splits a micro-batch's sequence over the TP ranks, so its
+length is padded to a multiple of the TP size (:func:`sequence_multiple`; the update pads alike).
+
 A :class:`ScoreRequest` asks for more than each token's log-prob, on the same pass: the model's
 top-k at every position, or the log-probs of other given ids (a vOPD teacher scores the
 student's top-k ids; TGPO/TrOPD students are trained towards the teacher's top-k). The results
@@ -184,6 +187,24 @@ def _next_position_extras(
     return out
 
 
+def sequence_multiple(model: Any) -> int:
+    """What a micro-batch's length must be a multiple of: the TP size under sequence
+    parallelism (megatron splits the sequence over the TP ranks), else 1."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    return int(config.tensor_model_parallel_size) if config.sequence_parallel else 1
+
+
+def padded_positions(width: int, multiple: int) -> torch.Tensor:
+    """Position ids ``[L]`` of a micro-batch of ``width`` real columns padded to a multiple of
+    ``multiple``: the padding columns (whose outputs are dropped, and which no real position
+    attends to) sit at position 0, so they never pass a learned position table's end."""
+    positions = torch.arange(-(-width // multiple) * multiple)
+    positions[width:] = 0
+    return positions
+
+
 def _padded_micro_batch(
     tokens_BS: torch.Tensor,
     lengths: list[int],
@@ -191,14 +212,16 @@ def _padded_micro_batch(
     extra: torch.Tensor | None,
     kl_hidden: torch.Tensor | None = None,
     pad: int = 0,
+    multiple: int = 1,
 ) -> _MicroBatch:
-    width = max(lengths[r] for r in rows)
+    positions_L = padded_positions(max(lengths[r] for r in rows), multiple)
+    width = positions_L.shape[0]
     tokens = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         tokens[i, : lengths[r]] = tokens_BS[r, : lengths[r]]
     targets = torch.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
-    positions = torch.arange(width).unsqueeze(0).expand(len(rows), -1)
+    positions = positions_L.unsqueeze(0).expand(len(rows), -1)
     segments = [(r, i, 0) for i, r in enumerate(rows)]
     placement = [(i, 0) for i in range(len(rows))]
     shape = (len(rows), width)
@@ -213,12 +236,15 @@ def _packed_micro_batch(
     rows: list[int],
     extra: torch.Tensor | None,
     kl_hidden: torch.Tensor | None = None,
+    multiple: int = 1,
 ) -> _MicroBatch:
-    total = sum(lengths[r] for r in rows)
+    total = -(-sum(lengths[r] for r in rows) // multiple) * multiple
     tokens = torch.zeros(1, total, dtype=torch.long)
     targets = torch.zeros_like(tokens)
-    positions = torch.zeros_like(tokens)
-    segment_id = torch.empty(total, dtype=torch.long)
+    positions = torch.zeros_like(tokens)  # the padding to a multiple: position 0
+    # the padding to a multiple is a segment of its own (no real row attends to it, and its
+    # queries see a key, their own: no all-masked softmax row)
+    segment_id = torch.full((total,), len(rows), dtype=torch.long)
     segments, start = [], 0
     for k, r in enumerate(rows):
         n = lengths[r]
@@ -316,9 +342,10 @@ def score_batch(
     kl_hidden = None if request is None or request.kl_hidden is None else request.kl_hidden.cpu()
     if images is not None and pack:
         raise ValueError("rows with images are scored padded, not packed (pack_sequences=false)")
+    multiple = sequence_multiple(model)
     if images is None:
         micro_batches = [
-            make(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden)
+            make(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, multiple=multiple)
             for rows in plan(lengths, token_budget)
         ]
     else:  # a VLM: padding must not be its image placeholder; the rows' tiles come along
@@ -326,7 +353,7 @@ def score_batch(
 
         pad = pad_id_for(get_attr_wrapped_model(model, "image_token_index"))
         micro_batches = [
-            _padded_micro_batch(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, pad)
+            _padded_micro_batch(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, pad, multiple)
             for rows in plan(lengths, token_budget)
         ]
         for mb in micro_batches:

@@ -37,6 +37,7 @@ from megatron_gndpo.engine.optimizer import (
     step_optimizer,
     wrap_ddp,
 )
+from megatron_gndpo.engine.scoring import sequence_multiple
 from megatron_gndpo.models.gpt import build_gpt
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -66,9 +67,12 @@ def encode_sft(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> list[S
     return out
 
 
-def micro_batch(sequences: Sequence[SFTSequence], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ``tokens``, next-token ``targets`` and response ``mask``, each ``[b, L]``."""
-    width = max(len(s.tokens) for s in sequences)
+def micro_batch(
+    sequences: Sequence[SFTSequence], pad_id: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """Right-padded ``tokens``, next-token ``targets`` and response ``mask``, each ``[b, L]``;
+    ``L`` a multiple of ``multiple`` (the TP size under sequence parallelism)."""
+    width = -(-max(len(s.tokens) for s in sequences) // multiple) * multiple
     tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.bool)
     for i, s in enumerate(sequences):
@@ -235,8 +239,9 @@ def sft_train(
         model_cfg, parallel_cfg, groups, optimizer,
         vocab_size=vocab_size, steps=steps, seed=seed, init=init,
     )  # fmt: skip
+    multiple = sequence_multiple(m.model)
     history = run_sft(
-        m, sequences, lambda rows: micro_batch(rows, pad_id),
+        m, sequences, lambda rows: micro_batch(rows, pad_id, multiple),
         steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
         on_step=on_step,
     )  # fmt: skip

@@ -32,7 +32,12 @@ from megatron_gndpo.config.schema import AlgorithmConfig
 from megatron_gndpo.engine import routing
 from megatron_gndpo.engine.moe import router_loss_metrics, router_loss_scale
 from megatron_gndpo.engine.optimizer import step_optimizer
-from megatron_gndpo.engine.scoring import required, row_images
+from megatron_gndpo.engine.scoring import (
+    padded_positions,
+    required,
+    row_images,
+    sequence_multiple,
+)
 from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
 
 
@@ -101,7 +106,20 @@ def policy_loss(
     return loss, dict(info)
 
 
-def _micro_batches(batch: UpdateBatch, rows: list[int], size: int) -> list[dict[str, torch.Tensor]]:
+def _columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x[:, :width]``, zero-padded on the right where ``x`` is narrower."""
+    if x.shape[1] >= width:
+        return x[:, :width]
+    out = x.new_zeros((x.shape[0], width, *x.shape[2:]))
+    out[:, : x.shape[1]] = x
+    return out
+
+
+def _micro_batches(
+    batch: UpdateBatch, rows: list[int], size: int, multiple: int = 1
+) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of ``size`` rows, each cut after its last response token and padded to a
+    multiple of ``multiple`` positions (the TP size under sequence parallelism)."""
     optional = {
         "pg_mask": batch.pg_mask, "is_weights": batch.is_weights, "aux_ids": batch.aux_ids,
         "aux_logq": batch.aux_logq, "aux_mask": batch.aux_mask,
@@ -110,18 +128,22 @@ def _micro_batches(batch: UpdateBatch, rows: list[int], size: int) -> list[dict[
     for start in range(0, len(rows), size):
         idx = torch.tensor(rows[start : start + size])
         mask = batch.response_mask[idx]
-        width = int(mask.nonzero()[:, 1].max()) + 1 if bool(mask.any()) else 1
-        tokens = batch.tokens[idx, :width]
+        positions = padded_positions(
+            int(mask.nonzero()[:, 1].max()) + 1 if bool(mask.any()) else 1, multiple
+        )
+        width = positions.shape[0]
+        tokens = _columns(batch.tokens[idx], width)
         mb = {
             "tokens": tokens,
+            "positions": positions.expand_as(tokens),
             "targets": _shift(tokens),
-            "old": _shift(batch.old_logprobs[idx, :width]),
-            "adv": _shift(batch.advantages[idx, :width]),
-            "mask": _shift(mask[:, :width]),
+            "old": _shift(_columns(batch.old_logprobs[idx], width)),
+            "adv": _shift(_columns(batch.advantages[idx], width)),
+            "mask": _shift(_columns(mask, width)),
         }
-        mb |= {k: _shift(v[idx, :width]) for k, v in optional.items() if v is not None}
+        mb |= {k: _shift(_columns(v[idx], width)) for k, v in optional.items() if v is not None}
         if batch.routing is not None:  # per position, not per prediction: not shifted
-            mb["routing"] = batch.routing[idx, :width]
+            mb["routing"] = _columns(batch.routing[idx], width)
         if batch.images is not None:
             tiles = row_images(batch.images, idx.tolist())
             if tiles is not None:
@@ -186,6 +208,7 @@ def run_update(
     rows = list(range(batch.tokens.shape[0]))
     per_step = len(rows) // optimizer_steps
     device = next(ddp_model.parameters()).device
+    multiple = sequence_multiple(ddp_model)
     results = []
     for k in range(optimizer_steps):
         mine = rows[k * per_step : (k + 1) * per_step]
@@ -195,17 +218,16 @@ def run_update(
             # (Adam's momentum, weight decay)
             results.append({"empty": 1.0, "skipped": 0.0})
             continue
-        micro = _micro_batches(batch, mine, micro_batch_size)
+        micro = _micro_batches(batch, mine, micro_batch_size, multiple)
 
         def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
             mb = {key: value.to(device) for key, value in next(data_iterator).items()}
-            positions = torch.arange(mb["tokens"].shape[1], device=device).expand_as(mb["tokens"])
             context: Any = mb["targets"]
             if not batch.plain:
                 context = ScoreContext(
                     mb["targets"], extra_ids=mb.get("aux_ids"), entropy=_wants_entropy(batch)
                 )
-            inputs = [mb["tokens"], positions, None]
+            inputs = [mb["tokens"], mb["positions"], None]
             if batch.images is not None:  # a vision-language model takes the images first
                 inputs.insert(0, mb.get("images"))
             if "routing" in mb:

@@ -190,6 +190,7 @@ class ParallelGroups:
     embd: Any
     pos_embd: Any
     tp_cp: Any
+    tp_dp_cp: Any  # TP x DP x CP: megatron's routers average their z-loss metric over it
     ep: Any = None
     expt_tp: Any = None
     tp_ep: Any = None
@@ -224,7 +225,8 @@ class ParallelGroups:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pgs = ProcessGroupCollection()
-        for field in ("tp", "pp", "cp", "dp", "dp_cp", "mp", "embd", "pos_embd", "tp_cp"):
+        for field in ("tp", "pp", "cp", "dp", "dp_cp", "mp", "embd", "pos_embd", "tp_cp",
+                      "tp_dp_cp"):  # fmt: skip
             setattr(pgs, field, getattr(self, field))
         # At EP = 1 the expert grid is the dense one (expert TP = TP, EDP = DP x CP), so where
         # no expert groups were built the dense groups stand in for them.
@@ -315,6 +317,7 @@ _GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("cp", "dp"),
     "mp": ("tp", "pp"),
     "tp_cp": ("tp", "cp"),
+    "tp_dp_cp": ("tp", "cp", "dp"),
 }
 
 # The expert grid's groups (megatron-core's parallel_state names them in its comments).
@@ -364,6 +367,7 @@ def build_student_groups(layout: ParallelLayout, *, seed: int | None = None) -> 
         embd=ps.get_embedding_group(check_initialized=False),
         pos_embd=ps.get_position_embedding_group(check_initialized=False),
         tp_cp=ps.get_tensor_and_context_parallel_group(),
+        tp_dp_cp=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
         ep=ps.get_expert_model_parallel_group(),
         expt_tp=ps.get_expert_tensor_parallel_group(),
         tp_ep=ps.get_expert_tensor_and_model_parallel_group(),

@@ -13,6 +13,9 @@ layout, CPU or GPU. Two decoding paths share the bookkeeping and the sampling:
   forward; a longer prompt's rows keep their prompt tokens meanwhile). The lean path uses it
   by itself for models it does not cover (see ``decode.unsupported_reason``).
 
+Both run with sequence parallelism switched off (``decode.sequence_parallel_off``): a decode
+step's one position per row cannot be split over the TP ranks.
+
 The last pipeline stage turns each row's last hidden state into full-vocabulary logits and
 samples there, on the model's device (:func:`~megatron_gndpo.rollout.base.sample_next`); only
 the token ids and their log-probs go to the host and to the other stages, so all ranks of a
@@ -45,7 +48,13 @@ from megatron_gndpo.rollout.base import (
     sample_next,
     text_only,
 )
-from megatron_gndpo.rollout.decode import CachedDecoder, SlotCache, inner_model, unsupported_reason
+from megatron_gndpo.rollout.decode import (
+    CachedDecoder,
+    SlotCache,
+    inner_model,
+    sequence_parallel_off,
+    unsupported_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -198,16 +207,19 @@ class MegatronGenerator:
         state = _Rows(rows, total, self.pad_id, params)
         # row r's j-th response token uses draws[r, j], whichever path and batch it is in
         draws = RowStreams(seeds, params.samples_per_prompt).draws(params.max_new_tokens)
-        decoder = self._lean_decoder()
+        # decided before sequence parallelism is off: the trainer's passes run with it
+        record = self.record_routing and routing.tracks_routing(self._language_model())
         was_training = self.model.training
         self.model.eval()
         try:
-            if decoder is None:
-                with torch.no_grad():
-                    self._lockstep(state, params, draws)
-            else:  # nothing made in here is kept but the host-side tokens: skip autograd's books
-                with torch.inference_mode():
-                    self._continuous(decoder, state, params, draws)
+            with sequence_parallel_off(self.model):
+                decoder = self._lean_decoder()
+                if decoder is None:
+                    with torch.no_grad():
+                        self._lockstep(state, params, draws, record)
+                else:  # nothing made here is kept but the host-side tokens: no autograd books
+                    with torch.inference_mode():
+                        self._continuous(decoder, state, params, draws)
         finally:
             self.model.train(was_training)
         return state.rollout(len(prompts), params.samples_per_prompt)
@@ -302,9 +314,12 @@ class MegatronGenerator:
 
     # -- megatron's static path: all rows in lock-step --------------------------------------
 
-    def _lockstep(self, state: _Rows, params: SamplingParams, draws: torch.Tensor) -> None:
+    def _lockstep(
+        self, state: _Rows, params: SamplingParams, draws: torch.Tensor, record: bool
+    ) -> None:
+        """``record``: keep each token's experts (an MoE model whose routing is tracked)."""
         model = self._language_model()
-        if not (self.record_routing and routing.tracks_routing(model)):
+        if not record:
             self._lockstep_steps(state, params, draws, None)
             return
         with routing.recording(model) as replays:  # each forward's experts, kept per position

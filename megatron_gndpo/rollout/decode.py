@@ -28,7 +28,9 @@ V = vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +53,45 @@ def inner_model(model: Any) -> Any:
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+# The module attributes megatron reads for sequence parallelism at run time (the linears',
+# the embeddings'), as megatron's own static engine switches them (set_model_to_sequence_parallel).
+_SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: Any) -> Iterator[None]:
+    """Run ``model`` (any wrapper of it) without sequence parallelism while inside.
+
+    Sequence parallelism splits a forward's sequence over the TP ranks, which a decode step of
+    one position per row cannot be; in eval without gradients it changes only where the
+    activations are split, not what is computed. So rollouts switch it off, as megatron's own
+    static engine does: the config's flag and each module's copy of it, restored on exit (not
+    through megatron's ``set_model_to_sequence_parallel``, whose module cache is keyed by
+    ``id(model)`` and outlives the model).
+    """
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    if not config.sequence_parallel:
+        yield
+        return
+    switched = [
+        (module, attr)
+        for module in model.modules()
+        for attr in _SEQUENCE_PARALLEL_ATTRS
+        if getattr(module, attr, None) is True
+    ]
+    config.sequence_parallel = False
+    for module, attr in switched:
+        setattr(module, attr, False)
+    try:
+        yield
+    finally:
+        config.sequence_parallel = True
+        for module, attr in switched:
+            setattr(module, attr, True)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -82,8 +123,9 @@ def unsupported_reason(model: Any) -> str | None:
         "residuals after the norm": bool(cfg.apply_residual_connection_post_layernorm),
         "fp32 residuals": bool(cfg.fp32_residual_connection),
         "context parallelism": cfg.context_parallel_size != 1,
-        # megatron's local spec refuses it with torch norms, so nothing could test it here
-        "sequence parallelism (not verified with this decoder yet)": bool(cfg.sequence_parallel),
+        # a decode step cannot split one position over TP ranks: decode inside
+        # sequence_parallel_off (the built-in generator does)
+        "sequence parallelism (decode inside sequence_parallel_off)": bool(cfg.sequence_parallel),
         "mixture of experts": bool(cfg.num_moe_experts),
         "MuP scaling": bool(getattr(cfg, "use_mup", False)),
         "query-key layer scaling": bool(cfg.apply_query_key_layer_scaling),
