@@ -72,14 +72,15 @@ def empty_routing(rows: int, positions: int, layers: int, k: int) -> torch.Tenso
 
 
 @contextlib.contextmanager
-def recording(model: Any) -> Iterator[list[Any]]:
-    """Every router of this stage records its choices while inside (megatron's ``RECORD``)."""
+def _routers_doing(model: Any, action: str) -> Iterator[list[Any]]:
+    """This stage's routers in megatron's ``RouterReplayAction`` ``action`` while inside; their
+    indices cleared before and after (replay also keeps a list for recompute: dropped)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replays = routers(model)
     for r in replays:
         r.clear_indices()
-        r.set_router_replay_action(RouterReplayAction.RECORD)
+        r.set_router_replay_action(RouterReplayAction[action])
     try:
         yield replays
     finally:
@@ -88,21 +89,14 @@ def recording(model: Any) -> Iterator[list[Any]]:
             r.clear_indices()
 
 
-@contextlib.contextmanager
-def replaying(model: Any) -> Iterator[list[Any]]:
-    """Every router of this stage uses the indices :func:`set_targets` gives it."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+def recording(model: Any) -> contextlib.AbstractContextManager[list[Any]]:
+    """Every router of this stage records its choices while inside (megatron's ``RECORD``)."""
+    return _routers_doing(model, "RECORD")
 
-    replays = routers(model)
-    for r in replays:
-        r.clear_indices()
-        r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    try:
-        yield replays
-    finally:
-        for r in replays:
-            r.clear_router_replay_action()
-            r.clear_indices()  # set_target_indices also keeps a list for recompute: drop it
+
+def replaying(model: Any) -> contextlib.AbstractContextManager[list[Any]]:
+    """Every router of this stage uses the indices :func:`set_targets` gives it."""
+    return _routers_doing(model, "REPLAY_FORWARD")
 
 
 def recorded(replays: Sequence[Any], b: int, s: int, k: int) -> torch.Tensor:
