@@ -41,15 +41,20 @@ pip=("$venv/bin/python" -m pip install --quiet)
 # 1. Bridge and megatron-core without their dependencies (they would pull a CUDA torch and
 #    Transformer Engine); 2. what Bridge's AutoBridge path imports, transformers at its pin;
 #    3. what megatron.bridge.training (save_megatron_model) imports.
+# kernels at transformers 5.12.1's own pin (its `kernels` extra): the main venv's transformers
+# depends on a newer kernels that the .pth would otherwise lend, whose LayerRepository refuses
+# the arguments transformers 5.12.1 passes at import ("Either a revision or a version must be
+# specified"; CI failed on it on 2026-12-03).
 "${pip[@]}" --no-deps "megatron-core==$mcore_version" "megatron-bridge==$bridge_version"
-"${pip[@]}" "transformers==5.12.1" einops omegaconf "hydra-core>=1.3.4,<1.4" pyyaml tqdm rich \
-  safetensors numpy packaging
+"${pip[@]}" "transformers==5.12.1" "kernels>=0.12,<0.13" einops omegaconf "hydra-core>=1.3.4,<1.4" \
+  pyyaml tqdm rich safetensors numpy packaging
 "${pip[@]}" datasets megatron-energon
 
 "$venv/bin/python" - "$bridge_version" "$main_site" <<'PY'
 import importlib.metadata as metadata
 import sys
 
+import kernels
 import torch
 import transformers
 
@@ -58,6 +63,7 @@ got = metadata.version("megatron-bridge")
 assert got == want, f"megatron-bridge {got} installed, expected {want}"
 assert torch.__file__.startswith(main_site), f"torch from {torch.__file__}, not the main venv"
 assert transformers.__version__ == "5.12.1", f"transformers {transformers.__version__} moved"
+assert not kernels.__file__.startswith(main_site), "kernels from the main venv, not the pin here"
 print(f"Bridge tier ready: megatron-bridge {got}, transformers {transformers.__version__}, "
       f"torch {torch.__version__} (the main venv's)")
 PY
