@@ -3,7 +3,7 @@
     megatron-gndpo train [--config FILE] [section.key=value ...]     (under torchrun or srun)
     megatron-gndpo launch [torchrun options] train|convert ...         (torchrun, one-line failures)
     megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [--gpu-memory-gib G] [--mfu M]
-                        [section.key=value ...]                         (memory and step time too)
+                        [--interconnect-gbps B] [section.key=value ...]  (memory and step time too)
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
     megatron-gndpo demo [--quick] [--multimodal] [--methods gndpo,opd,...] [--run-dir DIR]
     megatron-gndpo demo --stability [--quick] [--run-dir DIR] [--cache-dir DIR]
@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--hbm-tbps", type=_positive, default=3.35,
         help="memory bandwidth of one GPU in TB/s, for the decode floor (default: 3.35, H100 SXM)",
     )  # fmt: skip
+    p_plan.add_argument(
+        "--interconnect-gbps", type=_positive, default=25.0,
+        help="GB/s of the trainer -> rollout weight broadcast (rollout.disaggregate; default: "
+        "25, one 200 Gb/s HDR InfiniBand NIC)",
+    )  # fmt: skip
 
     p_train = sub.add_parser(
         "train",
@@ -201,11 +206,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     hw = planner.Hardware(
         gpu_memory_gib=args.gpu_memory_gib, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
         hbm_bytes_per_s=args.hbm_tbps * 1e12,
+        interconnect_bytes_per_s=args.interconnect_gbps * 1e9,
     )  # fmt: skip
+    split = planner.rank_split(cfg, args.world_size)
     student, _ = planner.plan(cfg, args.world_size)
     memory = planner.estimate_memory(cfg, args.world_size, hw)
     warnings = planner.fit_warnings(memory, hw)
     print(f"megatron-gndpo {__version__} plan for {args.world_size} ranks")
+    if split.rollout_ranks:
+        print(
+            f"rollout.disaggregate: ranks 0-{split.trainer_ranks - 1} train (the layouts below "
+            f"cover them), ranks {split.trainer_ranks}-{args.world_size - 1} only generate"
+        )
     print(planner.format_model_plan(student, per_rank=args.ranks))
     for teacher in planner.teacher_plans(cfg, args.world_size):
         print(planner.format_model_plan(teacher, per_rank=args.ranks))
@@ -217,8 +229,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             )
     print(planner.format_memory(cfg, memory, hw))
     print("\n".join(warnings) if warnings else "every rank fits")
-    step_time = planner.estimate_step_time(cfg, args.world_size, hw)
-    print(planner.format_step_time(step_time, args.world_size, hw))
+    if split.rollout_ranks:
+        from megatron_gndpo.plan_disaggregated import format_disaggregated
+
+        print(format_disaggregated(cfg, args.world_size, hw))
+    else:
+        step_time = planner.estimate_step_time(cfg, args.world_size, hw)
+        print(planner.format_step_time(step_time, args.world_size, hw))
     batch = cfg.rollout.rollout_batch_size
     print(
         f"rollout: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} "
@@ -263,7 +280,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     t = cfg.trainer
     # A timeout <= 0 is reported by validate() below, once for the job: start with the default
     timeout_s = t.collective_timeout_s if t.collective_timeout_s > 0 else DEFAULT_TIMEOUT_S
-    env = init_distributed(timeout_s=timeout_s)
+    d = cfg.rollout.disaggregate
+    env = init_distributed(timeout_s=timeout_s, rollout_ranks=d.ranks)
+    rollout_rank = 0 < d.ranks < env.world_size and env.rank >= env.world_size - d.ranks
     watchdog = None
     if env.world_size > 1 and t.heartbeat_timeout_s > 0:
         watchdog = Watchdog(env, t.heartbeat_timeout_s)
@@ -273,12 +292,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         check_environment(cfg)
         check_paths(cfg)  # before any model is built (and before megatron-core is imported)
         cpu.enable_if_no_cuda()
-        from megatron_gndpo.trainer import Trainer
+        if rollout_rank:  # rollout.disaggregate: this rank only samples, for the trainer
+            from megatron_gndpo.rollout.remote import RolloutWorker
 
-        trainer = Trainer(cfg)
-        if env.rank == 0:  # only once the run has started: a failed resume keeps the old one
-            print(f"resolved config written to {save_resolved(cfg, cfg.logging.run_dir)}")
-        trainer.train()
+            RolloutWorker(cfg).run()
+        else:
+            from megatron_gndpo.trainer import Trainer
+
+            trainer = Trainer(cfg)
+            if env.rank == 0:  # only once the run has started: a failed resume keeps the old one
+                print(f"resolved config written to {save_resolved(cfg, cfg.logging.run_dir)}")
+            trainer.train()
     except UserError as err:
         report_error(str(err))  # once for the job, while the other ranks can still be asked
         if watchdog is not None:

@@ -3,7 +3,9 @@
 Pure arithmetic: no process group, no GPU, no megatron import, so a 256-rank (or 4096-rank) plan
 runs on a laptop. The memory estimate (bytes per rank: weights, gradients, optimizer shards,
 activations, rollout KV cache, the teacher) and the step time (model FLOPs at a stated MFU) are
-described where they are computed, below the parameter counts.
+described where they are computed, below the parameter counts. With rollout ranks apart
+(rollout.disaggregate) everything here covers the trainer's ranks (:func:`rank_split`);
+plan_disaggregated.py has the rollout ranks and the overlapped step.
 
 Parameter counts follow megatron-core's local GPT spec exactly (the tests compare them with real
 GPTModel shards at TP=1/2 and PP=2): the vocabulary padded to
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_gndpo.checks import layout_of
+from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import (
     Config,
     ModelConfig,
@@ -163,9 +166,11 @@ def plan_model(name: str, model: ModelConfig, parallel: ParallelConfig, world: i
 
 
 def plan(cfg: Config, world_size: int) -> tuple[ModelPlan, ModelPlan | None]:
-    """Plans of the student and the (first colocated) teacher (validate the config first)."""
+    """Plans of the student and the (first colocated) teacher (validate the config first), on
+    the trainer's ranks (all of them unless rollout.disaggregate takes the last ones)."""
     teachers = teacher_plans(cfg, world_size)
-    student = plan_model("student", cfg.model, cfg.parallel, world_size)
+    trainer = rank_split(cfg, world_size).trainer_ranks
+    student = plan_model("student", cfg.model, cfg.parallel, trainer)
     return student, teachers[0] if teachers else None
 
 
@@ -175,11 +180,101 @@ def colocated_teachers(cfg: Config) -> list[TeacherConfig]:
 
 
 def teacher_plans(cfg: Config, world_size: int) -> list[ModelPlan]:
-    """A plan per colocated teacher, each on its own layout (several: ``teacher NAME``)."""
+    """A plan per colocated teacher, each on its own layout (several: ``teacher NAME``), on the
+    trainer's ranks."""
+    trainer = rank_split(cfg, world_size).trainer_ranks
     return [
-        plan_model(_teacher_label(t), t.model, t.parallel, world_size)
-        for t in colocated_teachers(cfg)
+        plan_model(_teacher_label(t), t.model, t.parallel, trainer) for t in colocated_teachers(cfg)
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSplit:
+    """Which ranks train and which only generate (rollout.disaggregate): the first
+    ``trainer_ranks`` hold the student's and the teachers' layouts, the last ``rollout_ranks``
+    form ``rollout_replicas`` copies of the student at ``rollout_tp``. Colocated: no rollout
+    ranks, every rank does both."""
+
+    world_size: int
+    rollout_ranks: int  # R
+    rollout_tp: int
+    trainer_dp: int  # the student's data-parallel size on the trainer ranks
+
+    @property
+    def trainer_ranks(self) -> int:  # T = world - R
+        return self.world_size - self.rollout_ranks
+
+    @property
+    def rollout_replicas(self) -> int:
+        return self.rollout_ranks // self.rollout_tp
+
+    @property
+    def blocks_per_replica(self) -> int:
+        """Trainer replicas' blocks of rows the busiest rollout replica generates (trainer
+        replica d is served by rollout replica d mod rollout_replicas)."""
+        return -(-self.trainer_dp // self.rollout_replicas) if self.rollout_ranks else 1
+
+
+def _layout_problems(cfg: Config, world: int) -> list[str]:
+    """The student's and the colocated teachers' layouts that do not divide ``world`` ranks."""
+    sections = [("parallel", cfg.parallel)]
+    sections += [(f"{key}.parallel", t.parallel) for key, t in teacher_sections(cfg)]
+    problems = []
+    for name, parallel in sections:
+        try:
+            layout_of(parallel, world)
+        except ConfigError as err:
+            problems.append(f"{name}: {err}")
+    return problems
+
+
+def valid_rollout_ranks(cfg: Config, world_size: int) -> list[int]:
+    """Every R (0 < R < world, a multiple of the rollout TP) whose trainer ranks W - R hold the
+    layouts and split the prompts into whole per-replica shares (``config validate``'s rule)."""
+    tp = cfg.rollout.disaggregate.tensor_parallel
+    out = []
+    for r in range(tp, world_size, tp):
+        if _layout_problems(cfg, world_size - r):
+            continue
+        if cfg.rollout.prompts_per_step % layout_of(cfg.parallel, world_size - r).dp:
+            continue
+        out.append(r)
+    return out
+
+
+def rank_split(cfg: Config, world_size: int) -> RankSplit:
+    """The trainer / rollout split of ``world_size`` ranks; a ConfigError naming the fix when
+    the rollout ranks leave none to train or the layouts do not divide the trainer's ranks.
+
+    (These checks live here, not in checks/rules.py, so that ``plan`` names valid R values.)
+    """
+    d = cfg.rollout.disaggregate
+    if not d.enabled:
+        return RankSplit(world_size, 0, 1, layout_of(cfg.parallel, world_size).dp)
+    if d.ranks >= world_size:
+        raise ConfigError(
+            f"rollout.disaggregate.ranks ({d.ranks}) leaves no rank of the {world_size} to "
+            "train; launch more ranks or give fewer to the rollouts"
+        )
+    if d.tensor_parallel < 1 or d.ranks % d.tensor_parallel:
+        raise ConfigError(
+            f"rollout.disaggregate.tensor_parallel ({d.tensor_parallel}) must divide "
+            f"rollout.disaggregate.ranks ({d.ranks}): each rollout replica is that many ranks"
+        )
+    trainer = world_size - d.ranks
+    problems = _layout_problems(cfg, trainer)
+    if problems:
+        valid = valid_rollout_ranks(cfg, world_size)
+        fix = (
+            f"set rollout.disaggregate.ranks to one of {valid}"
+            if valid
+            else "no R < world_size fits these layouts; change the layouts or the world size"
+        )
+        raise ConfigError(
+            f"the trainer's {trainer} ranks ({world_size} - rollout.disaggregate.ranks "
+            f"{d.ranks}) do not hold the layouts: {'; '.join(problems)}; {fix}"
+        )
+    return RankSplit(world_size, d.ranks, d.tensor_parallel, layout_of(cfg.parallel, trainer).dp)
 
 
 def _teacher_label(t: TeacherConfig) -> str:
@@ -263,6 +358,12 @@ RESERVED_FRACTION = 0.10
 H100_PEAK_FLOPS = PEAK_BF16_FLOPS["H100"]
 H100_HBM_BYTES_PER_S = 3.35e12
 
+# The weight broadcast (rollout.disaggregate) leaves the trainer's rank 0 through one NIC: a
+# 200 Gb/s HDR InfiniBand adapter, one per GPU on a DGX H100-class node (NDR 400 Gb/s doubles
+# it), is 25 GB/s. NCCL pipelines a broadcast, so the time is bytes / bandwidth whatever the
+# number of receivers. Within one node NVLink is ~10x faster: pass --interconnect-gbps.
+IB_HDR_BYTES_PER_S = 25e9
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -272,6 +373,7 @@ class Hardware:
     peak_flops: float = H100_PEAK_FLOPS
     mfu: float = 0.35
     hbm_bytes_per_s: float = H100_HBM_BYTES_PER_S
+    interconnect_bytes_per_s: float = IB_HDR_BYTES_PER_S  # the trainer -> rollout broadcast
 
     @property
     def usable_bytes(self) -> float:
@@ -432,26 +534,45 @@ def kv_cache_bytes(model: ModelConfig, tp: int, layers: int, rows: int, position
     return rows * positions * per_token * BYTES[model.params_dtype]
 
 
+def builtin_rollout_bytes(
+    cfg: Config, tp: int, pp: int, rows: int, seq: int, *, sequence_parallel: bool
+) -> tuple[float, float]:
+    """The built-in engine's bytes on one rank of a replica at ``tp`` x ``pp`` generating
+    ``rows`` rows: its static KV cache (every row at the full length) and one layer of the
+    prompts' prefill."""
+    model = cfg.model
+    kv = kv_cache_bytes(model, tp, model.num_layers // pp, rows, seq)
+    prefill = (
+        activation_bytes_per_token(model, tp, sequence_parallel=sequence_parallel, seq_len=seq)
+        * rows
+        * cfg.rollout.max_prompt_length
+    )
+    return kv, prefill
+
+
+def vllm_share_bytes(cfg: Config, hw: Hardware) -> float:
+    """The GPU memory a vLLM engine takes while awake (its weights, activations and KV cache)."""
+    return cfg.rollout.gpu_memory_utilization * hw.gpu_memory_gib * GIB
+
+
 def _rollout_bytes(cfg: Config, layout: ParallelLayout, hw: Hardware, seq: int) -> float:
     """Rollout-phase bytes: vLLM's share while awake, or the built-in engine's static KV cache
     (every row of this DP rank at the full length) plus one layer of the prompts' prefill."""
     if cfg.rollout.engine == "vllm":
-        return cfg.rollout.gpu_memory_utilization * hw.gpu_memory_gib * GIB
-    model = cfg.model
+        return vllm_share_bytes(cfg, hw)
     rows = cfg.rollout.rollout_batch_size // layout.dp
-    kv = kv_cache_bytes(model, layout.tp, model.num_layers // layout.pp, rows, seq)
-    prefill = (
-        activation_bytes_per_token(
-            model, layout.tp, sequence_parallel=cfg.parallel.sequence_parallel, seq_len=seq
-        )
-        * rows
-        * cfg.rollout.max_prompt_length
+    kv, prefill = builtin_rollout_bytes(
+        cfg, layout.tp, layout.pp, rows, seq, sequence_parallel=cfg.parallel.sequence_parallel
     )
     return kv + prefill
 
 
 def estimate_memory(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> list[RankMemory]:
-    """Per-rank memory of every (student stage, teacher stage) pair that some rank holds."""
+    """Per-rank memory of every (student stage, teacher stage) pair that some trainer rank
+    holds. With rollout ranks apart (rollout.disaggregate) the layouts cover the first
+    world - R ranks and these generate nothing (plan_disaggregated.py has the rollout ranks)."""
+    split = rank_split(cfg, world_size)
+    world_size = split.trainer_ranks
     s_layout = layout_of(cfg.parallel, world_size)
     teachers = colocated_teachers(cfg)  # a served teacher takes nothing here
     t_layouts = [layout_of(t.parallel, world_size) for t in teachers]
@@ -464,7 +585,7 @@ def estimate_memory(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> 
             for r in range(world_size)
         }
     )
-    rollout = _rollout_bytes(cfg, s_layout, hw, seq)
+    rollout = 0.0 if split.rollout_ranks else _rollout_bytes(cfg, s_layout, hw, seq)
     out = []
     for stage, t_stages in pairs:
         student = _student_memory(cfg, s_layout, stage, seq)
@@ -519,12 +640,29 @@ class StepTime:
         return self.rollout_s + self.scoring_s + self.training_s
 
 
-def estimate_step_time(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> StepTime:
-    """Step time from model FLOPs (logging/throughput.py) at ``hw.mfu`` of ``hw.peak_flops``.
+def generation_time(
+    cfg: Config, rows: int, tp: int, ranks: int, hw: Hardware
+) -> tuple[float, float]:
+    """One model replica of ``ranks`` GPUs at ``tp`` generating ``rows`` rows: the FLOP time
+    (2N per token of prompt and response at the MFU) and the decode floor (each of the
+    max_response decode steps reads the weights and the KV cache, half full on average, split
+    over the TP ranks; pipeline stages run one after another per token)."""
+    model, seq = cfg.model, sequence_length(cfg)
+    flops_s = model_flops_per_token(model, seq, training=False) * rows * seq
+    flops_s /= ranks * hw.peak_flops * hw.mfu
+    mean_positions = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length / 2
+    kv = kv_cache_bytes(model, 1, model.num_layers, rows, mean_positions)
+    weights = total_params(model) * BYTES[model.params_dtype]
+    per_decode_step = (weights + kv) / tp / hw.hbm_bytes_per_s
+    return flops_s, cfg.rollout.max_response_length * per_decode_step
 
-    Generation is also bounded below by memory bandwidth: each of the max_response decode steps
-    of a model replica reads its weights and its KV cache (half full on average), split over
-    its TP ranks (pipeline stages run one after another per token).
+
+def estimate_step_time(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> StepTime:
+    """Step time with every one of ``world_size`` ranks generating, scoring and training in
+    turn (colocated; rollout.disaggregate is not read here), from model FLOPs
+    (logging/throughput.py) at ``hw.mfu`` of ``hw.peak_flops``.
+
+    Generation is also bounded below by memory bandwidth (:func:`generation_time`).
     """
     seq = sequence_length(cfg)
     tokens = cfg.rollout.rollout_batch_size * seq
@@ -540,14 +678,11 @@ def estimate_step_time(cfg: Config, world_size: int, hw: Hardware = Hardware()) 
     rate = world_size * hw.peak_flops * hw.mfu  # FLOP/s of the whole job
     layout = layout_of(cfg.parallel, world_size)
     rows = cfg.rollout.rollout_batch_size // layout.dp
-    mean_positions = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length / 2
-    kv = kv_cache_bytes(student, 1, student.num_layers, rows, mean_positions)
-    weights = total_params(student) * BYTES[student.params_dtype]
-    per_decode_step = (weights + kv) / layout.tp / hw.hbm_bytes_per_s
+    _, decode_floor = generation_time(cfg, rows, layout.tp, layout.tp, hw)
     return StepTime(
         tokens=tokens,
         generation_flops_s=forward * tokens / rate,
-        decode_floor_s=cfg.rollout.max_response_length * per_decode_step,
+        decode_floor_s=decode_floor,
         scoring_s=scoring * tokens / rate,
         training_s=training * tokens / rate,
     )

@@ -65,6 +65,7 @@ from megatron_gndpo.rollout.filters import (
 )
 from megatron_gndpo.rollout.metrics import rollout_metrics
 from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
+from megatron_gndpo.rollout.remote import RemoteRollouts, load_inflight, save_inflight
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
@@ -110,6 +111,11 @@ class Trainer:
         self._routing: RoutingPass | None = None  # the step's old-log-prob pass (MoE)
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
         self.run_id = ""
+        # rollout.disaggregate: the rollout ranks sample, batches ahead with staleness > 0
+        self.remote: RemoteRollouts | None = None
+        self._asked: dict[int, tuple[str, list[int]]] = {}  # batch -> its prompts (remote)
+        if cfg.rollout.disaggregate.enabled:
+            self.remote = RemoteRollouts(cfg, self.c.student, self.c.student_groups)
         if self.c.skipped_prompts:
             total = self.c.skipped_prompts + len(self.c.prompts)
             self._warn(
@@ -118,24 +124,48 @@ class Trainer:
                 "out (logged as prompts/skipped_too_long); raise rollout.max_prompt_length to "
                 "train on them"
             )
-        self._resume()
+        inflight = self._resume()
         self._describe_checkpoints()
-        self._sync_engine()  # an external engine starts without the student's weights
+        if self.remote is not None:  # the rollout ranks start without the student's weights
+            self._start_pipeline(inflight)
+        else:
+            self._sync_engine()  # so does an external engine
 
     # ----------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         """One rollout batch: sample, reward and filter, score, estimate advantages, update,
-        sync, checkpoint."""
+        sync; then evaluate (every ``trainer.eval_interval`` steps), log the step's row and
+        checkpoint (every ``checkpoint.save_interval``).
+
+        The row is written before the checkpoint: a job killed between the two resumes from the
+        checkpoint before, whose resume drops the row and trains the step again, so no
+        checkpointed step is ever missing from metrics.jsonl. ``time/checkpoint`` is therefore
+        the save that followed the previous step.
+        """
+        metrics = self._train_step()
+        interval = self.cfg.trainer.eval_interval
+        if interval and self.c.eval_prompts and self.step_count % interval == 0:
+            metrics |= self.evaluate()
+        self.c.logger.log(self.step_count, metrics)
+        with self.c.timer.time("checkpoint"):  # popped with the next step's stages
+            self._maybe_save()
+        return metrics
+
+    def _train_step(self) -> dict[str, float]:
         c, timer = self.c, self.c.timer
         started = time.perf_counter()
         with timer.time("rollout"):
-            prompts = self._next_prompts()
-            sampled = self._sample(prompts)
+            if self.remote is not None:  # sampled on the rollout ranks (maybe ahead)
+                prompts, sampled, metrics = self._take(self.step_count + 1)
+            else:
+                prompts, metrics = self._next_prompts(), {}
+                sampled = self._sample(prompts)
             if hasattr(c.generator, "sleep"):
                 c.generator.sleep()  # give the GPU memory to scoring and training
         with timer.time("rewards"):  # a verifiable reward needs no teacher: it can filter rows
             rewards = self._rewards(sampled, prompts)
-            rollout, kept, metrics = self._filter(sampled, rewards)  # dropped rows: stubs
+            rollout, kept, filtered = self._filter(sampled, rewards)  # dropped rows: stubs
+            metrics |= filtered
         student, self._routing = None, None  # this step's, once the student scores it
         if metrics.get("filter/tokens_kept", math.inf) < MIN_STEP_TOKENS:  # global: all skip
             metrics |= {"skipped": 1.0, "skipped/filtered_all": 1.0}  # and nothing is scored
@@ -158,8 +188,6 @@ class Trainer:
         with timer.time("weight_sync"):
             metrics |= self._sync_engine()
         self.step_count += 1
-        with timer.time("checkpoint"):
-            self._maybe_save()
         metrics |= self._rollout_metrics(sampled, student, rewards, kept)
         metrics |= self._routing_metrics()
         metrics |= timer.pop()
@@ -188,10 +216,6 @@ class Trainer:
         while self.step_count < self.cfg.trainer.steps:
             metrics = self.step()
             bar.update(1)
-            interval = self.cfg.trainer.eval_interval
-            if interval and self.c.eval_prompts and self.step_count % interval == 0:
-                metrics |= self.evaluate()
-            self.c.logger.log(self.step_count, metrics)
             history.append(metrics)
             if stop.agreed():
                 self._say(f"stop requested: saving at step {self.step_count} and exiting")
@@ -201,21 +225,78 @@ class Trainer:
         interval = self.cfg.checkpoint.save_interval
         if not (interval and self.step_count % interval == 0):  # not saved by the last step
             self._save()
+        if self.remote is not None:
+            self.remote.stop()  # the rollout ranks end their loop
         self.c.logger.close()
         return history
 
     # ----------------------------------------------------------------------------------------
     def _next_prompts(self) -> list[Any]:
-        outliers = self.c.outlier_sampler
-        if outliers is not None and is_outlier_step(self.cfg.rollout, self.step_count + 1):
-            return [self.c.outlier_prompts[i] for i in outliers.next_step()]  # data.outlier_train
-        return [self.c.prompts[i] for i in self.c.sampler.next_step()]
+        return self._resolve(self._draw(self.step_count + 1))
 
-    def _seeds(self, prompts: list[Any]) -> list[int]:
+    def _draw(self, batch: int) -> tuple[str, list[int]]:
+        """This replica's prompts of ``batch`` (1-based: the step that trains on it), as the
+        prompt set they come from and their indices (what a checkpoint stores)."""
+        outliers = self.c.outlier_sampler
+        if outliers is not None and is_outlier_step(self.cfg.rollout, batch):
+            return "outlier", outliers.next_step()  # data.outlier_train
+        return "train", self.c.sampler.next_step()
+
+    def _resolve(self, drawn: tuple[str, list[int]]) -> list[Any]:
+        source, indices = drawn
+        prompts = self.c.outlier_prompts if source == "outlier" else self.c.prompts
+        return [prompts[i] for i in indices]
+
+    def _seeds(self, prompts: list[Any], batch: int | None = None) -> list[int]:
         # One seed per prompt from (seed, step, position in the global step batch): the samples
         # do not depend on the data-parallel size or on which rank draws them.
+        step = self.step_count if batch is None else batch - 1
         first = self.c.student_groups.coords["dp"] * len(prompts)
-        return seeding.prompt_seeds(self.cfg.trainer.seed, self.step_count, first, len(prompts))
+        return seeding.prompt_seeds(self.cfg.trainer.seed, step, first, len(prompts))
+
+    # -- rollout ranks apart (rollout.disaggregate) ----------------------------------------------
+    def _start_pipeline(self, inflight: dict[int, Any]) -> None:
+        """Publish the weights the run starts from and ask for the first batches: those up to
+        ``staleness`` steps ahead, except the ones a resumed checkpoint brought along."""
+        remote = self._remote()
+        remote.publish(self.step_count)
+        if inflight:
+            remote.restore({b: result for b, (result, _) in inflight.items()})
+            self._asked |= {b: drawn for b, (_, drawn) in inflight.items()}
+        last = min(self.step_count + 1 + self.cfg.rollout.disaggregate.staleness,
+                   self.cfg.trainer.steps)  # fmt: skip
+        for batch in range(self.step_count + 1, last + 1):
+            if batch not in self._asked:
+                self._ask(batch)
+
+    def _remote(self) -> RemoteRollouts:
+        assert self.remote is not None
+        return self.remote
+
+    def _ask(self, batch: int) -> None:
+        """Draw ``batch``'s prompts now and ask the rollout ranks for their samples."""
+        drawn = self._draw(batch)
+        prompts = self._resolve(drawn)
+        self._asked[batch] = drawn
+        temperature = temperature_at(self.cfg.rollout, batch)
+        params = dataclasses.replace(self.params, temperature=temperature)
+        ids = [list(p.ids) for p in prompts]
+        self._remote().request(batch, ids, self._seeds(prompts, batch), params)
+
+    def _take(self, batch: int) -> tuple[list[Any], Rollout, dict[str, float]]:
+        """``batch``'s prompts, its rollout from the rollout ranks and the pipeline's metrics."""
+        result, metrics = self._remote().take(batch)
+        return self._resolve(self._asked.pop(batch)), result.rollout, metrics
+
+    def _advance(self, version: int) -> dict[str, float]:
+        """After step ``version``: its weights to the rollout ranks and the next batch asked
+        for (sampled with them), while there are steps left to use them."""
+        batch = version + 1 + self.cfg.rollout.disaggregate.staleness
+        if batch > self.cfg.trainer.steps:
+            return {}
+        metrics = self._remote().publish(version)
+        self._ask(batch)
+        return metrics
 
     def _generate(
         self, prompts: list[Any], ids: list[list[int]], params: SamplingParams, seeds: list[int]
@@ -251,6 +332,8 @@ class Trainer:
     def _sync_engine(self) -> dict[str, float]:
         """Push the student's weights into an external engine (vLLM); nothing for the built-in
         generator, which samples from the trained weights themselves."""
+        if self.remote is not None:  # the rollout ranks: the weights of the step now ending
+            return self._advance(self.step_count + 1)
         engine = self.c.generator
         if not hasattr(engine, "load_weights"):
             return {}
@@ -542,10 +625,23 @@ class Trainer:
             self._save()
 
     def _save(self) -> None:
+        extra, files = run_state(self._run_state()), None  # files: the in-flight batches
+        if self.remote is not None:  # the batches sampled ahead go into the checkpoint
+            remote = self.remote
+            batches = remote.drain()
+            extra["inflight"] = {
+                "batches": batches, "replicas": self.c.student_groups.layout.dp,
+                "staleness": self.cfg.rollout.disaggregate.staleness,
+            }  # fmt: skip
+            asked = {b: self._asked[b] for b in batches}
+
+            def files(directory: Path) -> None:
+                save_inflight(directory, remote, asked)
+
         save_checkpoint(
             self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
-            extra=run_state(self._run_state()), keep_last=self.cfg.checkpoint.keep_last,
-            run_id=self.run_id, model_config=self.cfg.model, tokenizer=self.cfg.data.tokenizer,
+            extra=extra, keep_last=self.cfg.checkpoint.keep_last, run_id=self.run_id,
+            model_config=self.cfg.model, tokenizer=self.cfg.data.tokenizer, extra_files=files,
         )  # fmt: skip
 
     def _say(self, message: str) -> None:
@@ -558,10 +654,11 @@ class Trainer:
         if dist.get_rank() == 0:
             describe_checkpoints(self.c.save_dir, self.cfg.model, self.cfg.model.vision)
 
-    def _resume(self) -> None:
+    def _resume(self) -> dict[int, Any]:
         """Continue from the newest intact checkpoint of the plan (checkpoint.load, or the save
         directory's latest), or start at step 0; then move aside what the run will not continue
-        (see checkpoint/resume.py)."""
+        (see checkpoint/resume.py). Returns the batches the checkpoint's run had sampled ahead
+        (rollout.disaggregate), by batch: (result, drawn prompts); empty when none."""
         verify = self.cfg.checkpoint.verify
         resumed = resume_from(
             self._start,
@@ -577,9 +674,26 @@ class Trainer:
             moved = set_aside(self._start, resumed, metrics)
             if moved is not None:
                 self._warn(f"moved what this run does not continue into {moved}; nothing deleted")
-        if resumed.directory is not None:
-            self._say(f"resumed from {resumed.directory} at step {self.step_count}")
-            self.c.logger.truncate_after(self.step_count)
+        if resumed.directory is None:
+            return {}
+        self._say(f"resumed from {resumed.directory} at step {self.step_count}")
+        self.c.logger.truncate_after(self.step_count)
+        return self._inflight_of(resumed.directory, resumed.meta["extra"].get("inflight"))
+
+    def _inflight_of(self, directory: Path, saved: dict[str, Any] | None) -> dict[int, Any]:
+        """The batches a resumed checkpoint sampled ahead, when this run can take them."""
+        if not saved or not saved["batches"]:
+            return {}
+        d, layout = self.cfg.rollout.disaggregate, self.c.student_groups.layout
+        if d.enabled and (saved["replicas"], saved["staleness"]) == (layout.dp, d.staleness):
+            return load_inflight(Path(directory), self.c.student_groups.coords["dp"])
+        self._warn(
+            f"{directory} holds {len(saved['batches'])} batch(es) sampled ahead by rollout ranks "
+            f"({saved['replicas']} data-parallel replica(s), staleness {saved['staleness']}); "
+            "this run is laid out otherwise and does not train on them: their prompts are "
+            "skipped, and the run continues, though not exactly as the saved one would have"
+        )
+        return {}
 
     def _warn(self, message: str) -> None:
         if dist.get_rank() == 0:

@@ -34,6 +34,7 @@ def _child(
     args: Sequence[Any],
     results: Any,
     timeout_s: float,
+    rollout_ranks: int = 0,
 ) -> None:
     os.environ.update(
         {
@@ -51,7 +52,8 @@ def _child(
         torch.set_num_threads(_CHILD_THREADS)
         from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
 
-        init_distributed(backend="gloo", timeout_s=timeout_s)
+        # rollout ranks apart (rollout.disaggregate): each role its own world
+        init_distributed(backend="gloo", timeout_s=timeout_s, rollout_ranks=rollout_ranks)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -73,21 +75,28 @@ def run_distributed(
     args: Sequence[Any] = (),
     *,
     timeout_s: float = 180.0,
+    rollout_ranks: int = 0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return values by rank.
 
-    A launch that fails only because its rendezvous port was taken meanwhile is retried once.
+    ``rollout_ranks`` > 0 starts the last ones as rollout ranks in a world of their own
+    (``rollout.disaggregate``; ``rank`` is still the job's). A launch that fails only because
+    its rendezvous port was taken meanwhile is retried once.
     """
     try:
-        return _launch(fn, world_size, args, timeout_s)
+        return _launch(fn, world_size, args, timeout_s, rollout_ranks)
     except RuntimeError as err:
         if not any(marker in str(err) for marker in _PORT_TAKEN):
             raise
-        return _launch(fn, world_size, args, timeout_s)
+        return _launch(fn, world_size, args, timeout_s, rollout_ranks)
 
 
 def _launch(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout_s: float
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    timeout_s: float,
+    rollout_ranks: int,
 ) -> list[Any]:
     from megatron_gndpo.parallel.distributed import free_port
 
@@ -97,7 +106,7 @@ def _launch(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, tuple(args), results, timeout_s),
+            args=(fn, rank, world_size, port, tuple(args), results, timeout_s, rollout_ranks),
             # not daemonic: megatron's checkpoint writer starts a Manager process of its own
             daemon=False,
         )

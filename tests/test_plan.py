@@ -19,7 +19,9 @@ import pytest
 from megatron_gndpo.checks import validate
 from megatron_gndpo.cli import main
 from megatron_gndpo.config import Config, ModelConfig, ParallelConfig, load_config
+from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.logging.throughput import model_flops_per_token
+from megatron_gndpo.parallel.groups import ParallelLayout
 from megatron_gndpo.plan import (
     GIB,
     LOGPROB_CHUNK_TOKENS,
@@ -31,9 +33,18 @@ from megatron_gndpo.plan import (
     layer_params,
     plan,
     plan_model,
+    rank_split,
     sequence_length,
     stage_params,
     total_params,
+    valid_rollout_ranks,
+)
+from megatron_gndpo.plan_disaggregated import (
+    best_rollout_ranks,
+    estimate_disaggregated_step_time,
+    estimate_rollout_memory,
+    format_rollout_memory,
+    with_rollout_ranks,
 )
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
@@ -394,3 +405,183 @@ def test_recipe_comments_match_the_planner(name: str, world: int) -> None:
     step = STEP_LINE.search(text)
     assert step, f"{name}: no step time in the header comment"
     assert float(step[1]) == pytest.approx(estimate_step_time(cfg, world).total_s, rel=0.02)
+
+
+# --- rollout.disaggregate: rollout ranks apart -------------------------------------------------
+# qwen3-8b_from_32b: student TP=4, teacher TP=4 x PP=2 (8 ranks a replica), 32 prompts x 16.
+
+
+def disaggregated(world_ranks: int, tp: int, staleness: int = 0) -> Config:
+    cfg = example("qwen3-8b_from_32b.yaml")
+    d = dataclasses.replace(
+        cfg.rollout.disaggregate, ranks=world_ranks, tensor_parallel=tp, staleness=staleness
+    )
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, disaggregate=d))
+
+
+@pytest.mark.parametrize(
+    ("world", "ranks", "tp", "trainer", "replicas", "trainer_dp", "blocks"),
+    [
+        (64, 32, 4, 32, 8, 8, 1),  # one trainer replica per rollout replica
+        (32, 16, 2, 16, 8, 4, 1),  # more rollout replicas than trainer replicas: 4 idle
+        (64, 8, 4, 56, 2, 14, 7),  # 14 trainer replicas on 2 rollout replicas: ceil(14/2)
+        (64, 0, 1, 64, 0, 16, 1),  # colocated
+    ],
+)
+def test_rank_split(
+    world: int, ranks: int, tp: int, trainer: int, replicas: int, trainer_dp: int, blocks: int
+) -> None:
+    cfg = disaggregated(ranks, tp)
+    split = rank_split(cfg, world)
+    assert (split.trainer_ranks, split.rollout_ranks) == (trainer, ranks)
+    assert (split.rollout_replicas, split.trainer_dp) == (replicas, trainer_dp)
+    assert split.blocks_per_replica == blocks
+    student, teacher = plan(cfg, world)
+    assert teacher is not None
+    assert student.layout.world_size == teacher.layout.world_size == trainer
+
+
+def test_rank_split_errors_name_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"ranks \(64\) leaves no rank of the 64 to train"):
+        rank_split(disaggregated(64, 4), 64)
+    with pytest.raises(ConfigError, match=r"tensor_parallel \(4\) must divide .*ranks \(6\)"):
+        rank_split(disaggregated(6, 4), 64)
+    # 64 - 4 = 60 trainer ranks: the teacher's TP=4 x PP=2 does not divide them
+    with pytest.raises(ConfigError) as err:
+        estimate_memory(disaggregated(4, 4), 64)
+    assert "the trainer's 60 ranks (64 - rollout.disaggregate.ranks 4)" in str(err.value)
+    assert "teacher.parallel:" in str(err.value)
+    assert "set rollout.disaggregate.ranks to one of [32, 48, 56]" in str(err.value)
+
+
+def test_valid_rollout_ranks_keep_layouts_and_prompts_whole() -> None:
+    # R a multiple of 4; T = 64 - R a multiple of 8 (teacher); 32 prompts split over T / 4
+    assert valid_rollout_ranks(disaggregated(32, 4), 64) == [32, 48, 56]
+    # rollout TP=8: the same, 8 | R
+    assert valid_rollout_ranks(disaggregated(32, 8), 64) == [32, 48, 56]
+
+
+def test_disaggregated_memory_rows() -> None:
+    cfg = disaggregated(32, 4)
+    model, seq = cfg.model, sequence_length(cfg)
+    assert seq == 2048 + 16384
+    mem = estimate_rollout_memory(cfg, 64)
+    assert mem is not None
+    assert mem.rows == 512 // 8  # one trainer replica's block (DP=8 on 32 trainer ranks)
+    shard = stage_params(model, ParallelLayout(world_size=4, tp=4), 0)
+    assert mem.weights == shard * 2
+    assert mem.kv_cache == 64 * seq * 36 * 2 * (8 // 4) * 128 * 2
+    per_token = activation_bytes_per_token(model, 4, sequence_parallel=False, seq_len=seq)
+    assert mem.prefill == per_token * 64 * 2048
+    assert mem.staging == total_params(model) * 2  # the whole student in bf16
+    assert mem.peak == mem.weights + mem.kv_cache + mem.prefill + mem.staging
+    assert mem.peak / GIB == pytest.approx(66.8, abs=0.05)
+    # the trainer ranks: the colocated estimate on 32 ranks, without a rollout phase
+    trainer = estimate_memory(cfg, 64)
+    colocated_32 = estimate_memory(example("qwen3-8b_from_32b.yaml"), 32)
+    for got, want in zip(trainer, colocated_32, strict=True):
+        assert got.rollout == 0.0
+        assert dataclasses.replace(got, rollout=want.rollout) == want
+    assert estimate_rollout_memory(disaggregated(0, 1), 64) is None
+
+
+def test_disaggregated_memory_with_vllm_rollout_ranks() -> None:
+    """rollout.engine=vllm on the rollout ranks: vLLM's share of the GPU holds the shard and
+    the KV cache, and the weights arrive a bucket at a time (no whole-student staging)."""
+    from megatron_gndpo.weight_sync import DEFAULT_BUCKET_BYTES
+
+    base = disaggregated(32, 4)
+    cfg = dataclasses.replace(
+        base, rollout=dataclasses.replace(base.rollout, engine="vllm", gpu_memory_utilization=0.5)
+    )
+    hw = Hardware(gpu_memory_gib=80.0)
+    mem = estimate_rollout_memory(cfg, 64, hw)
+    builtin = estimate_rollout_memory(base, 64, hw)
+    assert mem is not None and builtin is not None and mem.engine == "vllm"
+    assert mem.weights == builtin.weights and mem.prefill == 0.0
+    assert mem.weights + mem.kv_cache == 0.5 * 80 * GIB
+    assert mem.staging == DEFAULT_BUCKET_BYTES < builtin.staging
+    text = format_rollout_memory(cfg, 64, hw)
+    assert "vLLM; GiB per rank" in text and "a bucket at a time" in text
+    assert "WARNING" not in text
+    # a share smaller than the shard, and a share above the usable memory: each says its fix
+    tiny = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.01)
+    )
+    assert "raise rollout.gpu_memory_utilization" in format_rollout_memory(tiny, 64, hw)
+    full = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.99)
+    )
+    assert "lower rollout.gpu_memory_utilization" in format_rollout_memory(full, 64, hw)
+
+
+def test_disaggregated_step_formulas() -> None:
+    hw = Hardware()
+    sync = estimate_disaggregated_step_time(disaggregated(32, 4, staleness=0), 64, hw)
+    off = estimate_disaggregated_step_time(disaggregated(32, 4, staleness=1), 64, hw)
+    assert sync is not None and off is not None
+    cfg = example("qwen3-8b_from_32b.yaml")
+    model, seq = cfg.model, sequence_length(cfg)
+    weights = total_params(model) * 2
+    # the busiest rollout replica: 64 rows at TP=4 on its 4 GPUs
+    fwd = model_flops_per_token(model, seq, training=False)
+    assert sync.generation_flops_s == pytest.approx(fwd * 64 * seq / (4 * hw.peak_flops * hw.mfu))
+    kv_mean = 64 * (2048 + 16384 / 2) * 36 * 2 * 8 * 128 * 2  # all KV heads, half-full cache
+    assert sync.decode_floor_s == pytest.approx(16384 * (weights + kv_mean) / 4 / 3.35e12)
+    assert sync.rollout_s == sync.decode_floor_s  # decode is memory-bound
+    on_32 = estimate_step_time(cfg, 32, hw)  # scoring and training on the 32 trainer ranks
+    assert sync.trainer_s == pytest.approx(on_32.scoring_s + on_32.training_s)
+    assert sync.broadcast_s == pytest.approx(weights / 25e9)
+    # staleness 0: the sides take turns; 1: they overlap
+    assert sync.total_s == pytest.approx(sync.rollout_s + sync.broadcast_s + sync.trainer_s)
+    assert off.total_s == pytest.approx(max(off.rollout_s, off.trainer_s + off.broadcast_s))
+    assert (round(sync.total_s, 1), round(off.total_s, 1)) == (279.9, 141.7)
+    assert estimate_step_time(cfg, 64, hw).total_s == pytest.approx(149.6, abs=0.05)
+    assert estimate_disaggregated_step_time(disaggregated(0, 1), 64, hw) is None
+
+
+def test_best_rollout_ranks() -> None:
+    hw = Hardware()
+    cfg = disaggregated(48, 4, staleness=1)
+    steps = {
+        r: estimate_disaggregated_step_time(with_rollout_ranks(cfg, r), 64, hw)
+        for r in (32, 48, 56)
+    }
+    totals = {r: st.total_s for r, st in steps.items() if st is not None}
+    assert min(totals, key=totals.__getitem__) == 32
+    best = best_rollout_ranks(cfg, 64, hw)
+    assert best is not None and best.split.rollout_ranks == 32
+    assert best.total_s == totals[32]
+    # on a 2 TB GPU every R fits: still 32 (the trainer side dominates at R = 48 and 56)
+    best_big = best_rollout_ranks(cfg, 64, Hardware(gpu_memory_gib=2048))
+    assert best_big is not None and best_big.split.rollout_ranks == 32
+
+
+def test_plan_command_prints_the_disaggregated_step(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "-c", str(EXAMPLES_DIR / "qwen3-8b_from_32b.yaml"), "-n", "64"]
+    argv += ["rollout.disaggregate.ranks=32", "rollout.disaggregate.tensor_parallel=4"]
+    assert main([*argv, "rollout.disaggregate.staleness=1"]) == 0
+    out = capsys.readouterr().out
+    assert "ranks 0-31 train (the layouts below cover them), ranks 32-63 only generate" in out
+    assert "student: TP=4 PP=1 CP=1 DP=8 (world 32)" in out
+    assert "rollout ranks 32-63: 8 replica(s) of TP=4" in out
+    assert "step         141.7 s  = max(rollout, scoring + training + broadcast)" in out
+    assert "colocated on all 64 ranks: 149.6 s per step; colocated / disaggregated = 1.06" in out
+    assert "verdict: disaggregated 1-step-off is 1.06x faster than colocated; R = 32 is" in out
+    # R = 48, synchronous: 128 rows per rollout replica do not fit, and the sides take turns
+    assert main([*argv[:-2], "rollout.disaggregate.ranks=48", argv[-1]]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: rollout ranks need 114.4 GiB" in out
+    assert (
+        "verdict: disaggregated synchronous is 3.60x slower than colocated: with staleness 0 the "
+        "two sides take turns, each idle while the other works; "
+        "rollout.disaggregate.staleness=1 would overlap them (282.8 s per step); "
+        "try rollout.disaggregate.ranks=32 (279.9 s per step: rollout 138.2 s, trainer 141.7 s "
+        "with the broadcast)"
+    ) in out
+
+
+def test_plan_command_reports_a_bad_split(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "-c", str(EXAMPLES_DIR / "qwen3-8b_from_32b.yaml"), "-n", "64"]
+    assert main([*argv, "rollout.disaggregate.ranks=64"]) == 2
+    assert "rollout.disaggregate.ranks (64) leaves no rank of the 64" in capsys.readouterr().err

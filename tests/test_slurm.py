@@ -41,7 +41,8 @@ SLURM_CONF = CI_DIR / "slurm.conf"
 # The uninterrupted run, long enough that a time-limit warning (sent by slurmctld's checks every
 # 30 s) arrives while it trains; the other runs are shorter prefixes of it.
 REFERENCE_STEPS = 200
-SHORT_STEPS = 12
+SHORT_STEPS = 48  # an interrupted run: the tiny job trains about 5 steps a second, and the
+# interruption lands a second or two after step 6 is logged: well before the end
 SAVE_INTERVAL = 4
 JOB_TIMEOUT_S = 300  # the longest any one job may take here (2 loaded cores) before a test fails
 
@@ -170,6 +171,7 @@ def _sbatch(
     steps: int,
     save_interval: int = SAVE_INTERVAL,
     overrides: tuple[str, ...] = (),
+    ranks: int = 2,
     jobs: list[Job] | None = None,
 ) -> Job:
     """``sbatch scripts/slurm/gndpo.sbatch`` for the tiny config on this CPU node; the job is
@@ -177,7 +179,7 @@ def _sbatch(
     run_dir.mkdir(parents=True, exist_ok=True)
     job_env = _slurm_env() | {
         "IMAGE": "none",  # no pyxis/enroot here: the job runs on the host
-        "GPUS_PER_NODE": "2",  # two gloo ranks
+        "GPUS_PER_NODE": str(ranks),  # gloo ranks (two unless a test asks for more)
         "CONFIG": str(CONFIG),
         "RUN_DIR": str(run_dir),
         "OMP_NUM_THREADS": "1",
@@ -388,26 +390,33 @@ def _worker_pid(job_id: int, rank: int) -> int | None:
     return None
 
 
+def _kill_rank_past_a_checkpoint(job: Job, rank: int) -> None:
+    """Once ``job`` has logged steps past its first checkpoint, kill -9 the process of global
+    ``rank``: the job must fail within a minute, its output naming the rank and saying to
+    resubmit (no rank waits forever for the dead one)."""
+    job.wait(
+        lambda: job.steps_logged() >= SAVE_INTERVAL + 2, "steps past a checkpoint", JOB_TIMEOUT_S
+    )
+    pid = _worker_pid(job.id, rank=rank)
+    assert pid is not None, f"rank {rank}'s process was not found\n" + job.describe()
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    final = job.wait_ended(timeout=90)
+    ended_s = time.monotonic() - killed
+    assert final["JobState"] == "FAILED", job.describe()
+    assert ended_s < 60, f"the job took {ended_s:.0f} s to end after the kill"
+    assert job.steps_logged() < SHORT_STEPS, "the kill came after the last step\n" + job.describe()
+    out = job.output()
+    assert "training failed" in out and f"rank {rank}" in out and "resubmit" in out, out
+
+
 def test_killed_rank_ends_job_and_next_submission_resumes(
     reference: Reference, submit: Callable[..., Job], tmp_path: Path
 ) -> None:
     """kill -9 of one trainer process: the job fails within a bounded time with a message that
     says what happened and what to do; the same submission again resumes and finishes."""
     run_dir = tmp_path / "run"
-    job = submit(run_dir, "--time=10", steps=SHORT_STEPS)
-    job.wait(
-        lambda: job.steps_logged() >= SAVE_INTERVAL + 2, "steps past a checkpoint", JOB_TIMEOUT_S
-    )
-    pid = _worker_pid(job.id, rank=1)
-    assert pid is not None, "rank 1's process was not found\n" + job.describe()
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    final = job.wait_ended(timeout=90)  # no rank waits forever for the dead one
-    ended_s = time.monotonic() - killed
-    assert final["JobState"] == "FAILED", job.describe()
-    assert ended_s < 60, f"the job took {ended_s:.0f} s to end after the kill"
-    out = job.output()
-    assert "training failed" in out and "rank 1" in out and "resubmit" in out, out
+    _kill_rank_past_a_checkpoint(submit(run_dir, "--time=10", steps=SHORT_STEPS), rank=1)
 
     again = submit(run_dir, "--time=10", steps=SHORT_STEPS)
     final = again.wait_ended()
@@ -415,6 +424,37 @@ def test_killed_rank_ends_job_and_next_submission_resumes(
     resumed = _resumed_at(again.node_log(0))
     assert resumed is not None and resumed >= SAVE_INTERVAL, again.describe()
     _assert_same_training(run_dir, reference.rows, SHORT_STEPS)
+
+
+# rollout.disaggregate on the cluster: 2 trainer ranks and 1 rollout rank, one step off.
+DISAGGREGATED = ("rollout.disaggregate.ranks=1", "rollout.disaggregate.staleness=1")
+
+
+def test_disaggregated_job_killed_rollout_rank_resumes_with_batches_in_flight(
+    submit: Callable[..., Job], tmp_path: Path
+) -> None:
+    """Rollout ranks apart (three processes: two trainer ranks, one rollout rank, one step off)
+    under sbatch -> srun -> torchrun: kill -9 of the rollout rank ends the job in bounded time
+    with the batch script's message; the same submission again resumes from the checkpoint with
+    its batch sampled ahead, and trains to the end one step off. (That such a resume equals the
+    uninterrupted run exactly is tests/test_disaggregated.py's; this is the real launcher's.)"""
+    run_dir = tmp_path / "run"
+    job = submit(run_dir, "--time=10", steps=SHORT_STEPS, overrides=DISAGGREGATED, ranks=3)
+    _kill_rank_past_a_checkpoint(job, rank=2)  # the trainer ranks do not wait for it forever
+    saved = int((run_dir / "checkpoints" / "latest").read_text())
+    inflight = run_dir / "checkpoints" / f"iter_{saved:07d}" / "inflight"
+    assert sorted(p.name for p in inflight.iterdir()) == ["dp0.pt", "dp1.pt"], job.describe()
+
+    again = submit(run_dir, "--time=10", steps=SHORT_STEPS, overrides=DISAGGREGATED, ranks=3)
+    final = again.wait_ended()
+    assert final["JobState"] == "COMPLETED", again.describe()
+    assert _resumed_at(again.node_log(0)) == saved, again.describe()
+    rows = _metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, SHORT_STEPS + 1)), again.describe()
+    assert [row["async/staleness"] for row in rows] == [0.0] + [1.0] * (SHORT_STEPS - 1)
+    assert all(math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) for row in rows)
+    assert all(row["weight_sync/check_logprob_diff"] < 1e-5 for row in rows
+               if "weight_sync/check_logprob_diff" in row)  # fmt: skip
 
 
 def _set_time_limit(job: Job, minutes: int) -> None:

@@ -105,6 +105,11 @@ def test_same_losses_and_gradients_at_any_layout_and_micro_batching(tmp_path: Pa
             assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6), (name, step)
 
 
+def _logged_steps(metrics_file: Path) -> list[int]:
+    lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
+    return [json.loads(line)["step"] for line in lines]
+
+
 def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     out: dict[str, object] = {}
     # An uninterrupted 6-step run.
@@ -122,14 +127,24 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     reset_megatron()
     # The same run killed after step 3 (its step-3 checkpoint is on disk), then restarted.
     trainer = tiny_trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
+    save, rows_at_save = trainer._save, []
+    metrics_file = Path(trainer.cfg.logging.run_dir) / "metrics.jsonl"
+
+    def recording_save() -> None:  # a kill right after the save must not lose the step's row
+        rows_at_save.append(_logged_steps(metrics_file))
+        save()
+
+    trainer._save = recording_save  # type: ignore[method-assign]
     for _ in range(3):
         trainer.step()
+    out["rows_at_save"] = rows_at_save
     trainer.c.logger.close()
     del trainer
     reset_megatron()
     trainer = tiny_trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
     out["resumed_from"] = trainer.step_count
     out["resumed"] = trainer.train()
+    out["rows_after_resume"] = _logged_steps(metrics_file)
     reset_megatron()
     # A rollout whose teacher log-probs hold a NaN: reported, skipped, nothing corrupted.
     trainer = tiny_trainer(f"{root}/nan", "trainer.steps=3")
@@ -182,6 +197,10 @@ def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
     r = run_distributed(_resume_nan_golden, 1, args=(str(tmp_path),), timeout_s=500)[0]
     full, resumed = r["full"], r["resumed"]
     assert r["resumed_from"] == 3 and len(full) == 6 and len(resumed) == 3
+    # the step's row is on disk before its checkpoint is written (a kill between them loses
+    # neither), and the resumed run's rows continue the killed run's
+    assert r["rows_at_save"] == [[1, 2, 3]]
+    assert r["rows_after_resume"] == [1, 2, 3, 4, 5, 6]
     for expected, got in zip(full[3:], resumed, strict=True):
         for key in ("loss", "grad_norm", "score/mean", "advantage/std", "tokens/step",
                     *STABILITY_KEYS):  # fmt: skip

@@ -464,19 +464,24 @@ def test_post_sync_check_catches_a_corrupted_engine(tmp_path: Path) -> None:
 # The trainer and the CLI on the real engine
 
 
-def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
-    """``megatron-gndpo train rollout.engine=vllm`` on the tiny CPU config, 2 ranks at TP=2."""
-    run_dir = tmp_path / "run"
+def _train_on_vllm(run_dir: Path, ranks: int, *overrides: str) -> list[dict[str, Any]]:
+    """``megatron-gndpo train rollout.engine=vllm`` on the tiny CPU config, 3 steps on
+    ``ranks`` torchrun ranks with ``overrides``; the metrics of each step."""
     env = os.environ | VLLM_ENV | {"PYTHONPATH": str(Path(__file__).parents[1])}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "megatron_gndpo.cli", "train", "rollout.engine=vllm", "parallel.tensor_parallel=2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        str(ranks), "-m", "megatron_gndpo.cli", "train", "rollout.engine=vllm",
         "model.num_attention_heads=2", "model.num_query_groups=2",  # vLLM's CPU heads: 32+
-        "trainer.steps=3", f"logging.run_dir={run_dir}",
+        "trainer.steps=3", f"logging.run_dir={run_dir}", *overrides,
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
+    """``megatron-gndpo train rollout.engine=vllm`` on the tiny CPU config, 2 ranks at TP=2."""
+    steps = _train_on_vllm(tmp_path / "run", 2, "parallel.tensor_parallel=2")
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         print("measured train step", s["step"], s["sampler_gap/mean_abs"],
@@ -484,6 +489,23 @@ def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
         assert s["sampler_gap/mean_abs"] < 1e-5, s
         assert s["weight_sync/check_logprob_diff"] < 1e-5, s
         assert math.isfinite(s["loss"]) and s["skipped"] == 0.0, s
+
+
+def test_rollout_ranks_apart_on_vllm(tmp_path: Path) -> None:
+    """``rollout.disaggregate``: 2 trainer ranks and 1 rollout rank running vLLM in a world of
+    its own, one-step-off; the weights broadcast to it pass the probe check after every sync,
+    batch 1 is sampled with the trainer's own weights and the later ones one step behind."""
+    steps = _train_on_vllm(
+        tmp_path / "run", 3, "rollout.disaggregate.ranks=1", "rollout.disaggregate.staleness=1"
+    )
+    assert [s["async/staleness"] for s in steps] == [0.0, 1.0, 1.0]
+    checks = [s.get("weight_sync/check_logprob_diff") for s in steps]
+    print("measured rollout ranks apart", checks, [s["sampler_gap/mean_abs"] for s in steps])
+    assert checks[1] is None  # versions 0 and 1 come back with batches 1 and 3
+    assert checks[0] < 1e-5 and checks[2] < 1e-5, checks
+    assert steps[0]["sampler_gap/mean_abs"] < 1e-5  # sampled with the weights trained from
+    assert all(s["sampler_gap/mean_abs"] > 1e-3 for s in steps[1:])  # one step behind
+    assert all(math.isfinite(s["loss"]) and s["skipped"] == 0.0 for s in steps)
 
 
 def test_demo_on_vllm(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -170,9 +170,15 @@ def describe_checkpoints(
         (directory / VISION_CONFIG_FILE).write_text(to_yaml(vision))
 
 
+class TensorSource(Protocol):
+    """Full Hugging Face tensors by name: an :class:`HFCheckpoint`, or weights received."""
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
 def fill_from_hf(
     net: torch.nn.Module,
-    hf: HFCheckpoint,
+    hf: TensorSource,
     model: ModelConfig,
     *,
     tp: int,

@@ -36,7 +36,7 @@ import hashlib
 import json
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +321,7 @@ def save_checkpoint(
     run_id: str | None = None,
     model_config: ModelConfig | None = None,
     tokenizer: str | None = None,
+    extra_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) at ``step`` under ``root`` on every rank; atomic.
 
@@ -329,6 +330,8 @@ def save_checkpoint(
     ``model_config`` (a text model's) also writes what Megatron-LM and Megatron-Bridge need to
     load the weights: their ``args`` and ``run_config.yaml`` (``checkpoint/interop.py``);
     ``tokenizer`` (``data.tokenizer``) adds Megatron-LM's tokenizer arguments to the ``args``.
+    ``extra_files`` writes further files of this rank into the step directory (called on every rank
+    with it, before the checksums that cover them).
     Raises :class:`CheckpointError`, writing nothing, when a weight or optimizer value is not
     finite or ``root`` holds this step from another run. Returns the final step directory.
     """
@@ -359,6 +362,9 @@ def save_checkpoint(
     barrier()
     if rank() == 0:  # before the checksums: they cover these too
         interop.write_bridge_step_files(tmp, step, text_model, tp=tp, pp=pp)
+    if extra_files is not None:
+        extra_files(tmp)
+        barrier()
     files = _manifest(tmp)
     if rank() == 0:
         meta = {

@@ -535,15 +535,67 @@ def _vision_problems(cfg: Config) -> list[str]:
     return p
 
 
+def _disaggregate_problems(cfg: Config, world_size: int | None, max_tokens: int) -> list[str]:
+    """Rollout ranks apart (rollout.disaggregate): sizes, and what they do not run yet."""
+    d, p = cfg.rollout.disaggregate, list[str]()
+    _positive(p, "rollout.disaggregate.ranks", d.ranks, strict=False)
+    _positive(p, "rollout.disaggregate.tensor_parallel", d.tensor_parallel)
+    _positive(p, "rollout.disaggregate.staleness", d.staleness, strict=False)
+    if p or not d.enabled:
+        if d.staleness and not d.enabled:
+            p.append(
+                "rollout.disaggregate.staleness needs rollout ranks apart: set "
+                "rollout.disaggregate.ranks (colocated rollouts are always synchronous)"
+            )
+        return p
+    if world_size is not None and d.ranks >= world_size:
+        p.append(
+            f"rollout.disaggregate.ranks ({d.ranks}) leaves no rank of the {world_size} to train; "
+            "launch more ranks or give fewer to the rollouts"
+        )
+    if d.ranks % d.tensor_parallel:
+        p.append(
+            f"rollout.disaggregate.tensor_parallel ({d.tensor_parallel}) must divide "
+            f"rollout.disaggregate.ranks ({d.ranks}): each rollout replica is that many ranks"
+        )
+    rollout_parallel = ParallelConfig(tensor_parallel=d.tensor_parallel)
+    p += [
+        problem.replace("parallel.", "rollout.disaggregate.", 1)
+        for problem in _model_problems(cfg.model, rollout_parallel, None, max_tokens)
+    ]
+    unsupported = {
+        "a vision-language student (model.vision)": cfg.model.vision is not None,
+        "a mixture-of-experts student (its routing and expert weights are not sent yet)": (
+            cfg.model.is_moe
+        ),
+        f"algorithm.estimator={cfg.algorithm.estimator}, whose rollouts continue "
+        "teacher-written prefixes (the teacher lives on the trainer ranks)": (
+            build_method(cfg.algorithm).teacher_samples
+        ),
+    }
+    for what, used in unsupported.items():
+        if used:
+            p.append(
+                f"rollout.disaggregate does not support {what}; use colocated rollouts "
+                "(rollout.disaggregate.ranks=0)"
+            )
+    return p
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Raise one ConfigError listing every problem; return ``cfg`` unchanged when it is sound.
 
-    With ``world_size`` the parallel layouts and batch divisibility are checked too.
+    With ``world_size`` the parallel layouts and batch divisibility are checked too; with
+    rollout ranks apart (rollout.disaggregate) the layouts cover the other ranks.
     """
     max_tokens = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
     problems = _model_problems(cfg.model, cfg.parallel, None, max_tokens)
     for key, section in teacher_sections(cfg):
         problems += _model_problems(section.model, section.parallel, key, max_tokens)
+    problems += _disaggregate_problems(cfg, world_size, max_tokens)
+    d = cfg.rollout.disaggregate
+    if world_size is not None and d.ranks > 0 and world_size > d.ranks:
+        world_size -= d.ranks  # the trainer's world
     if world_size is not None:
         _positive(problems, "world size", world_size)
         if world_size > 0:

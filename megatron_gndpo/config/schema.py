@@ -263,6 +263,36 @@ class NamedTeacherConfig(TeacherConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class DisaggregateConfig:
+    """Rollout ranks apart from the trainer (docs/PARALLELISM.md, "Disaggregated rollouts"): the
+    job's last ``ranks`` ranks only generate, in a torch world of their own; the others score
+    and train as usual, on a world of world_size - ranks. After each update the trainer
+    broadcasts the student's weights to them (named as Hugging Face names them, as the
+    colocated sync does), and with ``staleness`` > 0 they sample the next batches while the
+    trainer trains on this one. Off (colocated) by default."""
+
+    ranks: int = 0
+    """Ranks (the job's last ones) that only generate; 0: generation is colocated with
+    training on every rank (the default)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size of the student's copy on the rollout ranks (its own layout,
+    independent of parallel.tensor_parallel); it must divide ranks. The rollout ranks form
+    ranks / tensor_parallel replicas; the trainer's data-parallel replica d is served by
+    rollout replica d mod that count."""
+    staleness: int = 0
+    """How many optimizer steps the sampling weights lag: batch j is sampled with the weights
+    after step max(0, j - 1 - staleness). 0: synchronous (the batch of step j is sampled with
+    the weights after step j - 1, as colocated); 1: one-step-off (batch j + 1 is generated
+    while the trainer trains on batch j). The bound is kept by waiting: the rollout ranks never
+    sample a batch before the weights it must use have arrived, so no batch is ever dropped."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any rank is a rollout rank."""
+        return self.ranks > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How the student samples responses."""
 
@@ -303,18 +333,22 @@ class RolloutConfig:
     """vLLM only: run the model eagerly (no torch.compile, no CUDA graphs); null means eager on
     vLLM's CPU backend and compiled with CUDA graphs on GPUs."""
     weight_sync_check: Literal["every", "first", "never"] = "every"
-    """vLLM only: after a weight sync, compare the engine's log-probs of a fixed probe sequence
-    with the trainer's and stop with an error when they differ by more than
-    weight_sync_check_tolerance (a silently corrupted or stale engine). every: after every sync
-    (one short forward pass on both sides); first: after the first sync only; never: no check."""
+    """vLLM, or rollout ranks apart (rollout.disaggregate): after a weight sync, compare the
+    engine's log-probs of a fixed probe sequence with the trainer's and stop with an error when
+    they differ by more than weight_sync_check_tolerance (a silently corrupted or stale engine).
+    every: after every sync (one short forward pass on both sides); first: after the first sync
+    only; never: no check."""
     weight_sync_check_tolerance: float | None = None
-    """vLLM only: largest mean absolute log-prob difference per probe token the check accepts;
-    null means 1e-3 for an fp32 engine and 0.05 for bf16/fp16."""
+    """vLLM or rollout ranks apart: largest mean absolute log-prob difference per probe token
+    the check accepts; null means 1e-3 for an fp32 engine and 0.05 for bf16/fp16."""
     vllm_image_input: Literal["embeddings", "pixels"] = "embeddings"
     """vLLM with a vision-language student: embeddings hands the engine the student's own image
     embeddings (exactly what the trainer scores; only the language model is synced); pixels
     hands it the original images, which vLLM tiles itself with transformers' InternVL processor,
     and also syncs the projector (and the encoder once, when frozen)."""
+
+    disaggregate: DisaggregateConfig = dataclasses.field(default_factory=DisaggregateConfig)
+    """Rollout ranks apart from the trainer, and one-step-off (or k-step-off) pipelining."""
 
     @property
     def rollout_batch_size(self) -> int:

@@ -296,7 +296,8 @@ def _generator(
             student, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
             max_sequence_length=cfg.model.max_position_embeddings,
         )  # fmt: skip
-    if cfg.rollout.engine == "builtin":
+    if cfg.rollout.engine == "builtin" or cfg.rollout.disaggregate.enabled:
+        # with rollout ranks apart the engine runs there; the trainer's copy evaluates
         return MegatronGenerator(
             student, groups, vocab_size=vocab, pad_id=tokenizer.pad_id,
             max_sequence_length=cfg.model.max_position_embeddings,

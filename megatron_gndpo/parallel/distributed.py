@@ -209,16 +209,25 @@ def init_distributed(
     *,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    rollout_ranks: int = 0,
 ) -> DistributedEnv:
     """Initialise the default process group once for this process and return where it sits.
 
     Calling it again in a process that is already initialised checks that the world matches and
     returns. On GPUs the current device is set to ``local_rank`` before any collective. Under
     torchrun the process is set to die with its launcher (a killed torchrun leaves no workers).
+
+    ``rollout_ranks`` > 0 (``rollout.disaggregate``; fewer than the world) splits the job in two
+    worlds, the trainers' and the rollout ranks', joined by a bridge (parallel/bridge.py): the
+    default group is then this rank's role's world, and ``env`` still describes the whole job.
     """
     global _timeout_s
     env = detect_env() if env is None else env
     if dist.is_initialized():
+        from megatron_gndpo.parallel import bridge
+
+        if bridge.bridge() is not None:  # two worlds: this one is a role's, not the job's
+            return env
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise DistributedStartError(
                 f"torch.distributed is already initialised as rank {dist.get_rank()} of "
@@ -237,13 +246,21 @@ def init_distributed(
     if env.launcher == "torchrun":
         die_with_parent()
     _timeout_s = timeout_s
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    init_method = f"tcp://{env.master_addr}:{env.master_port}"
+    if 0 < rollout_ranks < env.world_size:  # else the config check reports it, on one world
+        from megatron_gndpo.parallel import bridge
+
+        placement = bridge.Placement(env.world_size, rollout_ranks)
+        store, _, _ = next(dist.rendezvous(
+            f"{init_method}?rank={env.rank}&world_size={env.world_size}", timeout=timeout
+        ))  # fmt: skip
+        bridge.init_roles(store, placement, env.rank, backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=env.rank,
+            world_size=env.world_size, timeout=timeout,
+        )  # fmt: skip
     export_torchrun_env(env)
     return env
 
@@ -299,6 +316,9 @@ def shutdown_distributed() -> None:
         _BEFORE_SHUTDOWN.pop()()
     if dist.is_initialized():
         dist.destroy_process_group()
+    from megatron_gndpo.parallel import bridge
+
+    bridge.close()
 
 
 # ---------------------------------------------------------------------------------------------

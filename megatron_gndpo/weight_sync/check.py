@@ -51,6 +51,59 @@ def probe_tokens(vocab_size: int, excluded_ids: Sequence[int] = ()) -> list[int]
     return [allowed[int(i)] for i in picks]
 
 
+def model_probe(
+    model: Any,
+    groups: ParallelGroups,
+    *,
+    vocab_size: int,
+    excluded_ids: Sequence[int] = (),
+    vision_language: bool = False,
+) -> torch.Tensor:
+    """``model``'s log-probs ``[PROBE_LENGTH - 1]`` (fp32, CPU) of the probe's tokens after the
+    first, on every rank of its groups (a scoring pass: collective over them)."""
+    from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_batch
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+
+    tokens = probe_tokens(vocab_size, excluded_ids)
+    tokens_BS = torch.tensor([tokens])
+    lengths = torch.tensor([len(tokens)])
+    scores = score_batch(
+        model, groups, tokens_BS, lengths, head=TokenLogProbs(vocab_size),
+        token_budget=len(tokens), images=[None] if vision_language else None,
+    )  # fmt: skip
+    ours = None if scores is None else scores.logprobs
+    return broadcast_from_last_stage(ours, tokens_BS.shape, groups)[0, 1:].float().cpu()
+
+
+def probe_difference(theirs: torch.Tensor, ours: torch.Tensor) -> float:
+    """Mean absolute difference per probe token; inf when not finite."""
+    mean = float((theirs.float().cpu() - ours).abs().mean())
+    return mean if math.isfinite(mean) else math.inf
+
+
+def agree(diff: float, tolerance: float, *, group: Any = None) -> dict[str, float]:
+    """The largest ``diff`` of any rank (one all-reduce over ``group``, the world by default):
+    :class:`WeightSyncError` on every rank when it exceeds ``tolerance``, else the metric."""
+    worst = torch.tensor([diff], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)  # every rank stops together
+    value = float(worst)
+    if not value <= tolerance:
+        what = (
+            "are not finite (NaN or inf)"
+            if math.isinf(value)
+            else f"differ from the trainer's by {value:.3g} nats per token (tolerance "
+            f"{tolerance:g})"
+        )
+        raise WeightSyncError(
+            f"after the weight sync the rollout engine's log-probs of a probe sequence {what}: "
+            "the engine does not hold the student's weights, so its rollouts would be off-policy. "
+            "Check the vLLM version (docs/DEPLOY.md lists the tested one) and "
+            "rollout.weight_sync_check_tolerance for a low-precision engine; "
+            "rollout.weight_sync_check=never disables the check"
+        )
+    return {"weight_sync/check_logprob_diff": value}
+
+
 def check_engine(
     engine: ProbedEngine | None,
     model: Any,
@@ -70,38 +123,12 @@ def check_engine(
     ``vision_language``: ``model`` is a VLM (the probe is text: its language model alone);
     ``excluded_ids`` never appear in the probe (a VLM's image placeholder needs an image).
     """
-    from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_batch
-    from megatron_gndpo.models.logprob_head import TokenLogProbs
-
-    tokens = probe_tokens(vocab_size, excluded_ids)
-    tokens_BS = torch.tensor([tokens])
-    lengths = torch.tensor([len(tokens)])
-    scores = score_batch(
-        model, groups, tokens_BS, lengths, head=TokenLogProbs(vocab_size),
-        token_budget=len(tokens), images=[None] if vision_language else None,
+    ours = model_probe(
+        model, groups, vocab_size=vocab_size, excluded_ids=excluded_ids,
+        vision_language=vision_language,
     )  # fmt: skip
-    ours = None if scores is None else scores.logprobs
-    ours = broadcast_from_last_stage(ours, tokens_BS.shape, groups)[0, 1:].float().cpu()
     diff = 0.0
     if engine is not None:
-        theirs = engine.prompt_logprobs(tokens).float().cpu()
-        mean = float((theirs - ours).abs().mean())
-        diff = mean if math.isfinite(mean) else math.inf
-    worst = torch.tensor([diff], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank stops together
-    value = float(worst)
-    if not value <= tolerance:
-        what = (
-            "are not finite (NaN or inf)"
-            if math.isinf(value)
-            else f"differ from the trainer's by {value:.3g} nats per token (tolerance "
-            f"{tolerance:g})"
-        )
-        raise WeightSyncError(
-            f"after the weight sync the rollout engine's log-probs of a probe sequence {what}: "
-            "the engine does not hold the student's weights, so its rollouts would be off-policy. "
-            "Check the vLLM version (docs/DEPLOY.md lists the tested one) and "
-            "rollout.weight_sync_check_tolerance for a low-precision engine; "
-            "rollout.weight_sync_check=never disables the check"
-        )
-    return {"weight_sync/check_logprob_diff": value}
+        tokens = probe_tokens(vocab_size, excluded_ids)
+        diff = probe_difference(engine.prompt_logprobs(tokens), ours)
+    return agree(diff, tolerance)

@@ -1,0 +1,305 @@
+"""Rollout ranks apart from the trainer (``rollout.disaggregate``, issue 19 parts 1-2).
+
+The placement arithmetic and the config rules, then real runs of the tiny example on gloo: the
+last ranks of the job are rollout ranks in a torch world of their own (parallel/bridge.py),
+the others train. At staleness 0 a run equals the colocated run exactly; at staleness 1 each
+batch is sampled with the weights of the step before the previous one (checked against
+snapshots of the weights) and the importance weights equal a reference computed here; a run
+resumed from a checkpoint taken while two batches were in flight continues exactly; a corrupted
+rollout copy stops the run through the post-sync probe check.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_gndpo.checks import validate
+from megatron_gndpo.config import ConfigError, load_config
+from megatron_gndpo.parallel.bridge import Placement
+from tests.harness import run_distributed
+from tests.trainers import TINY, snapshot
+
+# Metrics that differ between placements by design (clocks, the pipeline's own numbers).
+_TIMING = ("time/", "tokens/s", "async/", "weight_sync/", "mfu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement and rules
+
+
+def test_placement_splits_the_job_and_pairs_the_replicas() -> None:
+    p = Placement(world_size=6, rollout_ranks=4, rollout_tp=2)
+    assert p.trainer_ranks == 2 and p.rollout_replicas == 2
+    assert [p.is_rollout(r) for r in range(6)] == [False, False, True, True, True, True]
+    assert [p.role_rank(r) for r in range(6)] == [0, 1, 0, 1, 2, 3]
+    assert p.replica_ranks(0) == [2, 3] and p.replica_ranks(1) == [4, 5]
+    assert [p.serving(d) for d in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="trainer needs a rank"):
+        Placement(world_size=2, rollout_ranks=2)
+    with pytest.raises(ValueError, match="must divide"):
+        Placement(world_size=4, rollout_ranks=3, rollout_tp=2)
+
+
+def _problems(world: int, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(TINY, list(overrides)), world)
+    return str(err.value)
+
+
+def test_rules_name_the_problem_and_the_fix() -> None:
+    base = "rollout.disaggregate.ranks"
+    assert "leaves no rank" in _problems(2, f"{base}=2")
+    assert "must divide" in _problems(4, f"{base}=3", "rollout.disaggregate.tensor_parallel=2")
+    assert "needs rollout ranks apart" in _problems(2, "rollout.disaggregate.staleness=1")
+    assert "mixture-of-experts" in _problems(
+        3, f"{base}=1", "model.num_experts=4", "model.moe_router_topk=2"
+    )
+    assert "teacher-written prefixes" in _problems(
+        3,
+        f"{base}=1",
+        "algorithm.estimator=tropd",
+        "algorithm.tropd.prefix_share_start=0.5",
+    )
+    # the trainer's layouts cover the other ranks: TP=2 fits 2 trainers of 3 ranks ...
+    validate(load_config(TINY, [f"{base}=1", "parallel.tensor_parallel=2"]), 3)
+    # ... and the rollout copy's own TP must fit the model (4 heads)
+    assert "rollout.disaggregate" in _problems(
+        9, f"{base}=8", "rollout.disaggregate.tensor_parallel=8"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs on gloo
+
+
+def _config(run_dir: str, overrides: list[str], world: int) -> Any:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    return validate(load_config(TINY, [f"logging.run_dir={run_dir}", *overrides]), world)
+
+
+def _train(rank: int, world: int, run_dir: str, overrides: list[str], rollout: int) -> Any:
+    """A whole run: the history and the final weights on trainer ranks, None on rollout ranks."""
+    cfg = _config(run_dir, overrides, world)
+    if rank >= world - rollout:
+        from megatron_gndpo.rollout.remote import RolloutWorker
+
+        RolloutWorker(cfg).run()
+        return None
+    from megatron_gndpo.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    return history, snapshot(trainer.c.student)
+
+
+def _same_run(a: Any, b: Any, steps: range | None = None) -> None:
+    history_a, weights_a = a
+    history_b, weights_b = b
+    steps = steps or range(len(history_a))
+    for i in steps:
+        for key, value in history_a[i].items():
+            if key.startswith(_TIMING):
+                continue
+            theirs = history_b[i - steps.start if len(history_b) < len(history_a) else i][key]
+            assert value == theirs or (math.isnan(value) and math.isnan(theirs)), (i, key)
+    for name, tensor in weights_a.items():
+        assert torch.equal(tensor, weights_b[name]), name
+
+
+def test_staleness_0_equals_the_colocated_run(tmp_path: Path) -> None:
+    steps = ["trainer.steps=3"]
+    colocated = run_distributed(_train, 2, (str(tmp_path / "c"), steps, 0), timeout_s=300)
+    apart = ["rollout.disaggregate.ranks=1", *steps]
+    one = run_distributed(
+        _train, 3, (str(tmp_path / "a"), apart, 1), timeout_s=300, rollout_ranks=1
+    )
+    for r in range(2):  # 1 rollout rank sampling for both trainer replicas
+        _same_run(colocated[r], one[r])
+    assert one[2] is None
+    assert [h["async/staleness"] for h in one[0][0]] == [0.0, 0.0, 0.0]
+    assert all(h["weight_sync/check_logprob_diff"] == 0.0 for h in one[0][0][:2])
+    two = ["rollout.disaggregate.ranks=2", *steps]
+    both = run_distributed(_train, 4, (str(tmp_path / "b"), two, 2), timeout_s=300, rollout_ranks=2)
+    for r in range(2):  # 2 rollout replicas, one per trainer replica
+        _same_run(colocated[r], both[r])
+
+
+def _stepwise(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any:
+    """One-step-off, step by step: each batch's rollout, the trainer's old log-probs and
+    importance weights, and the weights after every step; then each batch's sampler log-probs
+    and old log-probs are recomputed here from those snapshots."""
+    cfg = _config(run_dir, overrides, world)
+    if rank == world - 1:
+        from megatron_gndpo.rollout.remote import RolloutWorker
+
+        RolloutWorker(cfg).run()
+        return None
+    from megatron_gndpo.engine.scoring import ScoreRequest
+    from megatron_gndpo.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    seen: dict[int, dict[str, Any]] = {}
+    take, correction = trainer._take, trainer._correction
+
+    def recording_take(batch: int) -> Any:
+        prompts, rollout, metrics = take(batch)
+        seen[batch] = {"rollout": rollout, "staleness": metrics["async/staleness"]}
+        return prompts, rollout, metrics
+
+    def recording_correction(rollout: Any, old_lp: torch.Tensor) -> Any:
+        weights, metrics = correction(rollout, old_lp)
+        seen[trainer.step_count + 1] |= {"old": old_lp.clone(), "weights": weights.clone()}
+        return weights, metrics
+
+    trainer._take, trainer._correction = recording_take, recording_correction  # type: ignore[method-assign]
+    weights = [snapshot(trainer.c.student)]
+    history = []
+    for _ in range(cfg.trainer.steps):
+        history.append(trainer.step())
+        weights.append(snapshot(trainer.c.student))
+    assert trainer.remote is not None
+    trainer.remote.stop()
+    params = dict(trainer.c.student.named_parameters())
+
+    def logprobs(version: int, rollout: Any) -> torch.Tensor:
+        with torch.no_grad():
+            for name, tensor in weights[version].items():
+                params[name].copy_(tensor)
+        return trainer._student_scores(rollout, ScoreRequest()).logprobs
+
+    out = {}
+    for batch, record in seen.items():
+        rollout = record["rollout"]
+        out[batch] = record | {
+            "sampled_with": logprobs(max(0, batch - 2), rollout),
+            "trained_from": logprobs(batch - 1, rollout),
+        }
+    return history, out
+
+
+def test_one_step_off_samples_with_the_weights_before_and_corrects_for_them(
+    tmp_path: Path,
+) -> None:
+    overrides = [
+        "trainer.steps=3", "rollout.disaggregate.ranks=1", "rollout.disaggregate.staleness=1",
+        "algorithm.offpolicy.correction=tis", "algorithm.offpolicy.tis_cap=1.05",
+    ]  # fmt: skip
+    results = run_distributed(
+        _stepwise, 3, (str(tmp_path / "s"), overrides), timeout_s=300, rollout_ranks=1
+    )
+    cap = 1.05
+    for history, seen in results[:2]:
+        assert [h["async/staleness"] for h in history] == [0.0, 1.0, 1.0]
+        for batch, r in seen.items():
+            rollout = r["rollout"]
+            mask = rollout.sampled_mask
+            # the sampler's log-probs are those of the weights after step max(0, batch - 2) ...
+            sampled = rollout.sampler_logprobs[mask]
+            assert torch.allclose(sampled, r["sampled_with"][mask], atol=2e-5), batch
+            # ... the trainer's old log-probs those after step batch - 1
+            assert torch.allclose(r["old"][mask], r["trained_from"][mask], atol=2e-5), batch
+            gap = (r["old"][mask] - sampled).abs().max().item()
+            if batch >= 3:  # sampled one step behind: a real gap the correction sees
+                assert gap > 1e-3, (batch, gap)
+            # truncated importance sampling, token level: min(exp(old - sampler), cap)
+            reference = torch.ones_like(r["old"])
+            reference[mask] = torch.exp(r["old"][mask] - sampled).clamp(max=cap)
+            assert torch.allclose(r["weights"], reference, atol=1e-6), batch
+        assert any((r["weights"] == cap).any() for r in seen.values())  # the cap took effect
+
+
+def test_resume_with_batches_in_flight_continues_exactly(tmp_path: Path) -> None:
+    overrides = [
+        "trainer.steps=4", "checkpoint.save_interval=2", "rollout.disaggregate.ranks=1",
+        "rollout.disaggregate.staleness=1",
+    ]  # fmt: skip
+    whole = run_distributed(
+        _train, 3, (str(tmp_path / "w"), overrides, 1), timeout_s=300, rollout_ranks=1
+    )
+    step2 = tmp_path / "w" / "checkpoints" / "iter_0000002"
+    assert sorted(p.name for p in (step2 / "inflight").iterdir()) == ["dp0.pt", "dp1.pt"]
+    resumed = run_distributed(
+        _train, 3, (str(tmp_path / "r"), [*overrides, f"checkpoint.load={step2}"], 1),
+        timeout_s=300, rollout_ranks=1,
+    )  # fmt: skip
+    for r in range(2):
+        assert len(resumed[r][0]) == 2  # steps 3 and 4
+        _same_run(whole[r], resumed[r], steps=range(2, 4))
+
+
+def _corrupted(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any:
+    """The rollout copy's weights are off after each load: the probe check must stop the run."""
+    from megatron_gndpo.weight_sync.check import WeightSyncError
+
+    cfg = _config(run_dir, overrides, world)
+    if rank == world - 1:
+        from megatron_gndpo.rollout.remote import RolloutWorker
+
+        worker = RolloutWorker(cfg)
+        load = worker._load
+
+        def bad_load(*args: Any) -> None:
+            load(*args)
+            with torch.no_grad():
+                next(worker.model.parameters()).mul_(3.0)
+            if worker.probe is not None:  # the probe of what it now computes
+                from megatron_gndpo.weight_sync.check import model_probe
+
+                worker.probe = model_probe(worker.model, worker.groups, vocab_size=128)
+
+        worker._load = bad_load  # type: ignore[method-assign]
+        worker.run()
+        return None
+    from megatron_gndpo.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    except WeightSyncError as err:
+        assert trainer.remote is not None
+        trainer.remote.stop()
+        return str(err)
+    return "no error"
+
+
+def test_a_corrupted_rollout_copy_stops_the_run(tmp_path: Path) -> None:
+    overrides = ["trainer.steps=2", "rollout.disaggregate.ranks=1"]
+    results = run_distributed(
+        _corrupted, 2, (str(tmp_path / "x"), overrides), timeout_s=300, rollout_ranks=1
+    )
+    assert "rollout engine's log-probs of a probe sequence" in results[0]
+
+
+@pytest.mark.parametrize(
+    ("world", "rollout", "layout"),
+    [
+        (3, 1, ["parallel.tensor_parallel=2"]),  # the trainer's TP shards are gathered
+        (4, 2, ["parallel.pipeline_parallel=2", "rollout.disaggregate.tensor_parallel=2"]),
+    ],
+    ids=["trainer-tp2", "trainer-pp2-rollout-tp2"],
+)
+def test_weights_reach_other_layouts(
+    tmp_path: Path, world: int, rollout: int, layout: list[str]
+) -> None:
+    overrides = [
+        "trainer.steps=3", f"rollout.disaggregate.ranks={rollout}",
+        "rollout.disaggregate.staleness=1", *layout,
+    ]  # fmt: skip
+    results = run_distributed(
+        _train, world, (str(tmp_path / "l"), overrides, rollout), timeout_s=300,
+        rollout_ranks=rollout,
+    )  # fmt: skip
+    history, _ = results[0]
+    key = "weight_sync/check_logprob_diff"  # on the first batch of each version: 1 and 3
+    checks = [h[key] for h in history if key in h]
+    assert [key in h for h in history] == [True, False, True]
+    assert all(c < 1e-5 for c in checks), checks
+    assert [h["async/staleness"] for h in history] == [0.0, 1.0, 1.0]
+    assert all(math.isfinite(h["loss"]) for h in history)
