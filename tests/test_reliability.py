@@ -358,6 +358,30 @@ def test_launch_exit_codes_and_failure_line() -> None:
         "exit code -6 (SIGABRT)"
     )
     assert "exit code 1;" in failure_line(rank=0, local_rank=0, host="h", pid=1, exitcode=1)
+    line = failure_line(rank=2, local_rank=0, host="h", pid=7, exitcode=-9, role="rollout")
+    assert line.startswith(
+        "megatron-gndpo: launch: rank 2 (rollout rank; local rank 0 on h, pid 7) "
+    )
+
+
+def test_launch_names_the_role_of_the_failed_rank(tmp_path: Path) -> None:
+    """With rollout ranks apart (the last R of the job), the failure line says which role died;
+    anything the launcher cannot read (elastic sizes, a bad config) leaves the role out."""
+    from megatron_gndpo.parallel.launch import _world_size, role_of
+
+    apart = ["train", "rollout.disaggregate.ranks=1"]
+    assert [role_of(rank, 3, apart) for rank in range(3)] == ["trainer", "trainer", "rollout"]
+    config = tmp_path / "apart.yaml"
+    config.write_text("rollout:\n  disaggregate:\n    ranks: 2\n")
+    assert role_of(1, 4, ["train", "--config", str(config)]) == "trainer"
+    assert role_of(2, 4, ["train", "--config", str(config)]) == "rollout"
+    assert role_of(1, 2, ["train"]) is None  # one role: the rank says it all
+    assert role_of(2, None, apart) is None
+    assert role_of(0, 2, ["convert", "hf-to-mcore"]) is None
+    assert role_of(0, 2, ["train", "rollout.no_such_key=1"]) is None
+    assert role_of(0, 2, ["train", "--no-such-option"]) is None
+    sizes = (_world_size("2", "4"), _world_size("1:4", "2"), _world_size("1", "auto"))
+    assert sizes == (8, None, None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -441,6 +441,7 @@ def test_disaggregated_job_killed_rollout_rank_resumes_with_batches_in_flight(
     run_dir = tmp_path / "run"
     job = submit(run_dir, "--time=10", steps=SHORT_STEPS, overrides=DISAGGREGATED, ranks=3)
     _kill_rank_past_a_checkpoint(job, rank=2)  # the trainer ranks do not wait for it forever
+    assert "rank 2 (rollout rank;" in job.output(), job.describe()
     saved = int((run_dir / "checkpoints" / "latest").read_text())
     inflight = run_dir / "checkpoints" / f"iter_{saved:07d}" / "inflight"
     assert sorted(p.name for p in inflight.iterdir()) == ["dp0.pt", "dp1.pt"], job.describe()

@@ -15,7 +15,8 @@ a failure box, and exits with 1 whatever its workers' codes were. Here:
 - any other failure (a crash, a signal, the OOM killer) gets one line naming the process that
   failed first, which the Slurm script quotes (``scripts/slurm/gndpo.sbatch``):
   ``megatron-gndpo: launch: rank 1 (local rank 1 on HOST, pid N) failed first: exit code -9
-  (SIGKILL); ...``, and the launcher exits with the worker's code (128 + N for signal N, as a
+  (SIGKILL); ...`` (with rollout ranks apart, its role too: ``rank 2 (rollout rank; local
+  rank 2 ...``), and the launcher exits with the worker's code (128 + N for signal N, as a
   shell reports it);
 - a launcher stopped by a signal (srun's SIGTERM when another node failed) says so in one line
   and exits with 128 + N.
@@ -25,6 +26,8 @@ The worker's own traceback, when it has one, is in its output above the line, as
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import signal
 import sys
@@ -63,15 +66,48 @@ def exit_code_of(worker_exitcode: int) -> int:
     return 128 - worker_exitcode if worker_exitcode < 0 else worker_exitcode
 
 
-def failure_line(rank: int, local_rank: int, host: str, pid: int, exitcode: int) -> str:
+def failure_line(
+    rank: int, local_rank: int, host: str, pid: int, exitcode: int, role: str | None = None
+) -> str:
     how = f"exit code {exitcode}"
     if exitcode < 0:
         how += f" ({_signal_name(-exitcode)})"
+    which = f"{role} rank; " if role else ""
     return (
-        f"megatron-gndpo: launch: rank {rank} (local rank {local_rank} on {host}, pid {pid}) "
+        f"megatron-gndpo: launch: rank {rank} ({which}local rank {local_rank} on {host}, "
+        f"pid {pid}) "
         f"failed first: {how}; the other workers were stopped. Its output above says why "
         "(a traceback, or nothing when it was killed: look for the OOM killer in `dmesg`)"
     )
+
+
+def role_of(rank: int, world_size: int | None, command: Sequence[str]) -> str | None:
+    """The role of global ``rank`` in a ``train`` job whose config puts rollout ranks apart
+    (``rollout.disaggregate.ranks`` R: the last R ranks are "rollout", the others "trainer");
+    None when the job has one role, or when the world size or the config cannot be read here
+    (an elastic ``--nnodes 1:4``, ``--nproc-per-node auto``: the line then names the rank only)."""
+    if world_size is None or not command or command[0] != "train":
+        return None
+    from megatron_gndpo.cli import TINY_CPU, build_parser
+    from megatron_gndpo.config import load_config
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage: the worker's to print
+            args = build_parser().parse_args(list(command))
+        ranks = load_config(args.config or TINY_CPU, args.overrides).rollout.disaggregate.ranks
+    except (Exception, SystemExit):  # the worker reported a bad config already
+        return None
+    if not 0 < ranks < world_size:
+        return None
+    return "rollout" if rank >= world_size - ranks else "trainer"
+
+
+def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
+    """torchrun's world size when fixed by its options (``--nnodes 2 --nproc-per-node 4``)."""
+    try:
+        return int(nnodes) * int(nproc_per_node)
+    except ValueError:
+        return None
 
 
 def main(argv: Sequence[str]) -> int:
@@ -117,7 +153,9 @@ def main(argv: Sequence[str]) -> int:
             return _USER_ERROR_EXIT
         rank, failure = err.get_first_failure()
         host = socket.getfqdn()
-        print(failure_line(rank, failure.local_rank, host, failure.pid, failure.exitcode),
+        world = _world_size(str(args.nnodes), str(args.nproc_per_node))
+        role = role_of(rank, world, args.training_script_args)
+        print(failure_line(rank, failure.local_rank, host, failure.pid, failure.exitcode, role),
               file=sys.stderr, flush=True)  # fmt: skip
         return exit_code_of(failure.exitcode)
     except SignalException as err:
