@@ -44,7 +44,7 @@ class RolloutRankMemory:
     weights: float  # this rank's shard of the student at the rollout TP, params dtype
     kv_cache: float  # built-in: every row at the full length; vLLM: its share less the weights
     prefill: float  # built-in: one layer of the prompts' prefill (vLLM: inside its share)
-    staging: float  # the received weights held at once: the whole student, or vLLM's bucket
+    staging: float  # the received weights held at once: one bucket of the broadcast
     engine: str = "builtin"
 
     @property
@@ -57,11 +57,10 @@ def estimate_rollout_memory(
 ) -> RolloutRankMemory | None:
     """Memory of a rank of the busiest rollout replica; None when rollouts are colocated.
 
-    Built-in engine: the staging buffer is the whole student in its params dtype (the rollout
-    side assembles the broadcast buckets into Hugging Face tensors before loading them into its
-    TP shards, so for the length of a sync the full model sits next to the shards). vLLM
-    (``rollout.engine: vllm``) takes ``rollout.gpu_memory_utilization`` of the GPU for its
-    weights and KV cache and loads the weights a bucket at a time, so staging is one bucket.
+    Both engines load the broadcast a bucket (whole layers) at a time, so the staging buffer is
+    one bucket. vLLM (``rollout.engine: vllm``) takes ``rollout.gpu_memory_utilization`` of the
+    GPU for its weights and KV cache; the built-in generator holds every row's KV cache at the
+    full length and one prefill layer.
     """
     from megatron_gndpo.weight_sync.sync import DEFAULT_BUCKET_BYTES
 
@@ -72,20 +71,17 @@ def estimate_rollout_memory(
     rows = split.blocks_per_replica * (cfg.rollout.rollout_batch_size // split.trainer_dp)
     dtype = BYTES[model.params_dtype]
     weights = stage_params(model, ParallelLayout(world_size=tp, tp=tp), 0) * dtype
+    staging = min(DEFAULT_BUCKET_BYTES, total_params(model) * dtype)
     if cfg.rollout.engine == "vllm":
         share = vllm_share_bytes(cfg, hw or Hardware())
         return RolloutRankMemory(
             rows=rows, weights=weights, kv_cache=max(share - weights, 0.0), prefill=0.0,
-            staging=min(DEFAULT_BUCKET_BYTES, total_params(model) * dtype), engine="vllm",
+            staging=staging, engine="vllm",
         )  # fmt: skip
     # the built-in generator switches sequence parallelism off while it generates
     kv, prefill = builtin_rollout_bytes(cfg, tp, 1, rows, seq, sequence_parallel=False)
     return RolloutRankMemory(
-        rows=rows,
-        weights=weights,
-        kv_cache=kv,
-        prefill=prefill,
-        staging=total_params(model) * dtype,
+        rows=rows, weights=weights, kv_cache=kv, prefill=prefill, staging=staging
     )
 
 
@@ -195,8 +191,8 @@ def format_rollout_memory(cfg: Config, world_size: int, hw: Hardware) -> str:
         f"  {_gib(mem.weights):>7} {_gib(mem.kv_cache):>8} {_gib(mem.prefill):>7} "
         f"{_gib(mem.staging):>7} | {_gib(mem.peak):>6}",
         "  weights: the student's shard at the rollout TP; kv cache: every row at full length; "
-        "staging: the received student, whole, in its params dtype (the rollout side assembles "
-        "the Hugging Face tensors before loading them); no gradients, optimizer or teacher"
+        "staging: one bucket of the broadcast (the weights load a bucket at a time); no "
+        "gradients, optimizer or teacher"
         if mem.engine != "vllm"
         else "  weights and kv cache: vLLM's rollout.gpu_memory_utilization share (the student's "
         "shard at the rollout TP, the rest for its paged KV cache); staging: one bucket of the "

@@ -303,3 +303,58 @@ def test_weights_reach_other_layouts(
     assert all(c < 1e-5 for c in checks), checks
     assert [h["async/staleness"] for h in history] == [0.0, 1.0, 1.0]
     assert all(math.isfinite(h["loss"]) for h in history)
+
+
+def _fill_by_bucket(rank: int, world: int) -> dict[str, Any]:
+    from megatron_gndpo.compat import cpu
+
+    cpu.enable()
+    from megatron_gndpo.checkpoint.convert import fill_from_hf
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.rollout.remote import _Named, fill_by_bucket
+    from megatron_gndpo.weight_sync import bucketed, iter_hf_weights
+    from megatron_gndpo.weight_sync.check import WeightSyncError
+    from tests.tiny import tiny_model
+
+    model = tiny_model(vocab_size=100)
+    groups = build_student_groups(ParallelLayout(world, tp=2), seed=3)
+    tp_rank = groups.coords["tp"]
+    source, copy, whole = (build_gpt(model, ParallelConfig(tensor_parallel=2), groups)
+                           for _ in range(3))  # fmt: skip
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.zero_()
+    weights = list(iter_hf_weights(source, groups, model, family=model.hf_family))
+    buckets = list(bucketed(iter(weights), max_bytes=1))  # a layer (or a single tensor) each
+    fill_by_bucket(copy, iter(buckets), model, tp=2, tp_rank=tp_rank)
+    fill_from_hf(whole, _Named(dict(weights)), model, tp=2, tp_rank=tp_rank)  # all at once
+    # the source's rows that pad the vocabulary (rank 1's last 28 of 64) are in no HF tensor
+    real = min(64, max(0, model.vocab_size - 64 * tp_rank))
+    vocab = ("embedding.word_embeddings.weight", "output_layer.weight")
+    names = [name for name, _ in source.named_parameters()]
+    differ = {
+        other: [n for n, a, b in zip(names, copy.parameters(), net.parameters(), strict=True)
+                if not torch.equal(*((a[:real], b[:real]) if n in vocab and trim else (a, b)))]
+        for other, net, trim in (("source", source, True), ("whole", whole, False))
+    }  # fmt: skip
+    try:
+        fill_by_bucket(copy, iter(buckets[:-1]), model, tp=2, tp_rank=tp_rank)
+        error = ""
+    except WeightSyncError as err:
+        error = str(err)
+    return {"buckets": [[n for n, _ in b] for b in buckets], "differ": differ, "error": error}
+
+
+def test_the_builtin_rollout_copy_loads_a_bucket_at_a_time() -> None:
+    """The built-in rollout copy fills its TP shards bucket by bucket (one held at once, not the
+    whole student): with one layer per bucket, a zeroed TP=2 copy ends equal to a copy filled
+    from the whole state at once, and to the source (but for the vocabulary's padding rows),
+    on every rank; a broadcast that stops short names what was left unfilled."""
+    results = run_distributed(_fill_by_bucket, 2, timeout_s=120)
+    for result in results:
+        names = result["buckets"]
+        assert len(names) == 5, names  # embedding, layer 0, layer 1, final norm, lm_head
+        assert result["differ"] == {"source": [], "whole": []}, result["differ"]
+        assert "left 1 parameters unfilled (first: output_layer.weight)" in result["error"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Protocol
@@ -184,16 +184,20 @@ def fill_from_hf(
     tp: int,
     tp_rank: int,
     expert_offset: int = 0,
+    only: Container[str] | None = None,
 ) -> None:
     """Copy every parameter of this rank's shard ``net`` from the HF checkpoint.
 
     ``expert_offset``: the global index of this rank's first expert
     (:func:`~megatron_gndpo.checkpoint.hf_mapping.expert_offset`); experts are split over TP
-    like the dense MLP (expert TP = TP).
+    like the dense MLP (expert TP = TP). ``only``: copy just the parameters of these full-model
+    names (a weight broadcast's bucket holds some layers: ``rollout/remote.fill_by_bucket``).
     """
     padded = model.padded_vocab_size(tp)
     with torch.no_grad():
         for local, full_name, param in hf_mapping.global_names(net, expert_offset=expert_offset):
+            if only is not None and full_name not in only:
+                continue
             mapping = hf_mapping.mapping_for(full_name, model)
             tensors = [hf.get(n) for n in mapping.hf]
             full = mapping.to_megatron(tensors, model, padded_vocab=padded)

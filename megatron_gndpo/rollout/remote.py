@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_gndpo.config import Config
+from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.parallel.bridge import Bridge, Placement, bridge
 from megatron_gndpo.parallel.groups import ParallelGroups, ParallelLayout
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
@@ -342,24 +343,22 @@ class RolloutWorker:
         self.bridge.flush()
 
     def _load(self, version: int, buckets: list[list[_Tensor]], check: bool) -> None:
-        from megatron_gndpo.checkpoint.convert import fill_from_hf
-
+        """Load weights version ``version`` a bucket (whole layers) at a time, as the colocated
+        sync does: one bucket of the broadcast is held at once, never the whole student."""
         vocab = self.cfg.model.vocab_size
         self.version, self.probe = version, None
-        if self.model is None:  # vLLM loads a bucket (whole layers) at a time, as in the
-            for bucket in self._receive(buckets):  # colocated sync: one bucket held at once
+        if self.model is None:  # vLLM
+            for bucket in self._receive(buckets):
                 self.engine.load_weights(bucket)
+                del bucket
             if check:
                 self.probe = self.engine.prompt_logprobs(probe_tokens(vocab)).float().cpu()
             return
-        # the built-in copy fills its TP shard from the whole state (by Hugging Face name)
-        assert self.groups is not None
-        received = _Named(dict(t for bucket in self._receive(buckets) for t in bucket))
-        fill_from_hf(
-            self.model, received, self.cfg.model, tp=self.parallel.tensor_parallel,
-            tp_rank=self.groups.coords["tp"],
+        assert self.groups is not None  # the built-in copy: its TP shard of each bucket's layers
+        fill_by_bucket(
+            self.model, self._receive(buckets), self.cfg.model,
+            tp=self.parallel.tensor_parallel, tp_rank=self.groups.coords["tp"],
         )  # fmt: skip
-        del received
         if check:
             self.probe = model_probe(self.model, self.groups, vocab_size=vocab)
 
@@ -374,6 +373,7 @@ class RolloutWorker:
                 bucket.append((m.name, raw.view(m.dtype).reshape(m.shape)))
                 offset += m.nbytes
             yield bucket
+            del flat, bucket  # before the next bucket's buffer: one held at once
 
     def _sample(self, batch: int) -> None:
         assert self.version is not None, "the trainer sends the weights before any batch"
@@ -420,6 +420,40 @@ def _vllm_engine(cfg: Config, vocab: int, pad_id: int) -> Any:
         max_model_len=cfg.model.max_position_embeddings, vocab_size=vocab,
         model_vocab_size=cfg.model.vocab_size, head_dim=cfg.model.head_dim,
     )  # fmt: skip
+
+
+def fill_by_bucket(
+    net: torch.nn.Module,
+    buckets: Iterable[list[tuple[str, torch.Tensor]]],
+    model: ModelConfig,
+    *,
+    tp: int,
+    tp_rank: int,
+) -> None:
+    """Fill this rank's TP shard ``net`` from Hugging Face tensors that arrive in buckets (the
+    weight broadcast): each parameter is copied from the bucket that holds its tensors (a bucket
+    holds whole layers: :func:`~megatron_gndpo.weight_sync.buckets.bucketed`, and a parameter's
+    tensors, fused q/k/v or gate/up, are one layer's), so only the current bucket is held."""
+    from megatron_gndpo.checkpoint.convert import fill_from_hf
+    from megatron_gndpo.checkpoint.hf_mapping import global_names, mapping_for
+
+    readers: dict[str, list[str]] = {}  # Hugging Face name -> the parameters made from it
+    for _, full, _ in global_names(net):
+        for name in mapping_for(full, model).hf:
+            readers.setdefault(name, []).append(full)
+    unfilled = {full for fulls in readers.values() for full in fulls}
+    for bucket in buckets:
+        named = _Named(dict(bucket))
+        ready = {full for name in named.tensors for full in readers.get(name, ())}
+        fill_from_hf(net, named, model, tp=tp, tp_rank=tp_rank, only=ready)
+        unfilled -= ready
+        del named, bucket
+    if unfilled:
+        raise WeightSyncError(
+            f"the weights sent to the rollout ranks left {len(unfilled)} parameters unfilled "
+            f"(first: {min(unfilled)}): the trainer and the rollout ranks disagree on the model "
+            "(a bug: please report it)"
+        )
 
 
 class _Named:
