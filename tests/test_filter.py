@@ -272,6 +272,14 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(_filtered_steps, 2, args=(str(root),), timeout_s=500)
 
 
+# Weights after one Adam step from two batches that differ only in shape (stub rows vs rows
+# deleted): Adam moves a weight by lr * g / (|g| + eps), so where g is near eps (1e-8) the step
+# is proportional to g, and g's float rounding (another summation order) shows. Measured with
+# torch 2.14.1 on CPU: 1.5e-7 on an fc1 weight whose step was 7.6e-4 (|g| ~ 3 eps), and 0.7% of
+# a 1.2e-5 step. The bound: 1/1000 of the largest step, lr = 1e-3.
+ADAM_ATOL = 1e-6
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[n], p) for n, p in b.items())
 
@@ -296,7 +304,7 @@ def test_a_filtered_step_is_a_step_without_those_rows(steps: list[dict[str, Any]
         assert not mask[~keep].any() and (advantages[~keep] == 0).all()
         assert _same(f["weights"][0], d["weights"][0])
         for name, p in d["weights"][1].items():
-            torch.testing.assert_close(f["weights"][1][name], p, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(f["weights"][1][name], p, rtol=1e-5, atol=ADAM_ATOL)
         m, want = f["metrics"][0], d["metrics"][0]
         assert m["tokens/global"] == want["tokens/global"] == m["filter/tokens_kept"] == tokens
         for key in ("loss", "grad_norm", "score/mean", "score/std", "advantage/mean",
@@ -375,4 +383,4 @@ def test_a_mini_batch_filtered_away_takes_no_optimizer_step(steps: list[dict[str
         for key in ("loss", "grad_norm"):
             assert m[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
         for name, p in first["weights"][1].items():
-            torch.testing.assert_close(halves["weights"][1][name], p, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(halves["weights"][1][name], p, rtol=1e-5, atol=ADAM_ATOL)
