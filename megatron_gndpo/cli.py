@@ -22,6 +22,8 @@ a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -377,12 +379,26 @@ def _cmd_demo_stability(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout_ranks(command: Sequence[str]) -> int:
+    """``rollout.disaggregate.ranks`` of a ``train`` command's config, for the launcher's
+    failure line; 0 for another command or a config that does not load (its workers said why)."""
+    if not command or command[0] != "train":
+        return 0
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # a usage error: the workers print it
+            args, extra = build_parser().parse_known_args(list(command))
+        overrides = [*args.overrides, *(arg for arg in extra if not arg.startswith("-"))]
+        return load_config(args.config or TINY_CPU, overrides).rollout.disaggregate.ranks
+    except (Exception, SystemExit):
+        return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # every later argument is torchrun's or the command's
         from megatron_gndpo.parallel import launch
 
-        return launch.main(argv[1:])
+        return launch.main(argv[1:], rollout_ranks=_rollout_ranks)
     parser = build_parser()
     # argparse fills a positional list only once: overrides after an option (`config validate
     # -n 8 a.b=1`, `plan a.b=1 -n 8 c.d=2`) come back unparsed. They are overrides all the same.

@@ -365,21 +365,23 @@ def test_launch_exit_codes_and_failure_line() -> None:
 
 
 def test_launch_names_the_role_of_the_failed_rank(tmp_path: Path) -> None:
-    """With rollout ranks apart (the last R of the job), the failure line says which role died;
-    anything the launcher cannot read (elastic sizes, a bad config) leaves the role out."""
+    """With rollout ranks apart (the last R of the job), the failure line says which role died:
+    the cli reads R from the train command's config; anything it cannot read (another command,
+    a bad config or option) and elastic sizes leave the role out."""
+    from megatron_gndpo.cli import _rollout_ranks
     from megatron_gndpo.parallel.launch import _world_size, role_of
 
-    apart = ["train", "rollout.disaggregate.ranks=1"]
-    assert [role_of(rank, 3, apart) for rank in range(3)] == ["trainer", "trainer", "rollout"]
+    assert [role_of(rank, 3, 1) for rank in range(3)] == ["trainer", "trainer", "rollout"]
+    assert (role_of(1, 2, 0), role_of(2, None, 1), role_of(0, 2, 2)) == (None, None, None)
     config = tmp_path / "apart.yaml"
     config.write_text("rollout:\n  disaggregate:\n    ranks: 2\n")
-    assert role_of(1, 4, ["train", "--config", str(config)]) == "trainer"
-    assert role_of(2, 4, ["train", "--config", str(config)]) == "rollout"
-    assert role_of(1, 2, ["train"]) is None  # one role: the rank says it all
-    assert role_of(2, None, apart) is None
-    assert role_of(0, 2, ["convert", "hf-to-mcore"]) is None
-    assert role_of(0, 2, ["train", "rollout.no_such_key=1"]) is None
-    assert role_of(0, 2, ["train", "--no-such-option"]) is None
+    assert _rollout_ranks(["train", "rollout.disaggregate.ranks=1"]) == 1
+    assert _rollout_ranks(["train", "--config", str(config)]) == 2
+    assert _rollout_ranks(["train", "-c", str(config), "rollout.disaggregate.ranks=3"]) == 3
+    assert _rollout_ranks(["train"]) == 0  # the embedded tiny config: one role
+    assert _rollout_ranks(["convert", "hf-to-mcore"]) == 0
+    assert _rollout_ranks(["train", "rollout.no_such_key=1"]) == 0
+    assert _rollout_ranks(["train", "--config", str(tmp_path / "missing.yaml")]) == 0
     sizes = (_world_size("2", "4"), _world_size("1:4", "2"), _world_size("1", "auto"))
     assert sizes == (8, None, None)
 

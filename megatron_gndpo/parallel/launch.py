@@ -26,12 +26,10 @@ The worker's own traceback, when it has one, is in its output above the line, as
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 COMMANDS = ("train", "convert")
 _MODULE = "megatron_gndpo.cli"
@@ -81,25 +79,14 @@ def failure_line(
     )
 
 
-def role_of(rank: int, world_size: int | None, command: Sequence[str]) -> str | None:
-    """The role of global ``rank`` in a ``train`` job whose config puts rollout ranks apart
-    (``rollout.disaggregate.ranks`` R: the last R ranks are "rollout", the others "trainer");
-    None when the job has one role, or when the world size or the config cannot be read here
-    (an elastic ``--nnodes 1:4``, ``--nproc-per-node auto``: the line then names the rank only)."""
-    if world_size is None or not command or command[0] != "train":
+def role_of(rank: int, world_size: int | None, rollout_ranks: int) -> str | None:
+    """The role of global ``rank`` when the job's last ``rollout_ranks`` ranks only generate
+    (``rollout.disaggregate.ranks``): "rollout" or "trainer"; None when the job has one role or
+    its world size is not fixed by torchrun's options (``--nnodes 1:4``, ``--nproc-per-node
+    auto``: the line then names the rank only)."""
+    if world_size is None or not 0 < rollout_ranks < world_size:
         return None
-    from megatron_gndpo.cli import TINY_CPU, build_parser
-    from megatron_gndpo.config import load_config
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage: the worker's to print
-            args = build_parser().parse_args(list(command))
-        ranks = load_config(args.config or TINY_CPU, args.overrides).rollout.disaggregate.ranks
-    except (Exception, SystemExit):  # the worker reported a bad config already
-        return None
-    if not 0 < ranks < world_size:
-        return None
-    return "rollout" if rank >= world_size - ranks else "trainer"
+    return "rollout" if rank >= world_size - rollout_ranks else "trainer"
 
 
 def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
@@ -110,7 +97,9 @@ def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
         return None
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str], rollout_ranks: Callable[[Sequence[str]], int] = lambda _: 0) -> int:
+    """``rollout_ranks``: how many of the job's ranks a command (``train ...``) gives to
+    generation alone (the cli reads its config; the failure line then names the role)."""
     import socket
 
     from torch.distributed import run as torchrun
@@ -154,7 +143,7 @@ def main(argv: Sequence[str]) -> int:
         rank, failure = err.get_first_failure()
         host = socket.getfqdn()
         world = _world_size(str(args.nnodes), str(args.nproc_per_node))
-        role = role_of(rank, world, args.training_script_args)
+        role = role_of(rank, world, rollout_ranks(args.training_script_args))
         print(failure_line(rank, failure.local_rank, host, failure.pid, failure.exitcode, role),
               file=sys.stderr, flush=True)  # fmt: skip
         return exit_code_of(failure.exitcode)
