@@ -352,12 +352,12 @@ class Trainer:
     def _check_engine(self, engine: Any) -> dict[str, float]:
         """The engine's log-probs of a probe sequence against the student's, after a sync
         (``rollout.weight_sync_check``): a silently corrupted engine stops the run."""
-        from megatron_gndpo.weight_sync.check import DEFAULT_TOLERANCE, check_engine
+        from megatron_gndpo.weight_sync.check import check_due, check_engine, tolerance_of
 
         r, model = self.cfg.rollout, self.cfg.model
-        if r.weight_sync_check == "never" or (r.weight_sync_check == "first" and self._syncs > 1):
+        if not check_due(r.weight_sync_check, self._syncs):
             return {}
-        tolerance = r.weight_sync_check_tolerance or DEFAULT_TOLERANCE[model.params_dtype]
+        tolerance = tolerance_of(r, model.params_dtype)
         return check_engine(
             engine, self.c.student, self.c.student_groups, vocab_size=model.vocab_size,
             tolerance=tolerance, excluded_ids=never_sampled(self.cfg),

@@ -43,9 +43,11 @@ from megatron_gndpo.rollout.base import Rollout, SamplingParams
 from megatron_gndpo.weight_sync.buckets import bucketed
 from megatron_gndpo.weight_sync.check import (
     WeightSyncError,
+    check_due,
     model_probe,
     probe_difference,
     probe_tokens,
+    tolerance_of,
 )
 from megatron_gndpo.weight_sync.sync import DEFAULT_BUCKET_BYTES
 
@@ -89,10 +91,6 @@ def trainer_layout(cfg: Config, trainer_ranks: int) -> ParallelLayout:
     return layout_of(cfg.parallel, trainer_ranks)
 
 
-def _replica_ranks(layout: ParallelLayout, replica: int) -> list[int]:
-    return [r for r in range(layout.world_size) if layout.coords(r)["dp"] == replica]
-
-
 def _leader(layout: ParallelLayout, replica: int) -> int:
     return layout.rank_of({"tp": 0, "cp": 0, "dp": replica, "pp": 0})
 
@@ -106,12 +104,6 @@ def placement_of(cfg: Config, b: Bridge) -> Placement:
             f"rollout.disaggregate.ranks is {d.ranks}: start it from the same config"
         )
     return Placement(b.placement.world_size, d.ranks, d.tensor_parallel)
-
-
-def _check_due(cfg: Config, published: int) -> bool:
-    """Whether the ``published``-th publication of this run (1-based) is checked."""
-    when = cfg.rollout.weight_sync_check
-    return when == "every" or (when == "first" and published == 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +140,7 @@ class RemoteRollouts:
 
         started = time.perf_counter()
         self.published += 1
-        check = _check_due(self.cfg, self.published)
+        check = check_due(self.cfg.rollout.weight_sync_check, self.published)
         coords, total = self.groups.coords, 0
         buckets: list[list[_Tensor]] = []
         flats: list[torch.Tensor] = []
@@ -219,7 +211,7 @@ class RemoteRollouts:
         if reference is not None and result.probe is not None:
             del self.probes[result.version]
             diff = probe_difference(result.probe, reference)
-            metrics |= agree(diff, self._tolerance())
+            metrics |= agree(diff, tolerance_of(self.cfg.rollout, self.cfg.model.params_dtype))
         for older in [v for v in self.probes if v < result.version]:
             del self.probes[older]  # its probe never came back (a batch from a checkpoint)
         return result, metrics
@@ -247,12 +239,6 @@ class RemoteRollouts:
             for rank in self.rollout_ranks:
                 self.bridge.send(("stop",), rank)
         self.bridge.flush()
-
-    def _tolerance(self) -> float:
-        from megatron_gndpo.weight_sync.check import DEFAULT_TOLERANCE
-
-        r = self.cfg.rollout
-        return r.weight_sync_check_tolerance or DEFAULT_TOLERANCE[self.cfg.model.params_dtype]
 
 
 def _meta(name: str, tensor: torch.Tensor) -> _Tensor:
@@ -326,7 +312,8 @@ class RolloutWorker:
         # the trainer replicas this rollout replica samples for, and who asks and who receives
         self.served = [r for r in range(trainers.dp) if p.serving(r) == self.replica]
         self.askers = {r: _leader(trainers, r) for r in self.served}
-        self.receivers = {r: _replica_ranks(trainers, r) for r in self.served}
+        replica_of = ("tp", "cp", "pp")  # the ranks of a data-parallel replica differ only there
+        self.receivers = {r: trainers.group_of(self.askers[r], replica_of) for r in self.served}
         self.version: int | None = None
         self.probe: torch.Tensor | None = None
 

@@ -81,6 +81,17 @@ def probe_difference(theirs: torch.Tensor, ours: torch.Tensor) -> float:
     return mean if math.isfinite(mean) else math.inf
 
 
+def check_due(when: str, sync: int) -> bool:
+    """Whether the ``sync``-th weight sync of a run (1-based) is checked, by
+    ``rollout.weight_sync_check`` (``every``, ``first`` or ``never``)."""
+    return when == "every" or (when == "first" and sync == 1)
+
+
+def tolerance_of(rollout: Any, params_dtype: str) -> float:
+    """``rollout.weight_sync_check_tolerance``, or the default for the student's dtype."""
+    return float(rollout.weight_sync_check_tolerance or DEFAULT_TOLERANCE[params_dtype])
+
+
 def agree(diff: float, tolerance: float, *, group: Any = None) -> dict[str, float]:
     """The largest ``diff`` of any rank (one all-reduce over ``group``, the world by default):
     :class:`WeightSyncError` on every rank when it exceeds ``tolerance``, else the metric."""
