@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_gndpo.checks import layout_of
+from megatron_gndpo.checks.rules import split_problems
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import (
     Config,
@@ -251,16 +252,9 @@ def rank_split(cfg: Config, world_size: int) -> RankSplit:
     d = cfg.rollout.disaggregate
     if not d.enabled:
         return RankSplit(world_size, 0, 1, layout_of(cfg.parallel, world_size).dp)
-    if d.ranks >= world_size:
-        raise ConfigError(
-            f"rollout.disaggregate.ranks ({d.ranks}) leaves no rank of the {world_size} to "
-            "train; launch more ranks or give fewer to the rollouts"
-        )
-    if d.tensor_parallel < 1 or d.ranks % d.tensor_parallel:
-        raise ConfigError(
-            f"rollout.disaggregate.tensor_parallel ({d.tensor_parallel}) must divide "
-            f"rollout.disaggregate.ranks ({d.ranks}): each rollout replica is that many ranks"
-        )
+    split = split_problems(d, world_size)
+    if split:
+        raise ConfigError(split[0])
     trainer = world_size - d.ranks
     problems = _layout_problems(cfg, trainer)
     if problems:

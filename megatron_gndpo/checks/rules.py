@@ -535,6 +535,24 @@ def _vision_problems(cfg: Config) -> list[str]:
     return p
 
 
+def split_problems(d: Any, world_size: int | None) -> list[str]:
+    """What is wrong with the rollout ranks' share of ``world_size`` ranks
+    (``rollout.disaggregate``; ``d`` its section): none left to train, or a rollout TP that
+    does not divide them. ``plan`` raises the first (plan.rank_split)."""
+    p = []
+    if world_size is not None and d.ranks >= world_size:
+        p.append(
+            f"rollout.disaggregate.ranks ({d.ranks}) leaves no rank of the {world_size} to train; "
+            "launch more ranks or give fewer to the rollouts"
+        )
+    if d.tensor_parallel < 1 or d.ranks % d.tensor_parallel:
+        p.append(
+            f"rollout.disaggregate.tensor_parallel ({d.tensor_parallel}) must divide "
+            f"rollout.disaggregate.ranks ({d.ranks}): each rollout replica is that many ranks"
+        )
+    return p
+
+
 def _disaggregate_problems(cfg: Config, world_size: int | None, max_tokens: int) -> list[str]:
     """Rollout ranks apart (rollout.disaggregate): sizes, and what they do not run yet."""
     d, p = cfg.rollout.disaggregate, list[str]()
@@ -548,16 +566,7 @@ def _disaggregate_problems(cfg: Config, world_size: int | None, max_tokens: int)
                 "rollout.disaggregate.ranks (colocated rollouts are always synchronous)"
             )
         return p
-    if world_size is not None and d.ranks >= world_size:
-        p.append(
-            f"rollout.disaggregate.ranks ({d.ranks}) leaves no rank of the {world_size} to train; "
-            "launch more ranks or give fewer to the rollouts"
-        )
-    if d.ranks % d.tensor_parallel:
-        p.append(
-            f"rollout.disaggregate.tensor_parallel ({d.tensor_parallel}) must divide "
-            f"rollout.disaggregate.ranks ({d.ranks}): each rollout replica is that many ranks"
-        )
+    p += split_problems(d, world_size)
     rollout_parallel = ParallelConfig(tensor_parallel=d.tensor_parallel)
     p += [
         problem.replace("parallel.", "rollout.disaggregate.", 1)
