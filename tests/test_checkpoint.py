@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import re
 import shutil
 from pathlib import Path
@@ -91,10 +92,15 @@ def _save_then_continue(rank: int, world: int, root: str) -> dict[str, object]:
     groups, model, ddp, optimizer = _student(tp=2, seed=1)
     _train_step(ddp, optimizer, _batch(1))
     save_checkpoint(root, 1, ddp, optimizer=optimizer, extra={"data_position": 17})
+    # megatron-core's writer would start a manager process here (compat/saving.py)
+    children = [child.name for child in multiprocessing.active_children()]
     saved_logits = _logits(model, groups)
     saved = _params(model)
     norm = _train_step(ddp, optimizer, _batch(2))  # the step a resumed run must reproduce
-    return {"saved": saved, "after": _params(model), "norm": norm, "logits": saved_logits}
+    return {
+        "saved": saved, "after": _params(model), "norm": norm, "logits": saved_logits,
+        "children": children,
+    }  # fmt: skip
 
 
 def _resume_and_continue(rank: int, world: int, root: str) -> dict[str, object]:
@@ -130,6 +136,8 @@ def test_save_kill_load_restores_model_and_optimizer_and_reshards(tmp_path: Path
     root = tmp_path / "ckpt"
     first = run_distributed(_save_then_continue, 2, args=(str(root),), timeout_s=300)
     assert latest_step(root) == 1
+    # A save leaves no process behind that could outlive a killed rank.
+    assert [rank["children"] for rank in first] == [[], []]
 
     # A save killed mid-way leaves a .tmp directory and does not move `latest`.
     (tmp_path / "ckpt" / "iter_0000002.tmp").mkdir()

@@ -122,3 +122,23 @@ def test_report_which_patches_are_still_needed() -> None:
     if obsolete:
         warnings.warn(f"compat patches no longer needed: {obsolete}", stacklevel=1)
     assert len(statuses) == len(cpu.PATCHES)
+
+
+def test_checkpoint_writer_results_stay_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core's writer would start a spawned manager process for its results queue (it
+    outlived a killed rank: tests/test_slurm.py); after the compat call it gets a thread queue,
+    and importing the compat module changes nothing."""
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    children = set(multiprocessing.active_children())
+    saving = importlib.import_module("megatron_gndpo.compat.saving")
+    assert filesystem_async._results_queue is None
+    saving.keep_write_results_in_process()
+    seeded = filesystem_async.get_write_results_queue()
+    assert type(seeded) is queue.Queue and set(multiprocessing.active_children()) == children
+    saving.keep_write_results_in_process()  # idempotent
+    assert filesystem_async.get_write_results_queue() is seeded

@@ -371,8 +371,10 @@ def test_hard_requeue_resumes_from_last_complete_checkpoint(
     _assert_same_training(run_dir, reference.rows, SHORT_STEPS)
 
 
-def _worker_pid(job_id: int, rank: int) -> int | None:
-    """The pid of the job's trainer process of global ``rank`` on this node (read from /proc)."""
+def _job_processes(job_id: int) -> dict[int, tuple[list[bytes], bytes]]:
+    """This node's processes of the job (environment and command line by pid, from /proc): the
+    launcher, its workers and whatever they started, which inherit ``SLURM_JOB_ID``."""
+    found = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -381,13 +383,35 @@ def _worker_pid(job_id: int, rank: int) -> int | None:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ:
+            found[int(proc.name)] = (environ, cmdline)
+    return found
+
+
+def _worker_pid(job_id: int, rank: int) -> int | None:
+    """The pid of the job's trainer process of global ``rank`` on this node (read from /proc)."""
+    for pid, (environ, cmdline) in _job_processes(job_id).items():
         if (
-            f"SLURM_JOB_ID={job_id}".encode() in environ
-            and f"RANK={rank}".encode() in environ  # the launcher itself has no RANK
+            f"RANK={rank}".encode() in environ  # the launcher itself has no RANK
             and b"megatron_gndpo.cli\0train" in cmdline  # a worker: python -m megatron_gndpo.cli
         ):
-            return int(proc.name)
+            return pid
     return None
+
+
+def _assert_no_process_outlives(job: Job) -> None:
+    """Once the job has ended, none of its processes is left on the node (polled for 30 s). A
+    process a killed rank had started, parented to init when the rank died, would hold its
+    memory until the node reboots on a cluster that does not track jobs by cgroup (ours:
+    proctrack/linuxproc): megatron-core's checkpoint writer started one per rank
+    (``compat/saving.py``)."""
+    deadline = time.monotonic() + 30
+    while (left := _job_processes(job.id)) and time.monotonic() < deadline:
+        time.sleep(1)
+    commands = [
+        cmdline.replace(b"\0", b" ").decode(errors="replace") for _, cmdline in left.values()
+    ]
+    assert not left, f"processes outlived the job: {dict(zip(left, commands, strict=True))}"
 
 
 def _kill_rank_past_a_checkpoint(job: Job, rank: int) -> None:
@@ -408,6 +432,7 @@ def _kill_rank_past_a_checkpoint(job: Job, rank: int) -> None:
     assert job.steps_logged() < SHORT_STEPS, "the kill came after the last step\n" + job.describe()
     out = job.output()
     assert "training failed" in out and f"rank {rank}" in out and "resubmit" in out, out
+    _assert_no_process_outlives(job)
 
 
 def test_killed_rank_ends_job_and_next_submission_resumes(

@@ -341,6 +341,8 @@ def save_checkpoint(
         raise CheckpointError(refusal)
     from megatron.core import dist_checkpointing
 
+    from megatron_gndpo.compat import saving
+
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank() == 0:
@@ -358,6 +360,7 @@ def save_checkpoint(
     sharded.update(interop.megatron_lm_common(
         text_model, step=step, tp=tp, pp=pp, world_size=world_size(), tokenizer=tokenizer
     ))  # fmt: skip
+    saving.keep_write_results_in_process()  # no manager process to outlive a killed rank
     dist_checkpointing.save(sharded, str(tmp), content_metadata=_OPTIMIZER_METADATA)
     barrier()
     if rank() == 0:  # before the checksums: they cover these too

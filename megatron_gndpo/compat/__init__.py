@@ -3,4 +3,11 @@
 ``megatron_gndpo.compat.cpu.enable()`` redirects megatron-core's CUDA assumptions (and the few
 it makes of Apex/TE norms and NCCL) so that it runs on a CPU with gloo (tests, the embedded demo);
 entry points call ``enable_if_no_cuda()``.
+
+``megatron_gndpo.compat.saving.keep_write_results_in_process()`` (called by every checkpoint
+save, on any device) keeps megatron-core's write results in a thread queue of the saving rank
+instead of a spawned manager process, which outlived a killed rank.
+
+``megatron_gndpo.compat.notices`` shows megatron-core's known notices once instead of on every
+model build.
 """
