@@ -52,6 +52,12 @@ class RolloutRankMemory:
         return self.weights + self.kv_cache + self.prefill + self.staging
 
 
+def _busiest_rows(cfg: Config, split: RankSplit) -> int:
+    """Rows the busiest rollout replica generates per step: a trainer replica's rows for each
+    replica it serves."""
+    return split.blocks_per_replica * (cfg.rollout.rollout_batch_size // split.trainer_dp)
+
+
 def estimate_rollout_memory(
     cfg: Config, world_size: int, hw: Hardware | None = None
 ) -> RolloutRankMemory | None:
@@ -68,7 +74,7 @@ def estimate_rollout_memory(
     if not split.rollout_ranks:
         return None
     model, tp, seq = cfg.model, split.rollout_tp, sequence_length(cfg)
-    rows = split.blocks_per_replica * (cfg.rollout.rollout_batch_size // split.trainer_dp)
+    rows = _busiest_rows(cfg, split)
     dtype = BYTES[model.params_dtype]
     weights = stage_params(model, ParallelLayout(world_size=tp, tp=tp), 0) * dtype
     staging = min(DEFAULT_BUCKET_BYTES, total_params(model) * dtype)
@@ -129,7 +135,7 @@ def estimate_disaggregated_step_time(
     split = rank_split(cfg, world_size)
     if not split.rollout_ranks:
         return None
-    rows = split.blocks_per_replica * (cfg.rollout.rollout_batch_size // split.trainer_dp)
+    rows = _busiest_rows(cfg, split)
     tp = split.rollout_tp
     flops_s, floor_s = generation_time(cfg, rows, tp, tp, hw)
     model = cfg.model

@@ -184,17 +184,34 @@ def _stepwise(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any:
     return history, out
 
 
+# The bounds are tight so that a one-step-old sampler's ratios cross them (gaps above 1e-3 here).
+_CORRECTIONS = {
+    "tis": ["algorithm.offpolicy.tis_cap=1.002"],
+    "mask": ["algorithm.offpolicy.mask_low=0.998", "algorithm.offpolicy.mask_high=1.002"],
+}
+
+
+def _reference_weights(correction: str, ratio: torch.Tensor) -> torch.Tensor:
+    """The single-process reference, token level: TIS min(r, cap); the mask r inside
+    [low, high] and 0 outside."""
+    if correction == "tis":
+        return ratio.clamp(max=1.002)
+    inside = (ratio >= 0.998) & (ratio <= 1.002)
+    return torch.where(inside, ratio, torch.zeros_like(ratio))
+
+
+@pytest.mark.parametrize("correction", sorted(_CORRECTIONS))
 def test_one_step_off_samples_with_the_weights_before_and_corrects_for_them(
-    tmp_path: Path,
+    tmp_path: Path, correction: str
 ) -> None:
     overrides = [
         "trainer.steps=3", "rollout.disaggregate.ranks=1", "rollout.disaggregate.staleness=1",
-        "algorithm.offpolicy.correction=tis", "algorithm.offpolicy.tis_cap=1.05",
+        f"algorithm.offpolicy.correction={correction}", *_CORRECTIONS[correction],
     ]  # fmt: skip
     results = run_distributed(
         _stepwise, 3, (str(tmp_path / "s"), overrides), timeout_s=300, rollout_ranks=1
     )
-    cap = 1.05
+    touched = {b: [0, 0] for b in (1, 2, 3)}  # batch -> [tokens changed, sampled], both replicas
     for history, seen in results[:2]:
         assert [h["async/staleness"] for h in history] == [0.0, 1.0, 1.0]
         for batch, r in seen.items():
@@ -208,11 +225,18 @@ def test_one_step_off_samples_with_the_weights_before_and_corrects_for_them(
             gap = (r["old"][mask] - sampled).abs().max().item()
             if batch >= 3:  # sampled one step behind: a real gap the correction sees
                 assert gap > 1e-3, (batch, gap)
-            # truncated importance sampling, token level: min(exp(old - sampler), cap)
+            ratio = torch.exp(r["old"][mask] - sampled)
             reference = torch.ones_like(r["old"])
-            reference[mask] = torch.exp(r["old"][mask] - sampled).clamp(max=cap)
+            reference[mask] = _reference_weights(correction, ratio)
             assert torch.allclose(r["weights"], reference, atol=1e-6), batch
-        assert any((r["weights"] == cap).any() for r in seen.values())  # the cap took effect
+            touched[batch][0] += int((reference[mask] != ratio).sum())
+            touched[batch][1] += int(mask.sum())
+    # the logged share of the step's tokens the cap cut or the mask rejected is the reference's
+    key = "offpolicy/clip_frac" if correction == "tis" else "offpolicy/mask_frac"
+    for batch, (changed, total) in touched.items():
+        for history, _ in results[:2]:
+            assert history[batch - 1][key] == pytest.approx(changed / total, abs=1e-12), batch
+    assert touched[3][0] > 0  # the cap or the mask took effect
 
 
 def test_resume_with_batches_in_flight_continues_exactly(tmp_path: Path) -> None:
