@@ -64,8 +64,9 @@ from megatron_gndpo.rollout.filters import (
     keep_rows,
 )
 from megatron_gndpo.rollout.metrics import rollout_metrics
+from megatron_gndpo.rollout.pipeline import RolloutPipeline
 from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
-from megatron_gndpo.rollout.remote import RemoteRollouts, load_inflight, save_inflight
+from megatron_gndpo.rollout.remote import RemoteRollouts, load_inflight
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
@@ -112,10 +113,13 @@ class Trainer:
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
         self.run_id = ""
         # rollout.disaggregate: the rollout ranks sample, batches ahead with staleness > 0
-        self.remote: RemoteRollouts | None = None
-        self._asked: dict[int, tuple[str, list[int]]] = {}  # batch -> its prompts (remote)
+        self.pipeline: RolloutPipeline | None = None
         if cfg.rollout.disaggregate.enabled:
-            self.remote = RemoteRollouts(cfg, self.c.student, self.c.student_groups)
+            self.pipeline = RolloutPipeline(
+                RemoteRollouts(cfg, self.c.student, self.c.student_groups), cfg.rollout,
+                cfg.trainer.steps, self.params, draw=self._draw, resolve=self._resolve,
+                seeds=self._seeds,
+            )  # fmt: skip
         if self.c.skipped_prompts:
             total = self.c.skipped_prompts + len(self.c.prompts)
             self._warn(
@@ -126,8 +130,8 @@ class Trainer:
             )
         inflight = self._resume()
         self._describe_checkpoints()
-        if self.remote is not None:  # the rollout ranks start without the student's weights
-            self._start_pipeline(inflight)
+        if self.pipeline is not None:  # the rollout ranks start without the student's weights
+            self.pipeline.start(self.step_count, inflight)
         else:
             self._sync_engine()  # so does an external engine
 
@@ -155,8 +159,8 @@ class Trainer:
         c, timer = self.c, self.c.timer
         started = time.perf_counter()
         with timer.time("rollout"):
-            if self.remote is not None:  # sampled on the rollout ranks (maybe ahead)
-                prompts, sampled, metrics = self._take(self.step_count + 1)
+            if self.pipeline is not None:  # sampled on the rollout ranks (maybe ahead)
+                prompts, sampled, metrics = self.pipeline.take(self.step_count + 1)
             else:
                 prompts, metrics = self._next_prompts(), {}
                 sampled = self._sample(prompts)
@@ -225,8 +229,8 @@ class Trainer:
         interval = self.cfg.checkpoint.save_interval
         if not (interval and self.step_count % interval == 0):  # not saved by the last step
             self._save()
-        if self.remote is not None:
-            self.remote.stop()  # the rollout ranks end their loop
+        if self.pipeline is not None:
+            self.pipeline.stop()  # the rollout ranks end their loop
         self.c.logger.close()
         return history
 
@@ -253,50 +257,6 @@ class Trainer:
         step = self.step_count if batch is None else batch - 1
         first = self.c.student_groups.coords["dp"] * len(prompts)
         return seeding.prompt_seeds(self.cfg.trainer.seed, step, first, len(prompts))
-
-    # -- rollout ranks apart (rollout.disaggregate) ----------------------------------------------
-    def _start_pipeline(self, inflight: dict[int, Any]) -> None:
-        """Publish the weights the run starts from and ask for the first batches: those up to
-        ``staleness`` steps ahead, except the ones a resumed checkpoint brought along."""
-        remote = self._remote()
-        remote.publish(self.step_count)
-        if inflight:
-            remote.restore({b: result for b, (result, _) in inflight.items()})
-            self._asked |= {b: drawn for b, (_, drawn) in inflight.items()}
-        last = min(self.step_count + 1 + self.cfg.rollout.disaggregate.staleness,
-                   self.cfg.trainer.steps)  # fmt: skip
-        for batch in range(self.step_count + 1, last + 1):
-            if batch not in self._asked:
-                self._ask(batch)
-
-    def _remote(self) -> RemoteRollouts:
-        assert self.remote is not None
-        return self.remote
-
-    def _ask(self, batch: int) -> None:
-        """Draw ``batch``'s prompts now and ask the rollout ranks for their samples."""
-        drawn = self._draw(batch)
-        prompts = self._resolve(drawn)
-        self._asked[batch] = drawn
-        temperature = temperature_at(self.cfg.rollout, batch)
-        params = dataclasses.replace(self.params, temperature=temperature)
-        ids = [list(p.ids) for p in prompts]
-        self._remote().request(batch, ids, self._seeds(prompts, batch), params)
-
-    def _take(self, batch: int) -> tuple[list[Any], Rollout, dict[str, float]]:
-        """``batch``'s prompts, its rollout from the rollout ranks and the pipeline's metrics."""
-        result, metrics = self._remote().take(batch)
-        return self._resolve(self._asked.pop(batch)), result.rollout, metrics
-
-    def _advance(self, version: int) -> dict[str, float]:
-        """After step ``version``: its weights to the rollout ranks and the next batch asked
-        for (sampled with them), while there are steps left to use them."""
-        batch = version + 1 + self.cfg.rollout.disaggregate.staleness
-        if batch > self.cfg.trainer.steps:
-            return {}
-        metrics = self._remote().publish(version)
-        self._ask(batch)
-        return metrics
 
     def _generate(
         self, prompts: list[Any], ids: list[list[int]], params: SamplingParams, seeds: list[int]
@@ -332,8 +292,8 @@ class Trainer:
     def _sync_engine(self) -> dict[str, float]:
         """Push the student's weights into an external engine (vLLM); nothing for the built-in
         generator, which samples from the trained weights themselves."""
-        if self.remote is not None:  # the rollout ranks: the weights of the step now ending
-            return self._advance(self.step_count + 1)
+        if self.pipeline is not None:  # the rollout ranks: the weights of the step now ending
+            return self.pipeline.advance(self.step_count + 1)
         engine = self.c.generator
         if not hasattr(engine, "load_weights"):
             return {}
@@ -626,18 +586,9 @@ class Trainer:
 
     def _save(self) -> None:
         extra, files = run_state(self._run_state()), None  # files: the in-flight batches
-        if self.remote is not None:  # the batches sampled ahead go into the checkpoint
-            remote = self.remote
-            batches = remote.drain()
-            extra["inflight"] = {
-                "batches": batches, "replicas": self.c.student_groups.layout.dp,
-                "staleness": self.cfg.rollout.disaggregate.staleness,
-            }  # fmt: skip
-            asked = {b: self._asked[b] for b in batches}
-
-            def files(directory: Path) -> None:
-                save_inflight(directory, remote, asked)
-
+        if self.pipeline is not None:  # the batches sampled ahead go into the checkpoint
+            replicas = self.c.student_groups.layout.dp
+            extra["inflight"], files = self.pipeline.checkpoint(replicas)
         save_checkpoint(
             self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
             extra=extra, keep_last=self.cfg.checkpoint.keep_last, run_id=self.run_id,

@@ -146,7 +146,9 @@ def _stepwise(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any:
 
     trainer = Trainer(cfg)
     seen: dict[int, dict[str, Any]] = {}
-    take, correction = trainer._take, trainer._correction
+    assert trainer.pipeline is not None
+    pipeline = trainer.pipeline
+    take, correction = pipeline.take, trainer._correction
 
     def recording_take(batch: int) -> Any:
         prompts, rollout, metrics = take(batch)
@@ -158,14 +160,14 @@ def _stepwise(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any:
         seen[trainer.step_count + 1] |= {"old": old_lp.clone(), "weights": weights.clone()}
         return weights, metrics
 
-    trainer._take, trainer._correction = recording_take, recording_correction  # type: ignore[method-assign]
+    pipeline.take = recording_take  # type: ignore[method-assign]
+    trainer._correction = recording_correction  # type: ignore[method-assign]
     weights = [snapshot(trainer.c.student)]
     history = []
     for _ in range(cfg.trainer.steps):
         history.append(trainer.step())
         weights.append(snapshot(trainer.c.student))
-    assert trainer.remote is not None
-    trainer.remote.stop()
+    pipeline.stop()
     params = dict(trainer.c.student.named_parameters())
 
     def logprobs(version: int, rollout: Any) -> torch.Tensor:
@@ -287,8 +289,8 @@ def _corrupted(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any
     try:
         trainer.train()
     except WeightSyncError as err:
-        assert trainer.remote is not None
-        trainer.remote.stop()
+        assert trainer.pipeline is not None
+        trainer.pipeline.stop()
         return str(err)
     return "no error"
 
