@@ -20,8 +20,9 @@ parallelism) the tokens are the colocated run's bit for bit.
 Which weights sample which batch is decided by the order of the commands alone (the trainer's
 schedule: :mod:`megatron_gndpo.rollout.pipeline`): the trainer publishes ``W_k`` after step
 ``k`` and then requests batch ``k + 1 + staleness``, so that batch is sampled with ``W_k`` and
-never sooner (the rollout ranks wait for the weights: nothing is ever dropped). Every result carries the version it was sampled with; :meth:`~RemoteRollouts.take`
-checks it, and compares the rollout copy's log-probs of a probe sequence with the trainer's
+never sooner (the rollout ranks wait for the weights: nothing is ever dropped). Every result
+carries the version it was sampled with; :meth:`~RemoteRollouts.take` checks it, and compares
+the rollout copy's log-probs of a probe sequence with the trainer's
 (``rollout.weight_sync_check``), as the colocated sync's check does.
 """
 
