@@ -64,7 +64,7 @@ from megatron_gndpo.rollout.filters import (
     keep_rows,
 )
 from megatron_gndpo.rollout.metrics import rollout_metrics
-from megatron_gndpo.rollout.pipeline import RolloutPipeline
+from megatron_gndpo.rollout.pipeline import Drawn, RolloutPipeline
 from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
 from megatron_gndpo.rollout.remote import RemoteRollouts, load_inflight
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
@@ -116,9 +116,10 @@ class Trainer:
         self.pipeline: RolloutPipeline | None = None
         if cfg.rollout.disaggregate.enabled:
             self.pipeline = RolloutPipeline(
-                RemoteRollouts(cfg, self.c.student, self.c.student_groups), cfg.rollout,
-                cfg.trainer.steps, self.params, draw=self._draw, resolve=self._resolve,
-                seeds=self._seeds,
+                RemoteRollouts(cfg, self.c.student, self.c.student_groups),
+                staleness=cfg.rollout.disaggregate.staleness, steps=cfg.trainer.steps,
+                draw=self._draw, resolve=self._resolve, seeds=self._seeds,
+                sampling=self._sampling,
             )  # fmt: skip
         if self.c.skipped_prompts:
             total = self.c.skipped_prompts + len(self.c.prompts)
@@ -238,7 +239,7 @@ class Trainer:
     def _next_prompts(self) -> list[Any]:
         return self._resolve(self._draw(self.step_count + 1))
 
-    def _draw(self, batch: int) -> tuple[str, list[int]]:
+    def _draw(self, batch: int) -> Drawn:
         """This replica's prompts of ``batch`` (1-based: the step that trains on it), as the
         prompt set they come from and their indices (what a checkpoint stores)."""
         outliers = self.c.outlier_sampler
@@ -246,10 +247,16 @@ class Trainer:
             return "outlier", outliers.next_step()  # data.outlier_train
         return "train", self.c.sampler.next_step()
 
-    def _resolve(self, drawn: tuple[str, list[int]]) -> list[Any]:
+    def _resolve(self, drawn: Drawn) -> list[Any]:
         source, indices = drawn
         prompts = self.c.outlier_prompts if source == "outlier" else self.c.prompts
         return [prompts[i] for i in indices]
+
+    def _sampling(self, batch: int) -> SamplingParams:
+        """The sampling parameters of ``batch`` (1-based): the configured ones at the
+        temperature the schedule gives its step (rollout/schedule.py)."""
+        temperature = temperature_at(self.cfg.rollout, batch)
+        return dataclasses.replace(self.params, temperature=temperature)
 
     def _seeds(self, prompts: list[Any], batch: int | None = None) -> list[int]:
         # One seed per prompt from (seed, step, position in the global step batch): the samples
@@ -278,8 +285,7 @@ class Trainer:
         """The step's rollout: on-policy, or continued from teacher-written prefixes when the
         method says so (TrOPD's off-policy guidance, rollout/prefixes.py)."""
         share = self.method.prefix_share(self.step_count + 1)
-        temperature = temperature_at(self.cfg.rollout, self.step_count + 1)
-        params = dataclasses.replace(self.params, temperature=temperature)
+        params = self._sampling(self.step_count + 1)
         if share == 0.0:
             return self._rollout(prompts, params)
         images = [p.images for p in prompts] if self.cfg.model.vision is not None else None

@@ -150,6 +150,7 @@ def _stepwise(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any:
     pipeline = trainer.pipeline
     take, correction = pipeline.take, trainer._correction
 
+    # Recorders around the real methods (no stand-in): each calls through and keeps what it saw.
     def recording_take(batch: int) -> Any:
         prompts, rollout, metrics = take(batch)
         seen[batch] = {"rollout": rollout, "staleness": metrics["async/staleness"]}

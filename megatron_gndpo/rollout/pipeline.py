@@ -9,20 +9,17 @@ resumed run takes them instead of asking again. Staleness 0 is the synchronous s
 batch is asked for right after the weights it is sampled with.
 
 The trainer keeps what it shares with the colocated path (drawing a batch's prompts, their seeds
-and the sampling parameters) and hands it in as functions.
+and a batch's sampling parameters) and hands it in as functions.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_gndpo.config.schema import RolloutConfig
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
 from megatron_gndpo.rollout.remote import RemoteRollouts, Result, save_inflight
-from megatron_gndpo.rollout.schedule import temperature_at
 
 Drawn = tuple[str, list[int]]  # a batch's prompts: their prompt set and indices (checkpointed)
 
@@ -34,17 +31,16 @@ class RolloutPipeline:
     def __init__(
         self,
         remote: RemoteRollouts,
-        rollout: RolloutConfig,
-        steps: int,
-        params: SamplingParams,
         *,
+        staleness: int,
+        steps: int,
         draw: Callable[[int], Drawn],
         resolve: Callable[[Drawn], list[Any]],
         seeds: Callable[[list[Any], int], list[int]],
+        sampling: Callable[[int], SamplingParams],
     ) -> None:
-        self.remote, self.rollout, self.steps, self.params = remote, rollout, steps, params
-        self.staleness = rollout.disaggregate.staleness
-        self._draw, self._resolve, self._seeds = draw, resolve, seeds
+        self.remote, self.staleness, self.steps = remote, staleness, steps
+        self._draw, self._resolve, self._seeds, self._sampling = draw, resolve, seeds, sampling
         self.asked: dict[int, Drawn] = {}  # batch -> the prompts it was drawn from
 
     def start(self, step: int, inflight: dict[int, tuple[Result, Drawn]]) -> None:
@@ -97,6 +93,5 @@ class RolloutPipeline:
         drawn = self._draw(batch)
         prompts = self._resolve(drawn)
         self.asked[batch] = drawn
-        params = dataclasses.replace(self.params, temperature=temperature_at(self.rollout, batch))
         ids = [list(p.ids) for p in prompts]
-        self.remote.request(batch, ids, self._seeds(prompts, batch), params)
+        self.remote.request(batch, ids, self._seeds(prompts, batch), self._sampling(batch))
