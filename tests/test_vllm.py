@@ -494,10 +494,15 @@ def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
 def test_rollout_ranks_apart_on_vllm(tmp_path: Path) -> None:
     """``rollout.disaggregate``: 2 trainer ranks and 1 rollout rank running vLLM in a world of
     its own, one-step-off; the weights broadcast to it pass the probe check after every sync,
-    batch 1 is sampled with the trainer's own weights and the later ones one step behind."""
+    batch 1 is sampled with the trainer's own weights and the later ones one step behind. The
+    mask correction runs on vLLM's own sampler log-probs: it rejects nothing in batch 1 and,
+    one step behind, some tokens but not all (the bounds sit inside the stale ratios' spread;
+    the weights themselves against a reference: tests/test_disaggregated.py)."""
     steps = _train_on_vllm(
-        tmp_path / "run", 3, "rollout.disaggregate.ranks=1", "rollout.disaggregate.staleness=1"
-    )
+        tmp_path / "run", 3, "rollout.disaggregate.ranks=1", "rollout.disaggregate.staleness=1",
+        "algorithm.offpolicy.correction=mask", "algorithm.offpolicy.mask_low=0.97",
+        "algorithm.offpolicy.mask_high=1.03",
+    )  # fmt: skip
     assert [s["async/staleness"] for s in steps] == [0.0, 1.0, 1.0]
     checks = [s.get("weight_sync/check_logprob_diff") for s in steps]
     print("measured rollout ranks apart", checks, [s["sampler_gap/mean_abs"] for s in steps])
@@ -505,6 +510,9 @@ def test_rollout_ranks_apart_on_vllm(tmp_path: Path) -> None:
     assert checks[0] < 1e-5 and checks[2] < 1e-5, checks
     assert steps[0]["sampler_gap/mean_abs"] < 1e-5  # sampled with the weights trained from
     assert all(s["sampler_gap/mean_abs"] > 1e-3 for s in steps[1:])  # one step behind
+    masked = [s["offpolicy/mask_frac"] for s in steps]
+    print("measured mask_frac", masked)
+    assert masked[0] == 0.0 and all(0.0 < m < 1.0 for m in masked[1:]), masked
     assert all(math.isfinite(s["loss"]) and s["skipped"] == 0.0 for s in steps)
 
 
