@@ -315,8 +315,9 @@ def test_a_corrupted_rollout_copy_stops_the_run(tmp_path: Path) -> None:
     [
         (3, 1, ["parallel.tensor_parallel=2"]),  # the trainer's TP shards are gathered
         (4, 2, ["parallel.pipeline_parallel=2", "rollout.disaggregate.tensor_parallel=2"]),
+        (4, 2, []),  # 2 + 2: each trainer replica served by a rollout replica of its own
     ],
-    ids=["trainer-tp2", "trainer-pp2-rollout-tp2"],
+    ids=["trainer-tp2", "trainer-pp2-rollout-tp2", "two-replicas"],
 )
 def test_weights_reach_other_layouts(
     tmp_path: Path, world: int, rollout: int, layout: list[str]
