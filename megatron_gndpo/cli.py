@@ -7,6 +7,7 @@
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
     megatron-gndpo demo [--quick] [--multimodal] [--methods gndpo,opd,...] [--run-dir DIR]
     megatron-gndpo demo --stability [--quick] [--run-dir DIR] [--cache-dir DIR]
+    megatron-gndpo prune --teacher CKPT --out DIR --num-layers N --calib-data PROMPTS
 
 Without ``--config`` the embedded default is used: ``plan``/``config`` start from the release
 defaults with tiny models; ``train`` runs ``megatron_gndpo/configs/tiny_cpu.yaml`` (a tiny
@@ -34,6 +35,7 @@ from megatron_gndpo.config import load_config, save_resolved, teacher_sections, 
 from megatron_gndpo.config.docs import format_fields
 from megatron_gndpo.errors import UserError
 from megatron_gndpo.methods import config_names
+from megatron_gndpo.prune import cli as prune_cli
 from megatron_gndpo.version import __version__
 
 _EPILOG_HEAD = """\
@@ -136,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_convert.add_argument("direction", choices=("hf-to-mcore", "mcore-to-hf"))
     p_convert.add_argument("rest", nargs=argparse.REMAINDER, help="options of the direction")
+
+    p_prune = sub.add_parser(
+        "prune",
+        help="make a student from a teacher checkpoint: fewer layers (and a narrower FFN), "
+        "chosen by measured importance",
+        description="Write a model-only student checkpoint pruned from a teacher checkpoint: "
+        "the layers whose removal moves the teacher's output least on its own answers to "
+        "calibration prompts are left out (and, with --ffn-hidden-size, the least active FFN "
+        "neurons). One process; the student keeps the teacher's tokenizer (docs/PRUNING.md).",
+    )
+    prune_cli.add_arguments(p_prune)
 
     p_launch = sub.add_parser(
         "launch",
@@ -405,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     handlers = {
         "plan": _cmd_plan, "config": _cmd_config, "train": _cmd_train, "demo": _cmd_demo,
-        "convert": _cmd_convert,
+        "convert": _cmd_convert, "prune": prune_cli.main,
     }  # fmt: skip
     if args.command == "convert":  # its options belong to the conversion's own parser
         args.rest = [*args.rest, *extra]
@@ -413,11 +426,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = [arg for arg in extra if arg.startswith("-")]
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        if args.command == "demo":  # it takes no config overrides
+        if args.command in ("demo", "prune"):  # they take no config overrides
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            if args.stability and (
-                args.methods or args.multimodal or args.seed is not None or args.engine != "builtin"
+            if (
+                args.command == "demo"
+                and args.stability
+                and (
+                    args.methods
+                    or args.multimodal
+                    or args.seed is not None
+                    or args.engine != "builtin"
+                )
             ):
                 parser.error(
                     "demo --stability runs its own methods and seeds on the text task with the "

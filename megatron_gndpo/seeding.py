@@ -9,6 +9,7 @@ layout, or resumed from a checkpoint, samples the same tokens (docs/DESIGN.md, i
     sample_seed(seed, k)                  sample k of a prompt; also micro-batch ``k`` of a pass
     replica_seed(seed, replica)           one per teacher data-parallel replica
     teacher_answer_seed(seed)             the teacher's own answer to a prompt (TrOPD prefixes)
+    eval_seeds(seed, first, n)            held-out samples: the same at every evaluation
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def prompt_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
     step's global batch, so the seeds do not depend on the data-parallel size."""
     base = step_seed(seed, step) * _LANES + first
     return [base + j for j in range(count)]
+
+
+def eval_seeds(seed: int, first: int, count: int) -> list[int]:
+    """One seed per held-out prompt, the same at every evaluation of a run (so two evaluations
+    differ by the weights only); a step index no run reaches keeps them apart from training."""
+    return prompt_seeds(seed, _ROWS - 1, first, count)
 
 
 def sample_seed(seed: int, k: int) -> int:

@@ -24,6 +24,7 @@ from megatron_gndpo import seeding
 from megatron_gndpo.algorithms.metrics import (
     StabilityMonitor,
     advantage_metrics,
+    sampled_eval_metrics,
     score_metrics,
     teacher_metrics,
 )
@@ -561,7 +562,9 @@ class Trainer:
         )  # fmt: skip
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out prompts (sharded over data-parallel ranks)."""
+        """Greedy accuracy on the held-out prompts (sharded over data-parallel ranks); with
+        ``trainer.eval_samples`` k, also k samples per prompt at temperature 1 (the same seeds
+        at every evaluation): their accuracy and the per-token reverse KL to the teacher."""
         groups = self.c.student_groups
         mine = self.c.eval_prompts[groups.coords["dp"] :: groups.layout.dp]
         greedy = SamplingParams(
@@ -575,7 +578,36 @@ class Trainer:
             if rewards is not None:
                 correct += torch.tensor([float(rewards.sum()), float(len(rewards))])
         dist.all_reduce(correct, group=groups.dp_cp)
-        return {"eval/accuracy": float(correct[0] / correct[1].clamp(min=1.0))}
+        out = {"eval/accuracy": float(correct[0] / correct[1].clamp(min=1.0))}
+        # every replica must hold a prompt: the teacher's scoring spans all ranks
+        if self.cfg.trainer.eval_samples and len(self.c.eval_prompts) >= groups.layout.dp:
+            out |= self._evaluate_samples(mine, self.cfg.trainer.eval_samples)
+        return out
+
+    def _evaluate_samples(self, mine: list[Any], k: int) -> dict[str, float]:
+        """:func:`sampled_eval_metrics` of ``k`` samples of each of this rank's held-out
+        prompts ``mine`` (each holds some); every rank calls it. A prompt's seeds follow its
+        place in the held-out set, so they do not depend on the data-parallel size."""
+        groups = self.c.student_groups
+        places = range(groups.coords["dp"], len(self.c.eval_prompts), groups.layout.dp)
+        params = dataclasses.replace(
+            self.params, temperature=1.0, samples_per_prompt=k,
+            max_new_tokens=self.cfg.rollout.max_response_length,
+        )  # fmt: skip
+        seeds = [seeding.eval_seeds(self.cfg.trainer.seed, i, 1)[0] for i in places]
+        rollout = self._generate(mine, [list(p.ids) for p in mine], params, seeds)
+        rewards = self._rewards(rollout, mine)
+        routing = self._routing  # this step's, for its metrics: the evaluation's is not
+        teacher = self.c.teacher.score_batch(
+            rollout.tokens, rollout.lengths, None, images=rollout.images,
+            routes=self.c.routes(mine, rollout.prompt_index),
+        )  # fmt: skip
+        student = self._student_scores(rollout, ScoreRequest())
+        self._routing = routing
+        return sampled_eval_metrics(
+            teacher.logprobs, student.logprobs, rollout.response_mask, rewards,
+            group=self.c.student_groups.dp_cp,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------------------------------
     def _run_state(self) -> dict[str, Any]:

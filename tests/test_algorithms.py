@@ -606,3 +606,15 @@ def test_invalid_arguments_raise_value_error(call, message):
     x, m = torch.randn(4, 5), torch.ones(4, 5)
     with pytest.raises(ValueError, match=message):
         call(x, m)
+
+
+def test_sampled_eval_metrics_average_the_tokens_and_the_samples() -> None:
+    from megatron_gndpo.algorithms.metrics import sampled_eval_metrics
+
+    student = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
+    teacher = torch.tensor([[-1.5, -1.0, -9.0], [-0.25, 7.0, 7.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    got = sampled_eval_metrics(teacher, student, mask, torch.tensor([1.0, 0.0]))
+    # (0.5 - 1.0 - 0.25) / 3 masked tokens; the padding's values never count
+    assert got == {"eval/reverse_kl": pytest.approx(-0.25), "eval/sampled_accuracy": 0.5}
+    assert set(sampled_eval_metrics(teacher, student, mask, None)) == {"eval/reverse_kl"}

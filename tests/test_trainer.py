@@ -313,7 +313,31 @@ def _one_rank_runs(rank: int, world: int, root: str) -> dict[str, object]:
     return {
         "outliers": _outlier_steps(rank, world, f"{root}/outliers"),
         "offpolicy": _offpolicy_steps(rank, world, f"{root}/offpolicy"),
+        "evaluation": _evaluations(rank, world, f"{root}/evaluation"),
     }
+
+
+def _evaluations(rank: int, world: int, root: str) -> dict[str, object]:
+    """trainer.eval_samples: two evaluations of the same weights, and the student scored
+    against a teacher that is the student itself (its own checkpoint at step 0)."""
+    student = [f"teacher.model.{k}={v}" for k, v in (("num_layers", 2),)]
+    evals = ["data.eval=builtin:arithmetic_eval", "trainer.eval_samples=2"]
+    trainer = tiny_trainer(f"{root}/first", *evals, *student)
+    first, again = trainer.evaluate(), trainer.evaluate()
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+
+    saved = f"{root}/student0"  # the student at step 0, model only: the next one's teacher
+    save_checkpoint(saved, 0, trainer.c.student)
+    trainer.c.logger.close()
+    del trainer
+    reset_megatron()
+    trainer = tiny_trainer(
+        f"{root}/self", *evals, *student, f"teacher.load={saved}", f"checkpoint.init={saved}"
+    )
+    itself = trainer.evaluate()
+    trainer.c.logger.close()
+    reset_megatron()
+    return {"first": first, "again": again, "itself": itself}
 
 
 @pytest.fixture(scope="module")
@@ -334,6 +358,19 @@ def test_outlier_steps_draw_their_own_prompts_hotter_and_resume_exactly(
     for expected, got in zip(r["full"][3:], r["resumed"], strict=True):
         for key in ("loss", "grad_norm", "score/mean", "tokens/step", *STABILITY_KEYS):
             assert got[key] == expected[key], key
+
+
+def test_sampled_evaluation_is_repeatable_and_zero_against_itself(
+    one_rank_runs: dict[str, Any],
+) -> None:
+    r = one_rank_runs["evaluation"]
+    first = r["first"]
+    assert set(first) == {"eval/accuracy", "eval/sampled_accuracy", "eval/reverse_kl"}
+    assert 0.0 <= first["eval/sampled_accuracy"] <= 1.0
+    assert first["eval/reverse_kl"] > 0.01  # a random student against another random teacher
+    assert r["again"] == first  # the same seeds at every evaluation: only the weights matter
+    assert r["itself"]["eval/reverse_kl"] == 0.0  # the teacher is the student: k1 is 0 exactly
+    assert r["itself"]["eval/sampled_accuracy"] == first["eval/sampled_accuracy"]
 
 
 def _offpolicy_steps(rank: int, world: int, root: str) -> dict[str, object]:

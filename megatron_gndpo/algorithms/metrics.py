@@ -70,6 +70,36 @@ def score_metrics(
     }
 
 
+def sampled_eval_metrics(
+    teacher_logprobs: torch.Tensor,
+    student_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    rewards: torch.Tensor | None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """What the policy that trains does on held-out prompts, from its samples at temperature 1.
+
+    eval/reverse_kl: ``sum m (ls - lt) / sum m`` over every sampled token of every rank, the
+    single-sample (k1) estimate of the per-token KL(p_student || p_teacher) in nats: what
+    on-policy distillation minimises. eval/sampled_accuracy: the mean verifiable reward of the
+    samples (absent when ``rewards`` is None). Inputs ``[B, T]``, rewards ``[B]``.
+    """
+    with torch.no_grad():
+        mask_BT = response_mask.bool()
+        d_BT = (student_logprobs.double() - teacher_logprobs.double()).masked_fill(~mask_BT, 0.0)
+        right = 0.0 if rewards is None else float(rewards.double().sum())
+        local = torch.tensor(
+            [float(mask_BT.sum()), float(d_BT.sum()), right, float(mask_BT.shape[0])],
+            dtype=torch.float64,
+        )
+        tokens, kl_sum, correct, rows = global_sum(local, group).tolist()
+    out = {"eval/reverse_kl": _ratio(kl_sum, tokens)}
+    if rewards is not None:
+        out["eval/sampled_accuracy"] = _ratio(correct, rows)
+    return out
+
+
 def teacher_metrics(
     teacher_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

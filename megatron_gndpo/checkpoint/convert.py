@@ -272,6 +272,17 @@ def read_model_config(mcore_root: str | Path, step: Path | None = None) -> Model
     return found
 
 
+def read_model_config_file(path: str | Path) -> ModelConfig:
+    """The ModelConfig in a YAML file: a model section alone, or a whole run config (its
+    ``model`` section is used), as ``--model-config`` takes it."""
+    from megatron_gndpo.config.loader import build, read_yaml
+
+    data = read_yaml(path)
+    if isinstance(data.get("model"), dict):  # a whole run config: take its model section
+        data = data["model"]
+    return build(ModelConfig, data, prefix="model.")
+
+
 def source_hf_config(
     base: Path, tokenizer_dir: Path | None, step: Path | None = None
 ) -> dict[str, Any] | None:
@@ -305,7 +316,7 @@ def check_dtype(dtype: str | None) -> None:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
 
 
-def _export_groups() -> tuple[ParallelGroups, bool]:
+def export_groups() -> tuple[ParallelGroups, bool]:
     """TP=1/PP=1 groups over the current world; True when megatron's global state was created."""
     from megatron.core import parallel_state
 
@@ -445,7 +456,7 @@ def export_checkpoint(
         init_distributed()
     created_state = False
     try:
-        groups, created_state = _export_groups()
+        groups, created_state = export_groups()
         net = build(groups)
         load_checkpoint(step, net)
         state = {k: v for k, v in net.state_dict().items() if not hf_mapping.is_extra_state(k)}

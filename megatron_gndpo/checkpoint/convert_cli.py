@@ -142,18 +142,11 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
         parser.error("--fp8-out is not supported for vision-language models")
     texts = _fp8_calibration_texts(parser, args)  # fail before the export, not after it
 
-    from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf
+    from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf, read_model_config_file
     from megatron_gndpo.compat import cpu
-    from megatron_gndpo.config.loader import build, read_yaml
-    from megatron_gndpo.config.schema import ModelConfig
     from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
 
-    model = None
-    if args.model_config is not None:
-        data = read_yaml(args.model_config)
-        if isinstance(data.get("model"), dict):  # a whole run config: take its model section
-            data = data["model"]
-        model = build(ModelConfig, data, prefix="model.")
+    model = None if args.model_config is None else read_model_config_file(args.model_config)
     init_distributed()
     cpu.enable_if_no_cuda()
     try:

@@ -304,6 +304,7 @@ def _rollout_problems(cfg: Config, world_size: int | None) -> list[str]:
     for name in ("steps", "micro_batch_size", "optimizer_steps_per_rollout"):
         _positive(p, f"trainer.{name}", getattr(t, name))
     _positive(p, "trainer.eval_interval", t.eval_interval, strict=False)
+    _positive(p, "trainer.eval_samples", t.eval_samples, strict=False)
     _positive(p, "trainer.scoring_token_budget", t.scoring_token_budget)
     if p or world_size is None:
         return p

@@ -557,6 +557,10 @@ class TrainerConfig:
     """Optimizer steps per rollout batch (1 is strictly on-policy, as the release)."""
     eval_interval: int = 0
     """Evaluate every this many steps; 0 disables evaluation."""
+    eval_samples: int = 0
+    """Besides the greedy accuracy, sample this many answers per held-out prompt at temperature
+    1 (the policy that trains) and log their mean accuracy (eval/sampled_accuracy) and the
+    per-token reverse KL to the teacher on them (eval/reverse_kl); 0 evaluates greedily only."""
     scoring_token_budget: int = 16384
     """Tokens per forward-only micro-batch when the teacher and the student score a rollout."""
     pack_sequences: bool = False

@@ -1,0 +1,126 @@
+"""``megatron-gndpo prune``: write a student checkpoint pruned from a teacher checkpoint.
+
+    megatron-gndpo prune --teacher ckpt/smollm2-135m --out ckpt/student-10l --num-layers 10 \\
+        --calib-data prompts.jsonl
+    megatron-gndpo prune --teacher runs/demo/cache/teacher/checkpoint --out student \\
+        --keep-layers 0,3 --tokenizer runs/demo/cache/tokenizer/tokenizer.model \\
+        --calib-data builtin:chains
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from megatron_gndpo.errors import UserError
+
+# Calibration prompts used unless --calib-samples says otherwise: enough tokens that the
+# ranking of layers settles on the demo and on SmolLM2 (docs/PRUNING.md), few enough that
+# the greedy search stays in minutes on a CPU.
+CALIB_SAMPLES = 32
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--keep-layers takes layer indices separated by commas (e.g. 0,3), got {text!r}"
+        ) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--teacher", required=True, help="teacher checkpoint (root or iter_*)")
+    parser.add_argument("--out", required=True, type=Path, help="new directory for the student")
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--num-layers", type=int, help="layers the student keeps (searched)")
+    size.add_argument("--keep-layers", type=_layers, help="the teacher layers to keep, e.g. 0,3")
+    parser.add_argument(
+        "--ffn-hidden-size", type=int, default=None,
+        help="also cut each kept layer's FFN to this many neurons (the most active ones)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--importance", choices=["kl", "cosine"], default="kl",
+        help="kl: drop, one at a time, the layer whose removal moves the output least (greedy; "
+        "default); cosine: Block Importance from one forward (faster on deep models)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calib-data", default=None,
+        help="calibration prompts: a .jsonl/.parquet prompt file or builtin:NAME; the "
+        "teacher's greedy answers to them are the calibration text",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calib-samples", type=int, default=CALIB_SAMPLES,
+        help=f"calibration prompts used (the first N; default {CALIB_SAMPLES})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calib-new-tokens", type=int, default=64,
+        help="length limit of the teacher's calibration answers (default 64)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", default=None,
+        help="data.tokenizer of the teacher (default: the tokenizer files beside the teacher "
+        "checkpoint)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model-config", default=None,
+        help="YAML file with the teacher's ModelConfig (or a whole run config), when no "
+        "model_config.yaml is beside the checkpoint",
+    )  # fmt: skip
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                        help="measure and save in this dtype (default: as saved)")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+
+def _tokenizer_spec(teacher: str, given: str | None) -> str:
+    if given is not None:
+        return given
+    from megatron_gndpo.checkpoint.dist import resolve
+
+    step = resolve(teacher)
+    base = Path(teacher) if step != Path(teacher) else step.parent
+    if (base / "tokenizer.json").is_file() or (base / "tokenizer_config.json").is_file():
+        return str(base)
+    raise UserError(
+        f"no tokenizer files beside {base}: pass --tokenizer (the teacher's data.tokenizer: a "
+        "SentencePiece .model file or a Hugging Face tokenizer directory)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_gndpo.compat import notices
+
+    notices.quiet_known_notices()
+    from megatron_gndpo.checkpoint.convert import read_model_config_file
+    from megatron_gndpo.compat import cpu
+    from megatron_gndpo.data.datasets import load_prompts
+    from megatron_gndpo.data.tokenizer import load_tokenizer
+    from megatron_gndpo.prune.run import PruneError, check_output, prune_checkpoint
+
+    check_output(args.out, args.overwrite)  # before anything is loaded
+    if args.calib_data is None:
+        raise PruneError(
+            "prune needs calibration prompts: --calib-data FILE.jsonl (or builtin:NAME), "
+            "prompts like the ones the student will be trained on"
+        )
+    if args.calib_samples < 1 or args.calib_new_tokens < 1:
+        raise PruneError("--calib-samples and --calib-new-tokens must be at least 1")
+    tokenizer = load_tokenizer(_tokenizer_spec(args.teacher, args.tokenizer))
+    prompts = [e.prompt for e in load_prompts(args.calib_data)[: args.calib_samples]]
+    cpu.enable_if_no_cuda()
+    result = prune_checkpoint(  # in a one-process world of its own
+        args.teacher, args.out, num_layers=args.num_layers or 0, tokenizer=tokenizer,
+        prompts=prompts, ffn_hidden_size=args.ffn_hidden_size, keep_layers=args.keep_layers,
+        importance=args.importance, max_new_tokens=args.calib_new_tokens,
+        overwrite=args.overwrite, dtype=args.dtype,
+        model=None if args.model_config is None else read_model_config_file(args.model_config),
+    )  # fmt: skip
+    m = result.model
+    print(
+        f"wrote {result.out} (step 0): {m.num_layers} layers {list(result.choice.keep)} of the "
+        f"teacher's, FFN {m.ffn_hidden_size}, {result.student_parameters / 1e6:.1f}M of "
+        f"{result.teacher_parameters / 1e6:.1f}M parameters; calibration KL from the teacher "
+        f"{result.kl:.4f} nats/token over {result.calibration_tokens} tokens "
+        f"({result.seconds:.0f} s); details in {result.out / 'prune.json'}"
+    )
+    return 0

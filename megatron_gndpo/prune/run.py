@@ -1,0 +1,319 @@
+"""Make a student from a teacher checkpoint: fewer layers (and a narrower FFN), same tokenizer.
+
+    result = prune_checkpoint("ckpt/teacher", "ckpt/student", num_layers=10,
+                              prompts=load_prompts("builtin:chains"), tokenizer=tok)
+    # result.out -> checkpoint.init of a distillation run, with the teacher as teacher.load
+
+The calibration text is the teacher's own: each calibration prompt in the teacher's chat
+template, followed by the teacher's greedy answer (the built-in KV-cached generator), so the
+layers are chosen for the distribution on-policy distillation then trains on. Or pass
+``sequences`` (token ids with their prompt lengths) to calibrate on a text of your own.
+
+The teacher loads at TP=1/PP=1 in one process (a checkpoint saved at any layout reshards on
+load), the student is saved as a model-only checkpoint at step 0 with the teacher's side files
+(tokenizer, ``hf_config.json`` with the new depth and width) and ``prune.json``: what was kept,
+the importance measured and the calibration KL. It loads at any TP/PP like any other.
+
+This prunes on the CPU or one GPU, in fp32 or the checkpoint's dtype, and measures what it
+cuts; NVIDIA ModelOpt's Minitron pruning (``modelopt.torch.prune``) searches width in more
+axes (attention heads, embedding channels) and needs a GPU: prefer it for large models on a
+cluster, and this for depth pruning and anywhere without one (docs/PRUNING.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gndpo.checkpoint import hf_mapping
+from megatron_gndpo.checkpoint.convert import (
+    HF_CONFIG_FILE,
+    VISION_CONFIG_FILE,
+    describe_checkpoints,
+    export_groups,
+    read_model_config,
+    source_dtype,
+)
+from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
+from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
+from megatron_gndpo.data.tokenizer import Tokenizer, copy_tokenizer_files
+from megatron_gndpo.errors import UserError
+from megatron_gndpo.prune.importance import (
+    Importance,
+    LayerChoice,
+    calibration_batches,
+    ffn_importance,
+    kl_from_reference,
+    only_layers,
+    reference_logprobs,
+    select_layers,
+)
+from megatron_gndpo.prune.student import pruned_state, student_config, top_neurons
+
+REPORT_FILE = "prune.json"
+# Calibration sequences scored together: bounds the [B, S, V] logits of one forward.
+BATCH_SIZE = 8
+
+
+class PruneError(UserError, ValueError):
+    """A pruning request that cannot be carried out (the message names the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneResult:
+    """What :func:`prune_checkpoint` wrote and measured."""
+
+    out: Path
+    model: ModelConfig  # the student's architecture
+    choice: LayerChoice  # the teacher layers kept and the search's measurements
+    kl: float  # the student's per-token KL from the teacher on the calibration tokens
+    teacher_parameters: int
+    student_parameters: int
+    calibration_sequences: int
+    calibration_tokens: int
+    seconds: float
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "keep_layers": list(self.choice.keep),
+            "importance": self.choice.importance,
+            "scores": self.choice.scores,
+            "kl_layers_only": self.choice.kl,
+            "kl": self.kl,
+            "num_layers": self.model.num_layers,
+            "ffn_hidden_size": self.model.ffn_hidden_size,
+            "teacher_parameters": self.teacher_parameters,
+            "student_parameters": self.student_parameters,
+            "calibration_sequences": self.calibration_sequences,
+            "calibration_tokens": self.calibration_tokens,
+            "seconds": self.seconds,
+        }
+
+
+def _parameters(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() for k, t in state.items() if not hf_mapping.is_extra_state(k))
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse to write into a directory that holds files, unless ``overwrite``."""
+    if out.exists() and not out.is_dir():
+        raise PruneError(f"--out {out} is a file; name a new directory for the student")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise PruneError(
+            f"--out {out} is not empty; name a new directory for the student (or pass "
+            "--overwrite to replace what is there)"
+        )
+
+
+def teacher_sequences(
+    net: Any,
+    groups: Any,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+) -> list[tuple[list[int], int]]:
+    """Each prompt in the chat template followed by the teacher's greedy answer (ids, prompt
+    length)."""
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.builtin import MegatronGenerator
+
+    generator = MegatronGenerator(
+        net, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+        max_sequence_length=int(net.max_sequence_length),
+    )  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_id,)
+    )
+    out = []
+    for start in range(0, len(prompts), 64):
+        ids = [tokenizer.apply_chat_template(p) for p in prompts[start : start + 64]]
+        rollout = generator.generate(ids, params, seeds=[0] * len(ids))
+        for i, end in enumerate(rollout.lengths.tolist()):
+            out.append((rollout.tokens[i, :end].tolist(), int(rollout.prompt_lengths[i])))
+    return out
+
+
+def prune_checkpoint(
+    teacher: str | Path,
+    out: str | Path,
+    *,
+    num_layers: int,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str] = (),
+    sequences: Sequence[tuple[Sequence[int], int]] | None = None,
+    ffn_hidden_size: int | None = None,
+    keep_layers: Sequence[int] | None = None,
+    importance: Importance = "kl",
+    max_new_tokens: int = 64,
+    overwrite: bool = False,
+    dtype: Dtype | None = None,
+    model: ModelConfig | None = None,
+) -> PruneResult:
+    """Write the student pruned from checkpoint ``teacher`` to ``out`` (module docstring).
+
+    ``keep_layers`` names the teacher layers to keep instead of searching; ``sequences``
+    replaces the teacher-written calibration text of ``prompts``. ``dtype`` ("fp32", "bf16")
+    builds the teacher in that dtype for the measurements (default: as saved); the student is
+    saved in it. ``model``: the teacher's architecture when no ``model_config.yaml`` is
+    beside the checkpoint (``--model-config``). Runs in this process's world (one process;
+    started and ended here if none).
+    """
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+
+    out = Path(out)
+    check_output(out, overwrite)
+    step = resolve(teacher)  # a CheckpointError before anything is built
+    base = Path(teacher) if step != Path(teacher) else step.parent
+    if (base / VISION_CONFIG_FILE).is_file():
+        raise PruneError(
+            f"{teacher} is a vision-language checkpoint; prune takes text models (prune the "
+            "language model of a VLM through the demo's multimodal recipe, or ModelOpt)"
+        )
+    model = model if model is not None else read_model_config(base, step)
+    model = dataclasses.replace(model, params_dtype=dtype or source_dtype(step, model))
+    if tokenizer.vocab_size > model.vocab_size:
+        raise PruneError(
+            f"the tokenizer produces {tokenizer.vocab_size} ids but the teacher's vocabulary is "
+            f"{model.vocab_size}: pass the teacher's own tokenizer (--tokenizer)"
+        )
+    if sequences is None and not prompts:
+        raise PruneError("pruning needs calibration prompts (--calib-data) or sequences")
+    width_only = ffn_hidden_size is not None  # then every layer may stay
+    if keep_layers is not None:
+        _check_keep(keep_layers, model.num_layers, width_only)
+        num_layers = len(keep_layers)
+    most = model.num_layers if width_only else model.num_layers - 1
+    if not 1 <= num_layers <= most:
+        raise PruneError(
+            f"--num-layers {num_layers}: the teacher has {model.num_layers} layers; keep 1 to "
+            f"{most}{'' if width_only else ' (or cut the FFN with --ffn-hidden-size)'}"
+        )
+    if ffn_hidden_size is not None and not 1 <= ffn_hidden_size <= model.ffn_hidden_size:
+        raise PruneError(
+            f"--ffn-hidden-size {ffn_hidden_size}: the teacher's FFN is {model.ffn_hidden_size} "
+            f"wide; choose 1 to {model.ffn_hidden_size}"
+        )
+    if ffn_hidden_size is not None and model.is_moe:
+        raise PruneError(
+            "--ffn-hidden-size prunes a dense FFN; this teacher is a mixture-of-experts model: "
+            "prune it in depth only (leave out --ffn-hidden-size)"
+        )
+
+    started = not dist.is_initialized()
+    if started:
+        init_distributed()
+    created_state = False
+    try:
+        if dist.get_world_size() != 1:
+            raise PruneError(
+                f"prune runs as one process, not {dist.get_world_size()}: start it without a "
+                "launcher (the teacher loads at TP=1/PP=1 whatever layout it was saved at)"
+            )
+        began = time.perf_counter()
+        groups, created_state = export_groups()
+        net = build_gpt(model, ParallelConfig(), groups)
+        load_checkpoint(step, net, vocab_size=tokenizer.vocab_size)
+        net.eval()
+        if sequences is None:
+            sequences = teacher_sequences(
+                net, groups, tokenizer, list(prompts), max_new_tokens=max_new_tokens
+            )
+        batches = calibration_batches(sequences, pad_id=tokenizer.pad_id, batch_size=BATCH_SIZE)
+        vocab = tokenizer.vocab_size
+        if keep_layers is None:
+            choice = select_layers(
+                net, batches, num_layers=num_layers, vocab_size=vocab, importance=importance
+            )
+        else:
+            reference = reference_logprobs(net, batches, vocab)
+            with only_layers(net, keep_layers):
+                kl = kl_from_reference(net, batches, reference, vocab)
+            choice = LayerChoice(tuple(keep_layers), importance, {"given": True}, kl)
+        neurons = None
+        if ffn_hidden_size is not None:  # measured on the kept layers, as the student runs
+            with only_layers(net, choice.keep):
+                activity = ffn_importance(net, batches)
+            neurons = [top_neurons(a, ffn_hidden_size) for a in activity]
+        student_model = student_config(
+            model, num_layers=len(choice.keep), ffn_hidden_size=ffn_hidden_size
+        )
+        teacher_state = net.state_dict()
+        student = build_gpt(student_model, ParallelConfig(), groups)
+        _fill(student, pruned_state(teacher_state, choice.keep, neurons=neurons,
+                                    swiglu=model.swiglu))  # fmt: skip
+        student.eval()
+        reference = reference_logprobs(net, batches, vocab)
+        result = PruneResult(
+            out=out, model=student_model, choice=choice,
+            kl=kl_from_reference(student, batches, reference, vocab),
+            teacher_parameters=_parameters(teacher_state),
+            student_parameters=_parameters(student.state_dict()),
+            calibration_sequences=len(sequences),
+            calibration_tokens=sum(int(b.mask.sum()) for b in batches),
+            seconds=time.perf_counter() - began,
+        )  # fmt: skip
+        del net, teacher_state
+        _write(result, student, base, overwrite)
+    finally:
+        if created_state:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        if started:
+            shutdown_distributed()
+    return result
+
+
+def _check_keep(keep: Sequence[int], total: int, width_only: bool) -> None:
+    if not keep or list(keep) != sorted(set(keep)) or keep[0] < 0 or keep[-1] >= total:
+        raise PruneError(
+            f"--keep-layers {','.join(map(str, keep))}: name distinct teacher layers in "
+            f"increasing order, each 0 to {total - 1}"
+        )
+    if len(keep) == total and not width_only:
+        raise PruneError(
+            f"--keep-layers keeps all {total} layers: leave at least one out, or cut the FFN "
+            "with --ffn-hidden-size"
+        )
+
+
+def _fill(student: Any, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state`` into ``student``; every weight must be there with the student's shape."""
+    own = {k: v for k, v in student.state_dict().items() if not hf_mapping.is_extra_state(k)}
+    missing = [k for k in own if k not in state]
+    wrong = [k for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or wrong:  # a bug of the mapping, never a user's mistake
+        raise RuntimeError(f"pruned state does not fit the student: missing {missing[:4]}, "
+                           f"shape {wrong[:4]}")  # fmt: skip
+    # megatron's _extra_state entries (FP8 metadata) stay the student's own
+    student.load_state_dict({k: state.get(k, v) for k, v in student.state_dict().items()})
+
+
+def _write(result: PruneResult, student: Any, base: Path, overwrite: bool) -> None:
+    out = result.out
+    if overwrite and out.is_dir():
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(out, 0, student, model_config=result.model, tokenizer=str(base))
+    describe_checkpoints(out, result.model)
+    copy_tokenizer_files(base, out)
+    source = base / HF_CONFIG_FILE
+    if source.is_file():  # the source's config.json (token ids, family) at the new size
+        hf = json.loads(source.read_text())
+        hf["num_hidden_layers"] = result.model.num_layers
+        if "intermediate_size" in hf:
+            hf["intermediate_size"] = result.model.ffn_hidden_size
+        (out / HF_CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    report = {"teacher": str(base)} | result.describe()
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")

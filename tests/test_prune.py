@@ -1,0 +1,238 @@
+"""``megatron-gndpo prune``: a student made from a teacher checkpoint, and how layers are chosen.
+
+One single-rank launch builds a random tiny teacher (4 layers), saves it, prunes it through the
+command line in depth and width, loads the students and compares them with the teacher run
+without the same layers and neurons; a second teacher with one layer made an identity shows
+that both importances find it. The argument checks run in-process, before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_gndpo.prune.student import pruned_state, student_config, top_neurons
+from tests.harness import run_distributed
+from tests.tiny import tiny_model
+
+pytestmark = [pytest.mark.megatron]
+
+_VOCAB = 100  # the built-in character tokenizer's ids
+_TEACHER = dict(num_layers=4, ffn_hidden_size=48, vocab_size=_VOCAB)
+
+
+def test_pruned_state_renumbers_layers_and_cuts_both_swiglu_halves() -> None:
+    teacher = {
+        "embedding.word_embeddings.weight": torch.randn(8, 4),
+        **{
+            f"decoder.layers.{i}.mlp.linear_fc1.weight": torch.full((6, 4), float(i))
+            for i in range(3)
+        },
+        **{
+            f"decoder.layers.{i}.mlp.linear_fc2.weight": torch.arange(12.0).reshape(4, 3) + i
+            for i in range(3)
+        },
+    }
+    teacher["decoder.layers.2.mlp.linear_fc1.weight"] = torch.arange(24.0).reshape(6, 4)
+    keep_F = torch.tensor([0, 2])
+    out = pruned_state(teacher, [0, 2], neurons=[keep_F, keep_F], swiglu=True)
+    assert sorted(out) == sorted(
+        ["embedding.word_embeddings.weight"]
+        + [f"decoder.layers.{j}.mlp.linear_fc{k}.weight" for j in (0, 1) for k in (1, 2)]
+    )
+    fc1 = out["decoder.layers.1.mlp.linear_fc1.weight"]  # teacher layer 2: gate rows 0-2, up 3-5
+    assert torch.equal(fc1, torch.arange(24.0).reshape(6, 4)[[0, 2, 3, 5]])
+    assert torch.equal(out["decoder.layers.1.mlp.linear_fc2.weight"], teacher[
+        "decoder.layers.2.mlp.linear_fc2.weight"][:, [0, 2]])  # fmt: skip
+    assert out["embedding.word_embeddings.weight"] is teacher["embedding.word_embeddings.weight"]
+    assert torch.equal(top_neurons(torch.tensor([0.1, 3.0, 0.2, 2.0]), 2), torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="cannot keep 5 of 4 FFN neurons"):
+        top_neurons(torch.ones(4), 5)
+    moe = tiny_model(num_experts=4, vocab_size=_VOCAB)
+    with pytest.raises(ValueError, match="prunes in depth only"):
+        student_config(moe, num_layers=1, ffn_hidden_size=8)
+
+
+def _logits(net: Any, tokens: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return net(tokens, positions, attention_mask=None)[..., :_VOCAB].float()
+
+
+def _teacher(root: Path, groups: Any, identity_layer: int | None = None) -> Any:
+    """A random tiny teacher saved at ``root``; ``identity_layer``'s residual branches zeroed
+    (its output is its input)."""
+    from megatron_gndpo.checkpoint.convert import describe_checkpoints
+    from megatron_gndpo.checkpoint.dist import save_checkpoint
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_gpt
+
+    model = tiny_model(**_TEACHER)
+    torch.manual_seed(0)
+    net = build_gpt(model, ParallelConfig(), groups)
+    with torch.no_grad():
+        for p in net.parameters():  # larger than the init, so every layer matters
+            p.add_(torch.randn_like(p) * 0.1)
+        if identity_layer is not None:
+            layer = net.decoder.layers[identity_layer]
+            layer.self_attention.linear_proj.weight.zero_()
+            layer.mlp.linear_fc2.weight.zero_()
+    save_checkpoint(root, 0, net, model_config=model)
+    describe_checkpoints(root, model)
+    return net.eval()
+
+
+def _prune_body(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.cli import main
+    from megatron_gndpo.compat import cpu
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.prune.importance import only_layers
+
+    cpu.enable_if_no_cuda()
+    root = Path(tmp)
+    groups = build_student_groups(ParallelLayout(1), seed=0)
+    teacher = _teacher(root / "teacher", groups)
+    common = ["--tokenizer", "builtin:char", "--calib-data", "builtin:arithmetic",
+              "--calib-samples", "6", "--calib-new-tokens", "6"]  # fmt: skip
+    assert main(["prune", "--teacher", str(root / "teacher"), "--out", str(root / "depth"),
+                 "--keep-layers", "0,2", *common]) == 0  # fmt: skip
+    assert main(["prune", "--teacher", str(root / "teacher"), "--out", str(root / "width"),
+                 "--num-layers", "3", "--ffn-hidden-size", "20", *common]) == 0  # fmt: skip
+    tokens = torch.randint(0, _VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+
+    depth_model = tiny_model(**_TEACHER | {"num_layers": 2})
+    depth = build_gpt(depth_model, ParallelConfig(), groups).eval()
+    load_checkpoint(root / "depth", depth)
+    with only_layers(teacher, [0, 2]):
+        out["depth_diff"] = float((_logits(depth, tokens) - _logits(teacher, tokens)).abs().max())
+
+    report = json.loads((root / "width" / "prune.json").read_text())
+    keep = report["keep_layers"]
+    width = build_gpt(tiny_model(**_TEACHER | {"num_layers": 3, "ffn_hidden_size": 20}),
+                      ParallelConfig(), groups).eval()  # fmt: skip
+    load_checkpoint(root / "width", width)
+    # the teacher with the cut neurons silenced (their fc2 columns zero) is the student
+    with torch.no_grad():
+        for j, i in enumerate(keep):
+            fc1 = width.decoder.layers[j].mlp.linear_fc1.weight  # [2F', H]
+            teacher_fc1 = teacher.decoder.layers[i].mlp.linear_fc1.weight  # [2F, H]
+            gate = teacher_fc1.chunk(2)[0]
+            kept = [int((gate == row).all(1).nonzero()) for row in fc1.chunk(2)[0]]
+            dropped = sorted(set(range(gate.shape[0])) - set(kept))
+            teacher.decoder.layers[i].mlp.linear_fc2.weight[:, dropped] = 0.0
+    with only_layers(teacher, keep):
+        out["width_diff"] = float((_logits(width, tokens) - _logits(teacher, tokens)).abs().max())
+    out["width_report"] = report
+    out["depth_report"] = json.loads((root / "depth" / "prune.json").read_text())
+    out["model_config"] = (root / "width" / "model_config.yaml").read_text()
+    parallel_state.destroy_model_parallel()
+
+    # a layer that does nothing is the first to go, by either measure
+    groups = build_student_groups(ParallelLayout(1), seed=0)
+    _teacher(root / "identity", groups, identity_layer=2)
+    for importance in ("kl", "cosine"):
+        assert main(["prune", "--teacher", str(root / "identity"), "--out",
+                     str(root / f"id_{importance}"), "--num-layers", "3",
+                     "--importance", importance, *common]) == 0  # fmt: skip
+        out[importance] = json.loads((root / f"id_{importance}" / "prune.json").read_text())
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("prune")
+    return tmp, run_distributed(_prune_body, 1, (str(tmp),), timeout_s=300)[0]
+
+
+def test_depth_pruned_student_is_the_teacher_without_those_layers(
+    pruned: tuple[Path, dict[str, Any]],
+) -> None:
+    _, out = pruned
+    assert out["depth_diff"] < 1e-5, out["depth_diff"]
+    report = out["depth_report"]
+    assert report["keep_layers"] == [0, 2] and report["scores"] == {"given": True}
+    assert report["num_layers"] == 2 and report["kl"] > 0.0
+    assert report["student_parameters"] < report["teacher_parameters"]
+    assert report["calibration_sequences"] == 6 and report["calibration_tokens"] > 6
+
+
+def test_width_pruned_student_keeps_the_most_active_neurons(
+    pruned: tuple[Path, dict[str, Any]],
+) -> None:
+    _, out = pruned
+    assert out["width_diff"] < 1e-5, out["width_diff"]
+    report = out["width_report"]
+    assert report["ffn_hidden_size"] == 20 and len(report["keep_layers"]) == 3
+    rounds = report["scores"]["rounds"]  # greedy: one round, the layer that cost least went
+    assert len(rounds) == 1 and set(rounds[0]) == {"0", "1", "2", "3"}
+    dropped = min(rounds[0], key=rounds[0].__getitem__)
+    assert dropped not in map(str, report["keep_layers"])
+    assert "num_layers: 3" in out["model_config"] and "ffn_hidden_size: 20" in out["model_config"]
+
+
+def test_a_layer_that_does_nothing_is_dropped_first(pruned: tuple[Path, dict[str, Any]]) -> None:
+    _, out = pruned
+    assert out["kl"]["keep_layers"] == [0, 1, 3]
+    assert out["kl"]["kl"] < 1e-9 and out["kl"]["scores"]["rounds"][0]["2"] < 1e-9
+    assert out["cosine"]["keep_layers"] == [0, 1, 3]
+    bi = out["cosine"]["scores"]["block_importance"]
+    assert bi[2] < 1e-6 < min(bi[0], bi[1], bi[3])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--keep-layers", "2,0"], "name distinct teacher layers in increasing order"),
+        (["--keep-layers", "0,1,2,3"], "keeps all 4 layers: leave at least one out"),
+        (["--num-layers", "4"], "keep 1 to 3 (or cut the FFN with --ffn-hidden-size)"),
+        (["--num-layers", "2", "--ffn-hidden-size", "49"], "FFN is 48 wide; choose 1 to 48"),
+    ],
+)
+def test_impossible_requests_name_the_fix(
+    pruned: tuple[Path, dict[str, Any]],
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from megatron_gndpo.cli import main
+
+    tmp, _ = pruned
+    out = tmp / "refused"
+    code = main(["prune", "--teacher", str(tmp / "teacher"), "--out", str(out), *args,
+                 "--tokenizer", "builtin:char", "--calib-data", "builtin:arithmetic"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not out.exists()  # refused before anything was written
+
+
+def test_output_and_inputs_are_checked_before_loading(
+    pruned: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megatron_gndpo.cli import main
+
+    tmp, _ = pruned
+    teacher = str(tmp / "teacher")
+    base = ["prune", "--teacher", teacher, "--num-layers", "2", "--tokenizer", "builtin:char"]
+    mine = tmp / "user_files"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main([*base, "--out", str(mine), "--calib-data", "builtin:arithmetic"]) == 2
+    assert "is not empty; name a new directory" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "keep me"
+    assert main([*base, "--out", str(tmp / "new")]) == 2
+    assert "prune needs calibration prompts: --calib-data" in capsys.readouterr().err
+    no_tok = ["prune", "--teacher", teacher, "--num-layers", "2", "--out", str(tmp / "n2"),
+              "--calib-data", "builtin:arithmetic"]  # fmt: skip
+    assert main(no_tok) == 2
+    assert "no tokenizer files beside" in capsys.readouterr().err
