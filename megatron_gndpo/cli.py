@@ -5,7 +5,8 @@
     megatron-gndpo plan [--config FILE] [--world-size N] [--ranks] [--gpu-memory-gib G] [--mfu M]
                         [--interconnect-gbps B] [section.key=value ...]  (memory and step time too)
     megatron-gndpo config show|validate|fields [--config FILE] [--world-size N] [overrides]
-    megatron-gndpo demo [--quick] [--multimodal] [--methods gndpo,opd,...] [--run-dir DIR]
+    megatron-gndpo demo [--quick] [--multimodal] [--methods gndpo,opd,...] [--seeds N]
+                        [--student pruned|sft] [--run-dir DIR]
     megatron-gndpo demo --stability [--quick] [--run-dir DIR] [--cache-dir DIR]
     megatron-gndpo prune --teacher CKPT --out DIR --num-layers N --calib-data PROMPTS
 
@@ -174,10 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo = sub.add_parser(
         "demo",
         help="distil a tiny reasoning teacher into a student on the CPU: GNDPO vs OPD vs RLVR",
-        description="Train a small teacher and a weaker student on the built-in chains task "
-        "(cached), then train the student with GNDPO, OPD and RLVR from the same start and seeds "
-        "and write a report (metrics, plots, summary.md) into the run directory. One process; "
-        "no GPU and no downloads needed.",
+        description="Train a small teacher on the built-in chains task and make a student from "
+        "it by pruning half its layers (both cached), then train the student with GNDPO, OPD "
+        "and RLVR from the same start over 3 seeds and write a report (greedy and sampled "
+        "accuracy, reverse KL to the teacher, plots, summary.md) into the run directory. One "
+        "process; no GPU and no downloads needed.",
     )
     p_demo.add_argument("--quick", action="store_true", help="a smaller run (under 5 minutes)")
     p_demo.add_argument(
@@ -191,8 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p_demo.add_argument(
         "--seed", type=int, default=None,
-        help="seed of the training runs (default 1234; the cached teacher and student stay the "
-        "same)",
+        help="seed of the first training run (default 1234; the cached teacher and student "
+        "stay the same)",
+    )  # fmt: skip
+    p_demo.add_argument(
+        "--seeds", type=int, default=None,
+        help="how many seeds each method runs, from --seed on (default 3; 1 with --quick)",
+    )  # fmt: skip
+    p_demo.add_argument(
+        "--student", choices=("pruned", "sft"), default="pruned",
+        help="pruned: the teacher with half its layers dropped (default); sft: a smaller model "
+        "fine-tuned briefly on its own, the regime where the sampled-token methods do not teach",
     )  # fmt: skip
     p_demo.add_argument(
         "--stability", action="store_true",
@@ -202,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument(
         "--engine", choices=("builtin", "vllm"), default="builtin",
         help="where rollouts are sampled: the built-in generator, or a real vLLM (the vLLM "
-        "tier; its student has 2 heads of 32 and each method runs in its own process)",
+        "tier; each method runs in its own process)",
     )  # fmt: skip
     p_demo.add_argument(
         "--run-dir", type=Path, default=None,
@@ -364,8 +375,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     summary = run_demo(
         args.run_dir, args.cache_dir, quick=args.quick, methods=methods,
-        seed=SEED if args.seed is None else args.seed, multimodal=args.multimodal,
-        engine=args.engine,
+        seed=SEED if args.seed is None else args.seed, seeds=args.seeds,
+        multimodal=args.multimodal, engine=args.engine, student=args.student,
     )  # fmt: skip
     numbers = summary_numbers(summary)
     print(f"report written to {summary.run_dir / 'summary.md'}")

@@ -1,15 +1,19 @@
-"""The demo's task data, teacher and student: trained by SFT on worked chains, cached on disk.
+"""The demo's task data, teacher and student, cached on disk.
 
     task = build_task(cache_dir)                               # problems + tokenizer
     teacher = prepare_teacher(cache_dir, groups, task)         # SFT until accurate (cached)
-    student = prepare_student(cache_dir, groups, task)         # smaller, briefly fine-tuned
+    student = prepare_pruned(cache_dir, teacher, task, groups) # the teacher, layers dropped
+    # or prepare_student(cache_dir, groups, task)              # smaller, briefly fine-tuned
     # teacher.checkpoint -> teacher.load, student.checkpoint -> checkpoint.init
 
-Each model is described by a :class:`Recipe` (architecture, optimizer, steps, seed). Its
-model-only checkpoint and a ``model.json`` (recipe, held-out greedy accuracy, wall times, losses)
-are written to ``CACHE/NAME/``; a later call with the same recipe, tokenizer and data reuses
-them. Every rank of the model's layout calls these functions together (the groups are the
-student's: megatron-core's global parallel state), and rank 0 writes the files.
+The teacher is described by a :class:`Recipe` (architecture, optimizer, steps, seed), a student
+made by SFT too; the default student is pruned from the teacher (:class:`PruneRecipe`: the
+layers kept are those whose removal moves the teacher least on its own answers, ``prune/``), as
+compression by distillation is done in practice. Each model's model-only checkpoint and a
+``model.json`` (recipe, held-out greedy accuracy, wall times) are written to ``CACHE/NAME/``; a
+later call with the same recipe, tokenizer, data (and teacher) reuses them. Every rank of the
+model's layout calls these functions together (the groups are the student's: megatron-core's
+global parallel state), and rank 0 writes the files.
 """
 
 from __future__ import annotations
@@ -159,6 +163,29 @@ def vllm_student_recipe() -> Recipe:
     return dataclasses.replace(student_recipe(), name="student_vllm", model=_model(2, 64, 2))
 
 
+@dataclasses.dataclass(frozen=True)
+class PruneRecipe:
+    """How the default student is made from the teacher: ``num_layers`` of its layers, chosen
+    by ``importance`` on the teacher's greedy answers to ``calibration_prompts`` training
+    prompts (``prune/``); optionally a narrower FFN."""
+
+    name: str
+    num_layers: int
+    importance: str = "kl"
+    calibration_prompts: int = 32
+    ffn_hidden_size: int | None = None
+
+
+def pruned_recipe() -> PruneRecipe:
+    """Half the teacher's layers (2 of 4), chosen by the KL of their removal.
+
+    Measured on the full teacher (docs/demo/RESULTS.md): the greedy search keeps layers 0 and
+    1 (calibration KL 0.25 nats/token), held-out greedy 0.32 where the teacher has 0.98;
+    dropping one layer instead starts at 0.74, too close to show much.
+    """
+    return PruneRecipe(name="student_pruned", num_layers=2)
+
+
 def near_student_recipe() -> Recipe:
     """The student fine-tuned until close to the teacher (held-out ~0.93, 400 steps, ~30 s), for
     ``demo --stability``: its ordinary batches score little, so an outlier batch stands out."""
@@ -216,7 +243,7 @@ def prepare(
     key = _cache_key(recipe, task)
     cached = _load_meta(directory, key)
     if cached is not None:
-        return _prepared(directory, recipe, cached, cached=True)
+        return _prepared(directory, recipe.name, recipe.model, cached, cached=True)
 
     tokenizer = task.tokenizer
     sequences = encode_sft(tokenizer, [(p.prompt, p.solution) for p in task.sft])
@@ -253,7 +280,79 @@ def prepare(
     if rank() == 0:  # written last: its presence marks a complete cache entry
         (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")
     barrier()
-    return _prepared(directory, recipe, meta, cached=False)
+    return _prepared(directory, recipe.name, recipe.model, meta, cached=False)
+
+
+def prepare_pruned(
+    cache_dir: str | Path,
+    teacher: PreparedModel,
+    task: DemoTask,
+    groups: ParallelGroups,
+    recipe: PruneRecipe | None = None,
+) -> PreparedModel:
+    """The student pruned from ``teacher`` by ``recipe`` (:func:`pruned_recipe`), its held-out
+    greedy accuracy measured; or reused from the cache (keyed by the teacher's own key)."""
+    from megatron_gndpo.prune.run import prune_checkpoint
+
+    recipe = recipe or pruned_recipe()
+    directory = Path(cache_dir) / recipe.name
+    teacher_key = json.loads((teacher.checkpoint.parent / _META).read_text())["key"]
+    payload = {"version": _CACHE_VERSION, "recipe": dataclasses.asdict(recipe),
+               "teacher": teacher_key}  # fmt: skip
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    model = dataclasses.replace(teacher.model, num_layers=recipe.num_layers)
+    if recipe.ffn_hidden_size is not None:
+        model = dataclasses.replace(model, ffn_hidden_size=recipe.ffn_hidden_size)
+    cached = _load_meta(directory, key)
+    if cached is not None:
+        return _prepared(directory, recipe.name, model, cached, cached=True)
+    if rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    barrier()
+    started = time.perf_counter()
+    result = prune_checkpoint(
+        teacher.checkpoint, directory / _CHECKPOINT, num_layers=recipe.num_layers,
+        tokenizer=task.tokenizer, importance=recipe.importance,  # type: ignore[arg-type]
+        prompts=[p.prompt for p in chains.split("train")[: recipe.calibration_prompts]],
+        ffn_hidden_size=recipe.ffn_hidden_size, model=teacher.model,
+        max_new_tokens=max_new_tokens(task.difficulty),
+    )  # fmt: skip
+    prune_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    accuracy = _checkpoint_accuracy(model, directory / _CHECKPOINT, groups, task)
+    meta = {
+        "key": key, "recipe": dataclasses.asdict(recipe), "teacher": teacher.name,
+        "keep_layers": list(result.choice.keep), "calibration_kl": result.kl,
+        "accuracy": accuracy, "sft_seconds": prune_seconds,
+        "eval_seconds": time.perf_counter() - started, "losses": [],
+    }  # fmt: skip
+    if rank() == 0:  # written last: its presence marks a complete cache entry
+        (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")
+    barrier()
+    return _prepared(directory, recipe.name, model, meta, cached=False)
+
+
+def _checkpoint_accuracy(
+    model: ModelConfig, checkpoint: Path, groups: ParallelGroups, task: DemoTask
+) -> float:
+    """Held-out greedy accuracy of the model saved at ``checkpoint``."""
+    from megatron_gndpo.checkpoint.dist import load_checkpoint
+    from megatron_gndpo.models.gpt import build_gpt
+
+    parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)
+    net = build_gpt(model, parallel, groups)
+    load_checkpoint(checkpoint, net)
+    net.eval()
+    return greedy_accuracy(
+        net, groups, task.tokenizer, task.eval, max_new_tokens=max_new_tokens(task.difficulty)
+    )
+
+
+def keep_layers(student: PreparedModel) -> list[int] | None:
+    """The teacher layers a pruned student kept (None for a student made by SFT)."""
+    meta = json.loads((student.checkpoint.parent / _META).read_text())
+    kept = meta.get("keep_layers")
+    return None if kept is None else [int(i) for i in kept]
 
 
 def _cache_key(recipe: Recipe, task: DemoTask) -> str:
@@ -270,12 +369,12 @@ def _load_meta(directory: Path, key: str) -> dict[str, Any] | None:
 
 
 def _prepared(
-    directory: Path, recipe: Recipe, meta: dict[str, Any], *, cached: bool
+    directory: Path, name: str, model: ModelConfig, meta: dict[str, Any], *, cached: bool
 ) -> PreparedModel:
     return PreparedModel(
-        name=recipe.name,
+        name=name,
         checkpoint=directory / _CHECKPOINT,
-        model=recipe.model,
+        model=model,
         accuracy=float(meta["accuracy"]),
         sft_seconds=float(meta["sft_seconds"]),
         eval_seconds=float(meta["eval_seconds"]),

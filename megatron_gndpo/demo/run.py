@@ -2,8 +2,12 @@
 
     summary = run_demo("runs/demo", "runs/demo/cache", quick=False)
 
-From the same student checkpoint and the same seeds (so the same prompts, in the same order),
-the :class:`~megatron_gndpo.trainer.Trainer` runs
+The teacher is fine-tuned on the chains task; the student is made from it by pruning (half its
+layers, the ones whose removal costs least, ``prune/``), as compression by distillation is done
+in practice (``student="sft"``: a smaller model fine-tuned briefly instead, the regime where
+the sampled-token methods do not teach, docs/demo/RESULTS.md). From that start, on each seed
+(the same prompts, in the same order, for every method), the
+:class:`~megatron_gndpo.trainer.Trainer` runs
 
     gndpo  algorithm.estimator=gndpo  (teacher log-ratio, clamped, globally normalised)
     opd    algorithm.estimator=opd    (the same clamp, no normalisation)
@@ -11,18 +15,20 @@ the :class:`~megatron_gndpo.trainer.Trainer` runs
 
 and, with ``--methods``, also tgpo, tropd and vopd (``ALL_METHODS``)
 
-with the same policy loss (GSPO), optimizer, batch and step count, evaluating greedy held-out
-accuracy every few steps. Each method writes ``RUN_DIR/METHOD/{config.yaml,metrics.jsonl}``;
+with the same policy loss (GSPO), optimizer, batch and step count. Every few steps it
+evaluates the held-out problems greedily, and with ``eval_samples`` answers per problem at
+temperature 1 (the policy that trains): their accuracy and the per-token reverse KL to the
+teacher. Each run writes ``RUN_DIR/METHOD[_sSEED]/{config.yaml,metrics.jsonl}``;
 :mod:`megatron_gndpo.demo.report` turns them into plots and ``summary.md``. One process (world
 size 1, gloo on the CPU); every setting that differs between ``--quick`` and the default is in
-:class:`Settings`.
+:class:`~megatron_gndpo.demo.results.Settings`.
 
 ``engine="vllm"`` (``demo --engine vllm``) samples every rollout with a real vLLM instead of the
-built-in generator, the student's weights synced into it each step. Two things differ then:
-the student has 2 attention heads of 32 (vLLM's CPU attention refuses the default student's 16;
-it is prepared and cached as ``student_vllm``), and each method trains in a process of its own,
-because a vLLM engine holds process-wide state (its parallel groups, the thread count) until the
-process ends.
+built-in generator, the student's weights synced into it each step. Each method then trains in
+a process of its own, because a vLLM engine holds process-wide state (its parallel groups, the
+thread count) until the process ends. vLLM's CPU attention takes heads of 32 and more: the
+pruned student has the teacher's (4 of 32); the SFT student is made with 2 heads of 32 there
+(cached as ``student_vllm``).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from megatron_gndpo.checks import validate
 from megatron_gndpo.config import save_resolved
@@ -54,6 +60,16 @@ from megatron_gndpo.config.schema import (
     TrainerConfig,
 )
 from megatron_gndpo.demo import models
+from megatron_gndpo.demo.report import write_report
+from megatron_gndpo.demo.results import (
+    ENGINES,
+    STUDENTS,
+    Engine,
+    MethodRun,
+    Settings,
+    StudentKind,
+    Summary,
+)
 from megatron_gndpo.errors import MissingPackageError, UserError
 from megatron_gndpo.logging import progress
 
@@ -73,64 +89,28 @@ MULTIMODAL_METHODS = ("gndpo", "opd")  # demo --multimodal
 # A chains prompt ("Q: 12 + 7 - 3 + 40 = ? A:") is under 20 pieces of the demo tokenizer.
 MAX_PROMPT_LENGTH = 32
 SEED = 1234
-# Where the rollouts are sampled: the built-in generator, or a real vLLM (the vLLM tier).
-Engine = Literal["builtin", "vllm"]
-ENGINES: tuple[Engine, ...] = ("builtin", "vllm")
+# Seeds of a run unless --seeds says otherwise: three for the default run (the report's spread
+# is measured, not assumed), one for --quick.
+SEEDS, QUICK_SEEDS = 3, 1
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What ``--quick`` changes: the teacher recipe and the size of each method's run."""
+def settings(
+    quick: bool, seed: int = SEED, engine: Engine = "builtin", student: StudentKind = "pruned"
+) -> Settings:
+    """Sized for 2 CPU cores: ``--quick`` under 5 minutes in all, the default (3 seeds) ~15.
 
-    quick: bool
-    seed: int  # of the training runs (prompt order, sampling); the prepared models do not change
-    steps: int
-    prompts_per_step: int
-    samples_per_prompt: int
-    lr: float
-    eval_interval: int
-    clip_grad: float = 1.0  # optimizer.clip_grad of every method
-    engine: Engine = "builtin"  # rollout.engine of every method
-
-
-def settings(quick: bool, seed: int = SEED, engine: Engine = "builtin") -> Settings:
-    """Sized for 2 CPU cores: ``--quick`` under 5 minutes in all, the default under 15.
-
-    lr 2e-4: at 5e-4 and 1e-3 no method raised the student's held-out accuracy (GNDPO, OPD
-    0.22 -> 0.16 in 200 steps at 5e-4); the same lr is used for every method.
+    lr 2e-4, the same for every method: from the pruned student, OPD and GNDPO reach 0.73
+    greedy in 10 steps and RLVR in 70-100 (docs/demo/RESULTS.md); 100 steps show where each
+    ends. 4 samples per held-out problem (512 in all) measure the sampled accuracy and the
+    reverse KL to about +-0.02.
     """
     if quick:
-        return Settings(True, seed, steps=30, prompts_per_step=8, samples_per_prompt=4, lr=2e-4,
-                        eval_interval=5, engine=engine)  # fmt: skip
-    return Settings(False, seed, steps=300, prompts_per_step=16, samples_per_prompt=4, lr=2e-4,
-                    eval_interval=20, engine=engine)  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodRun:
-    """One method's run: its metrics per step (with ``eval/accuracy`` at 0 and every interval)."""
-
-    name: str
-    run_dir: Path
-    history: list[dict[str, Any]]
-    start_accuracy: float
-    final_accuracy: float
-    wall_seconds: float
-    eval_problems: int  # held-out problems per evaluation: one of them is 1 / eval_problems
-
-
-@dataclasses.dataclass(frozen=True)
-class Summary:
-    """Everything the report shows."""
-
-    run_dir: Path
-    settings: Settings
-    teacher: Any  # models.PreparedModel, or multimodal.PreparedVLM
-    student: Any
-    methods: dict[str, MethodRun]
-    prepare_seconds: float
-    wall_seconds: float
-    task: str = "chains"
+        return Settings(True, seed, steps=40, prompts_per_step=16, samples_per_prompt=4,
+                        lr=2e-4, eval_interval=10, engine=engine, eval_samples=2,
+                        student=student)  # fmt: skip
+    return Settings(False, seed, steps=100, prompts_per_step=16, samples_per_prompt=4, lr=2e-4,
+                    eval_interval=10, engine=engine, eval_samples=4,
+                    student=student)  # fmt: skip
 
 
 def method_config(
@@ -141,8 +121,10 @@ def method_config(
     student: models.PreparedModel,
     task: models.DemoTask,
     s: Settings,
+    name: str | None = None,
 ) -> Config:
-    """The full trainer config of one method on the chains task."""
+    """The full trainer config of one method on the chains task (its run directory ``name``,
+    by default the method's)."""
     return _config(
         method, run_dir, s, student.model, student.checkpoint, teacher.model, teacher.checkpoint,
         lengths=(MAX_PROMPT_LENGTH, models.max_new_tokens(task.difficulty)),
@@ -150,12 +132,14 @@ def method_config(
             train="builtin:chains", eval="builtin:chains_eval",
             tokenizer=str(cache_dir / "tokenizer" / "tokenizer.model"),
         ),
+        name=name,
     )  # fmt: skip
 
 
 def multimodal_config(
-    method: str, run_dir: Path, teacher: Any, student: Any, task: Any, s: Settings
-) -> Config:
+    method: str, run_dir: Path, teacher: Any, student: Any, task: Any, s: Settings,
+    name: str | None = None,
+) -> Config:  # fmt: skip
     """One method's config on the visual task: VLM student and teacher (the shared frozen
     encoder), the task's prompt files with images and its tokenizer."""
     return _config(
@@ -167,12 +151,19 @@ def multimodal_config(
             train=str(task.train_prompts), eval=str(task.eval_prompts),
             tokenizer=str(task.tokenizer_path),
         ),
+        name=name,
     )  # fmt: skip
+
+
+def run_name(method: str, seed: int, seeds: tuple[int, ...]) -> str:
+    """A run's directory under RUN_DIR: the method's name, with its seed when there are several."""
+    return method if len(seeds) == 1 else f"{method}_s{seed}"
 
 
 def _config(
     method: str, run_dir: Path, s: Settings, student: ModelConfig, student_checkpoint: Path,
     teacher: ModelConfig, teacher_checkpoint: Path, *, lengths: tuple[int, int], data: DataConfig,
+    name: str | None = None,
 ) -> Config:  # fmt: skip
     """Everything but the models, the task's lengths and data is shared by every method."""
     return Config(
@@ -192,10 +183,13 @@ def _config(
             seed=s.seed,
             micro_batch_size=s.prompts_per_step * s.samples_per_prompt,
             eval_interval=s.eval_interval,
+            eval_samples=s.eval_samples,
         ),
         data=data,
         checkpoint=CheckpointConfig(init=str(student_checkpoint), save_interval=0),
-        logging=LoggingConfig(run_dir=str(run_dir / method), log_interval=s.eval_interval),
+        logging=LoggingConfig(
+            run_dir=str(run_dir / (name or method)), log_interval=s.eval_interval
+        ),
     )
 
 
@@ -228,49 +222,70 @@ def run_demo(
     quick: bool = False,
     methods: tuple[str, ...] | None = None,
     seed: int = SEED,
+    seeds: int | None = None,
     multimodal: bool = False,
     engine: Engine = "builtin",
+    student: StudentKind = "pruned",
+    settings_override: Settings | None = None,
+    prepared_models: tuple[Any, Any, Any] | None = None,
 ) -> Summary:
-    """Prepare (or reuse) the models, run ``methods``, write the report; return its numbers.
+    """Prepare (or reuse) the models, run ``methods`` on ``seeds`` seeds from ``seed`` on (3
+    by default, 1 with ``quick``), write the report; return its numbers.
 
     ``multimodal``: the visual task with vision-language models (default methods GNDPO and
     OPD) instead of the chains task (default GNDPO, OPD and RLVR). ``engine``: where rollouts
     are sampled (``ENGINES``; "vllm" needs the vLLM tier, see the module docstring).
+    ``student``: how the student is made (``STUDENTS``). ``settings_override`` and
+    ``prepared_models`` (teacher, student, task as :func:`prepare_models` or
+    ``multimodal.prepare_multimodal`` return them): other run settings and models than the
+    demo's own (tests make both tiny).
     """
     if methods is None:
         methods = MULTIMODAL_METHODS if multimodal else METHODS
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown or not methods:
-        raise ValueError(
+        raise UserError(
             f"unknown demo method(s) {unknown or '(none given)'}; choose from "
             f"{', '.join(ALL_METHODS)}"
         )
+    if student not in STUDENTS:
+        raise UserError(f"unknown demo student {student!r}; choose from {', '.join(STUDENTS)}")
+    count = seeds if seeds is not None else (QUICK_SEEDS if quick else SEEDS)
+    if count < 1:
+        raise UserError(f"--seeds {count}: run at least one seed")
+    all_seeds = tuple(range(seed, seed + count))
     _check_engine(engine, multimodal)
     run_dir = Path(run_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else run_dir / "cache"
     started = time.perf_counter()
     with demo_world():
-        s = settings(quick, seed, engine)
-        if multimodal:
-            teacher, student, task = _prepare_multimodal(cache_dir, s)
+        s = settings_override or settings(quick, seed, engine, student)
+        if prepared_models is not None:
+            teacher, prepared, task = prepared_models
+        elif multimodal:
+            teacher, prepared, task = _prepare_multimodal(cache_dir, s)
         else:
-            recipe = models.vllm_student_recipe() if engine == "vllm" else None
-            teacher, student, task = prepare_models(cache_dir, s, recipe)
+            teacher, prepared, task = prepare_models(cache_dir, s)
         prepare_seconds = time.perf_counter() - started
-        runs = {}
+        runs: dict[str, list[MethodRun]] = {}
         for name in (m for m in ALL_METHODS if m in methods):
-            if multimodal:
-                cfg = multimodal_config(name, run_dir, teacher, student, task, s)
-            else:
-                cfg = method_config(name, run_dir, cache_dir, teacher, student, task, s)
-            runs[name] = _run_method_in_process(cfg) if engine == "vllm" else run_method(cfg)
+            for each in all_seeds:
+                one = dataclasses.replace(s, seed=each)
+                directory = run_name(name, each, all_seeds)
+                if multimodal:
+                    cfg = multimodal_config(name, run_dir, teacher, prepared, task, one, directory)
+                else:
+                    cfg = method_config(
+                        name, run_dir, cache_dir, teacher, prepared, task, one, directory
+                    )
+                run = _run_method_in_process(cfg) if engine == "vllm" else run_method(cfg)
+                runs.setdefault(name, []).append(dataclasses.replace(run, name=name, seed=each))
     summary = Summary(
-        run_dir=run_dir, settings=s, teacher=teacher, student=student, methods=runs,
-        prepare_seconds=prepare_seconds, wall_seconds=time.perf_counter() - started,
+        run_dir=run_dir, settings=s, teacher=teacher, student=prepared, runs=runs,
+        seeds=all_seeds, prepare_seconds=prepare_seconds,
+        wall_seconds=time.perf_counter() - started,
         task="visual (images)" if multimodal else "chains",
     )  # fmt: skip
-    from megatron_gndpo.demo.report import write_report
-
     write_report(summary)
     return summary
 
@@ -296,7 +311,8 @@ def _check_engine(engine: str, multimodal: bool) -> None:
 def prepare_models(
     cache_dir: Path, s: Settings, student: models.Recipe | None = None
 ) -> tuple[models.PreparedModel, models.PreparedModel, models.DemoTask]:
-    """The teacher and the student (``student``, else :func:`models.student_recipe`)."""
+    """The teacher and the student: fine-tuned by ``student`` when given, else made as
+    ``s.student`` says (pruned from the teacher, or :func:`models.student_recipe`'s SFT)."""
     from megatron.core import parallel_state
 
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
@@ -305,14 +321,26 @@ def prepare_models(
     task = models.build_task(cache_dir)
     groups = build_student_groups(ParallelLayout(1), seed=0)
     try:
+        if student is None and s.student == "sft":
+            student = models.vllm_student_recipe() if s.engine == "vllm" else None
+            student = student or models.student_recipe()
+        recipes = [models.teacher_recipe(s.quick)] + ([student] if student is not None else [])
         prepared = []
-        for recipe in (models.teacher_recipe(s.quick), student or models.student_recipe()):
+        for recipe in recipes:
             with progress(recipe.steps, f"sft {recipe.name}", True) as bar:
                 model = models.prepare(
                     cache_dir, recipe, groups, task, on_step=lambda step, m: bar.update(1)
                 )
             how = "reused from the cache" if model.cached else f"trained {model.sft_seconds:.0f} s"
             _say(f"{model.name}: held-out greedy accuracy {model.accuracy:.3f} ({how})")
+            prepared.append(model)
+        if student is None:
+            model = models.prepare_pruned(cache_dir, prepared[0], task, groups)
+            how = "reused from the cache" if model.cached else f"pruned {model.sft_seconds:.0f} s"
+            _say(
+                f"{model.name}: the teacher's layers {models.keep_layers(model)}, held-out "
+                f"greedy accuracy {model.accuracy:.3f} ({how})"
+            )
             prepared.append(model)
     finally:
         parallel_state.destroy_model_parallel()
@@ -371,6 +399,7 @@ def run_method(cfg: Config) -> MethodRun:
     return MethodRun(
         name=name, run_dir=method_dir, history=history, start_accuracy=accuracies[0],
         final_accuracy=accuracies[-1], wall_seconds=wall, eval_problems=eval_problems,
+        seed=cfg.trainer.seed,
     )  # fmt: skip
 
 

@@ -42,9 +42,8 @@ from typing import Any
 from megatron_gndpo.config.schema import AlgorithmConfig, Config
 from megatron_gndpo.data.tasks import chains
 from megatron_gndpo.demo import models
+from megatron_gndpo.demo.results import MethodRun, Settings
 from megatron_gndpo.demo.run import (
-    MethodRun,
-    Settings,
     demo_world,
     method_config,
     prepare_models,
