@@ -221,6 +221,11 @@ def build_gpt(
     """
     from megatron.core.models.gpt import GPTModel
 
+    if model.model_class != "gpt":
+        raise ValueError(
+            f"build_gpt builds GPTModels, and this model has model_class={model.model_class}: "
+            "build it with megatron_gndpo.models.build.build_model"
+        )
     check_layout(parallel, groups)
     scaling: dict[str, Any] = {}
     if model.rotary_scaling_factor is not None:
