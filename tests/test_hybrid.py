@@ -86,6 +86,20 @@ def test_one_name_mapping_both_ways() -> None:
         naming.to_hybrid("decoder.layers.0.cross_attention.linear_q.weight")
 
 
+def test_megatron_lm_args_of_a_hybrid_read_back() -> None:
+    """Megatron-LM's args (interop.py) describe a hybrid checkpoint as pretrain_hybrid.py takes
+    it; reading them back gives the model; other hybrid patterns are refused."""
+    from megatron_gndpo.checkpoint import foreign_config, interop
+
+    model = _hybrid(tiny_model(vocab_size=VOCAB, num_layers=3, kv_channels=8))
+    args = interop.megatron_lm_args(model, step=5, tp=2, pp=1, world_size=4)
+    assert (args.num_layers, args.hybrid_layer_pattern) == (6, "*-*-*-")
+    assert foreign_config.from_megatron_lm_args(args, "common.pt") == model
+    mamba = dict(vars(args), hybrid_layer_pattern="M*-M*-")
+    with pytest.raises(foreign_config.ForeignConfigError, match="'M\\*-M\\*-' is not attention"):
+        foreign_config.from_megatron_lm_args(mamba, "common.pt")
+
+
 def test_hybrid_refuses_what_it_cannot_build() -> None:
     from megatron_gndpo.checks import validate
     from megatron_gndpo.config import ConfigError, load_config

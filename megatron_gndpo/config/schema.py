@@ -20,7 +20,8 @@ ModelClass = Literal["gpt", "hybrid"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a megatron-core GPT model (Llama, Qwen2/2.5 and Qwen3 families)."""
+    """Architecture of a megatron-core language model (Llama, Qwen2/2.5, Qwen3 and Qwen3-MoE
+    families), run as a GPTModel or a HybridModel (``model_class``)."""
 
     num_layers: int = 2
     """Number of transformer layers."""
