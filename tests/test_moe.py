@@ -124,12 +124,17 @@ def _copy_into_ep_shard(reference: torch.nn.Module, sharded: torch.nn.Module, ep
                         ep_rank: int, tp: int = 1, tp_rank: int = 0) -> None:  # fmt: skip
     """Load the EP=1 TP=1 model's weights into this rank's EP x TP shard (local expert i is
     global expert ep_rank * E/ep + i; experts are split over TP like dense layers, SwiGLU's
-    fc1 holding a slice of both halves)."""
+    fc1 holding a slice of both halves). ``sharded`` may be a HybridModel (its names are
+    translated to the GPTModel's)."""
+    from megatron_gndpo.models import naming
+
     full = dict(reference.named_parameters())
     per_rank = EXPERTS // ep
+    source = naming.model_class_of(sharded)
     with torch.no_grad():
         for name, param in sharded.named_parameters():
-            src = full[_global_name(name, per_rank, ep_rank)]
+            gpt_name = naming.convert(name, source=source, target="gpt")
+            src = full[_global_name(gpt_name, per_rank, ep_rank)]
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
                 dim = param.partition_dim
                 halves = src.chunk(2, 0) if "linear_fc1" in name else (src,)  # SwiGLU
@@ -217,11 +222,20 @@ def _ep_checks(rank: int, world: int) -> dict[str, float]:
     t1 = build_teacher(teacher_model, ParallelConfig(), ep1_groups)
     t2 = build_teacher(teacher_model, ParallelConfig(expert_parallel=2), teacher_groups)
     _copy_into_ep_shard(t1, t2, 2, teacher_groups.layout.expert_coords(rank)["ep"])
+    # the same teacher as a HybridModel (model_class: hybrid) at EP=2
+    from megatron_gndpo.models.build import build_teacher as build_any_teacher
+
+    hybrid_model = dataclasses.replace(teacher_model, model_class="hybrid")
+    t3 = build_any_teacher(hybrid_model, ParallelConfig(expert_parallel=2), teacher_groups)
+    _copy_into_ep_shard(t1, t3, 2, teacher_groups.layout.expert_coords(rank)["ep"])
     tracker = get_moe_metrics_tracker()
     tracker.clear()
     with torch.no_grad():
-        s1, s2 = (_forward(t, tokens)[..., :VOCAB] for t in (t1, t2))
+        s1, s2, s3 = (_forward(t, tokens)[..., :VOCAB] for t in (t1, t2, t3))
     out["teacher/logit_diff"] = (s1 - s2).abs().max().item()
+    out["teacher/hybrid_logit_diff"] = (s1 - s3).abs().max().item()
+    out |= {f"hybrid/{k}": v for k, v in _lockstep_checks(rank, t1, t3, ep1_groups,
+                                                           teacher_groups).items()}  # fmt: skip
     out["teacher/recorded_router_loss"] = sum(
         float(e.values.abs().sum()) for e in tracker.metrics.values()
     )
@@ -271,6 +285,10 @@ def test_ep2_equals_ep1_and_a_teacher_at_its_own_ep() -> None:
         assert r["aux_on/grad_diff"] < 1e-5 * max(1.0, r["aux_on/grad_scale"]), r
         assert r["aux_on/router_grad_change"] > 1e-4, r  # and it was on
         assert r["teacher/logit_diff"] < 1e-5, r
+        # a HybridModel teacher at EP=2: the same logits, tokens and log-probs
+        assert r["teacher/hybrid_logit_diff"] < 1e-5, r
+        assert r["hybrid/lockstep/same_tokens"] == 1.0, r
+        assert r["hybrid/lockstep/logprob_diff"] < 1e-5, r
         assert r["teacher/recorded_router_loss"] == 0.0
         assert r["teacher/ep_group"] == 2.0
         assert r["lockstep/same_tokens"] == 1.0 and r["lockstep/logprob_diff"] < 1e-5, r

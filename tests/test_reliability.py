@@ -282,9 +282,11 @@ def test_train_under_launch_ends_when_a_rank_stops(tmp_path: Path) -> None:
     assert err.count("megatron-gndpo: error: no heartbeat from rank 1") == 1, err[-3000:]
     assert "megatron-gndpo: launch:" not in err and "Sending process" not in err
     assert not any(_alive(pid) for pid in workers)
-    # console noise: DDP gets its parameter layout, and the deprecation shows once (rank 0)
+    # console noise: DDP gets its parameter layout, and megatron's GPTModel deprecation is our
+    # one line (rank 0), naming the class and how to switch
     assert "full_param_layout not provided" not in err
-    assert err.count("GPTModel IS DEPRECATED") == 1
+    assert "GPTModel IS DEPRECATED" not in err
+    assert err.count("set model.model_class=hybrid") == 1, err
     shutil.rmtree(run, ignore_errors=True)
 
 
@@ -450,7 +452,10 @@ def test_known_megatron_notices_show_once(caplog: pytest.LogCaptureFixture) -> N
     finally:
         notices.restore()
     messages = [r.getMessage() for r in caplog.records]
-    assert sum(m.startswith("GPTModel IS DEPRECATED") for m in messages) == 1
+    # megatron's deprecation notice is replaced by one line of ours, once
+    assert not any(m.startswith("GPTModel IS DEPRECATED") for m in messages)
+    assert messages.count(notices.GPT_DEPRECATION[1]) == 1
+    assert "model.model_class=hybrid" in notices.GPT_DEPRECATION[1]
     assert messages.count("something else entirely") == 2  # unknown messages are not touched
 
 

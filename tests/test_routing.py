@@ -137,6 +137,7 @@ def _routing_checks(rank: int, world: int) -> dict[str, Any]:
     out["forced_before"] = delta[0, : p + 1].max().item()  # log-prob of token t+1 uses position t
     out["forced_after"] = delta[0, p + 1 :].max().item()
     out["forced_other_rows"] = delta[1:].max().item()
+    out |= _hybrid_routing(net, model, groups, rollout, (plain, chosen), (forced, changed))
 
     # a row algorithm.filter dropped (a one-token stub, rollout/filters.py) is never compared,
     # and replaying the stubbed rollout leaves the kept rows' log-probs as they were
@@ -178,6 +179,37 @@ def _routing_checks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _hybrid_routing(
+    net: Any, model: Any, groups: Any, rollout: Any, own: tuple, forced: tuple
+) -> dict[str, Any]:
+    """The same weights as a HybridModel (``model_class: hybrid``): its routers, found in the
+    same layer order, record the GPTModel's choices and replay forced ones to the same
+    log-probs."""
+    import dataclasses
+
+    from megatron_gndpo.models import naming
+    from megatron_gndpo.models.build import build_model
+
+    hybrid_cfg = dataclasses.replace(model, model_class="hybrid")
+    hybrid = build_model(hybrid_cfg, ParallelConfig(expert_parallel=2), groups)
+    weights = dict(net.named_parameters())
+    with torch.no_grad():
+        for name, param in hybrid.named_parameters():
+            param.copy_(weights[naming.to_gpt(name)])
+    lengths = rollout.lengths.tolist()
+    recorded = routing.RoutingPass(hybrid, lengths)
+    plain = _scores(hybrid, groups, rollout, routing=recorded)
+    replay = routing.RoutingPass(hybrid, lengths, forced[1], replay=True)
+    return {
+        "hybrid/same_routing": bool(torch.equal(recorded.routing, own[1])),
+        "hybrid/plain_diff": (plain - own[0]).abs().max().item(),
+        "hybrid/forced_diff": (_scores(hybrid, groups, rollout, routing=replay) - forced[0])
+        .abs()
+        .max()
+        .item(),
+    }
+
+
 def _moe_model() -> Any:
     return tiny_model(
         hidden_size=64, ffn_hidden_size=128, vocab_size=VOCAB, num_experts=4,
@@ -198,6 +230,8 @@ def test_sampler_routing_is_recorded_compared_and_replayed_at_ep2() -> None:
         # (replayed experts come sorted, recorded ones in top-k order: the sums may reorder)
         assert r["replay_diff"] < 1e-5 and r["packed_diff"] < 1e-5, r
         assert r["changed_counted"] == layers, r
+        assert r["hybrid/same_routing"], r
+        assert r["hybrid/plain_diff"] < 1e-6 and r["hybrid/forced_diff"] < 1e-6, r
         assert r["forced_before"] < 1e-5 and r["forced_other_rows"] < 1e-5, r
         assert r["forced_after"] > 1e-4, r  # tiny random weights: small but far above 1e-5
         assert r["update_replay_diff"] < 1e-5, r

@@ -81,7 +81,8 @@ def _sequences(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> 
 
 
 def test_same_losses_and_gradients_at_any_layout_and_micro_batching(tmp_path: Path) -> None:
-    """DP=1 = DP=2 = TP=2 = PP=2, and 1 micro-batch = 4, from the same initial weights."""
+    """DP=1 = DP=2 = TP=2 = PP=2, and 1 micro-batch = 4, from the same initial weights; and
+    HybridModels at TP=2 and PP=2 from those GPTModel weights."""
     init = f"checkpoint.init={tmp_path / 'init'}"
     runs_one = {
         "reference": ["trainer.micro_batch_size=8"],
@@ -93,6 +94,13 @@ def test_same_losses_and_gradients_at_any_layout_and_micro_batching(tmp_path: Pa
             "dp2": ["trainer.micro_batch_size=4", init],
             "tp2": ["parallel.tensor_parallel=2", "trainer.micro_batch_size=4", init],
             "pp2": ["parallel.pipeline_parallel=2", "trainer.micro_batch_size=4", init],
+            # HybridModels from the GPTModel's initial weights (teachers: the same seed draws
+            # the same weights in both classes)
+            **{f"hybrid {layout}": [parallel, "model.model_class=hybrid",
+                                    "teacher.model.model_class=hybrid",
+                                    "trainer.micro_batch_size=4", init]
+               for layout, parallel in (("tp2", "parallel.tensor_parallel=2"),
+                                        ("pp2", "parallel.pipeline_parallel=2"))},
         }),
         timeout_s=400,
     )[0]  # fmt: skip
@@ -141,6 +149,7 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     trainer.c.logger.close()
     del trainer
     reset_megatron()
+    out |= _resumed_as_hybrid(root)
     trainer = tiny_trainer(f"{root}/killed", "trainer.steps=6", "checkpoint.save_interval=3")
     out["resumed_from"] = trainer.step_count
     out["resumed"] = trainer.train()
@@ -193,6 +202,32 @@ def _resume_nan_golden(rank: int, world: int, root: str) -> dict[str, object]:
     return out
 
 
+def _resumed_as_hybrid(root: str) -> dict[str, object]:
+    """The killed run's GPTModel checkpoint (model and optimizer) resumed by a HybridModel run
+    (student and teacher: ``model_class: hybrid``); then its own checkpoint refused by a
+    GPTModel run."""
+    import shutil
+
+    from megatron_gndpo.checkpoint.dist import CheckpointError
+
+    shutil.copytree(f"{root}/killed", f"{root}/hybrid")
+    hybrid = ("model.model_class=hybrid", "teacher.model.model_class=hybrid")
+    trainer = tiny_trainer(f"{root}/hybrid", "trainer.steps=6", "checkpoint.save_interval=3",
+                           *hybrid)  # fmt: skip
+    from megatron_gndpo.models.naming import model_class_of
+
+    out: dict[str, object] = {"hybrid_class": model_class_of(trainer.c.student)}
+    out["hybrid_resumed"] = trainer.train()
+    reset_megatron()
+    try:
+        tiny_trainer(f"{root}/hybrid", "trainer.steps=7")
+        out["gpt_refusal"] = ""
+    except CheckpointError as err:
+        out["gpt_refusal"] = str(err)
+    reset_megatron()
+    return out
+
+
 def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
     r = run_distributed(_resume_nan_golden, 1, args=(str(tmp_path),), timeout_s=500)[0]
     full, resumed = r["full"], r["resumed"]
@@ -205,6 +240,12 @@ def test_resume_nonfinite_skip_and_golden(tmp_path: Path) -> None:
         for key in ("loss", "grad_norm", "score/mean", "advantage/std", "tokens/step",
                     *STABILITY_KEYS):  # fmt: skip
             assert got[key] == expected[key], key  # exactly: the resumed run is the same run
+    # a HybridModel resumes the GPTModel's checkpoint with its optimizer state: the same run
+    assert r["hybrid_class"] == "hybrid"
+    for expected, got in zip(full[3:], r["hybrid_resumed"], strict=True):
+        for key in ("loss", "grad_norm", "score/mean", "advantage/std", *STABILITY_KEYS):
+            assert got[key] == expected[key], key
+    assert "saved by a HybridModel" in r["gpt_refusal"], r["gpt_refusal"]
 
     import transformers
 

@@ -366,13 +366,17 @@ def test_vllm_generator_without_vllm_names_the_extra(tmp_path: Path) -> None:
 # (family, layout, which ranks host an engine): qwen2 (tied embeddings: the last stage's copy
 # is not sent) at every layout; llama (untied lm_head, gathered over TP on the last stage) where
 # it is hardest. "first": only the replica's first rank hosts one; the others still gather.
+# (family, layout, which ranks host an engine, model class)
 CASES = (
-    ("qwen2", "tp2", "all"),
-    ("qwen2", "pp2", "all"),
-    ("qwen2", "tp2pp2", "first"),
-    ("llama", "tp2pp2", "all"),
-    ("qwen3_moe", "tp2ep2", "all"),
-    ("qwen3_moe", "pp2ep2", "all"),
+    ("qwen2", "tp2", "all", "gpt"),
+    ("qwen2", "pp2", "all", "gpt"),
+    ("qwen2", "tp2pp2", "first", "gpt"),
+    ("llama", "tp2pp2", "all", "gpt"),
+    ("qwen3_moe", "tp2ep2", "all", "gpt"),
+    ("qwen3_moe", "pp2ep2", "all", "gpt"),
+    # HybridModels: TP, PP and EP through the same HF names
+    ("llama", "tp2pp2", "all", "hybrid"),
+    ("qwen3_moe", "pp2ep2", "all", "hybrid"),
 )
 
 
@@ -404,7 +408,7 @@ def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
 
     cpu.enable()
     from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_tokens
-    from megatron_gndpo.models.gpt import build_teacher
+    from megatron_gndpo.models.build import build_teacher
     from megatron_gndpo.models.logprob_head import TokenLogProbs
     from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
     from megatron_gndpo.rollout.builtin import MegatronGenerator
@@ -425,8 +429,8 @@ def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
     tokens, lengths = _tokens()
     greedy = SamplingParams(max_new_tokens=_NEW_TOKENS, temperature=0.0)
     out: dict[str, Any] = {}
-    for family, name, hosting in CASES:
-        cfg = _model_cfg(family)
+    for family, name, hosting, model_class in CASES:
+        cfg = dataclasses.replace(_model_cfg(family), model_class=model_class)
         groups, parallel = layouts[name]
         net = build_teacher(cfg, parallel, groups)
         ep_rank = groups.layout.expert_coords(rank)["ep"]
@@ -454,7 +458,7 @@ def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
             }
         if family == "qwen3_moe":
             result["experts_held"] = sum(".local_experts." in n for n, _ in net.named_parameters())
-        if name == "tp2pp2" and family == "llama":
+        if name == "tp2pp2" and family == "llama" and model_class == "gpt":
             # a cast before sending: the same tensors, rounded once
             full = dict(iter_hf_weights(net, groups, cfg, family=family))
             half = list(iter_hf_weights(net, groups, cfg, family=family,
@@ -463,7 +467,7 @@ def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
                 t.dtype == torch.bfloat16 and torch.equal(t, full[n].to(torch.bfloat16))
                 for n, t in half
             )
-        out[f"{family}/{name}"] = result
+        out[f"{family}/{name}/{model_class}"] = result
     return out
 
 
@@ -471,10 +475,10 @@ def _sync_at_layouts(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.megatron
 def test_sync_into_engine_double_at_tp2_pp2_tp2pp2() -> None:
     results = run_distributed(_sync_at_layouts, 4, timeout_s=300)
-    for family, name, hosting in CASES:
+    for family, name, hosting, model_class in CASES:
         expected_names = hf_mapping.expected_hf_names(_model_cfg(family))
         assert ("lm_head.weight" in expected_names) == (family != "qwen2")  # untied
-        key = f"{family}/{name}"
+        key = f"{family}/{name}/{model_class}"
         hosts = [r for r, res in enumerate(results) if "missing" in res[key]]
         assert hosts == ([0, 1, 2, 3] if hosting == "all" else [0]), key
         for rank in range(4):
@@ -493,4 +497,4 @@ def test_sync_into_engine_double_at_tp2_pp2_tp2pp2() -> None:
             if family == "qwen3_moe":  # each rank held half the experts, received all
                 assert res["experts_held"] == (2 if name == "tp2ep2" else 1) * 2 * 2, (key, rank)
                 assert sum(".experts." in n for n in res["loads"]) == 2 * 4 * 3, (key, rank)
-    assert results[0]["llama/tp2pp2"]["bf16_ok"]
+    assert results[0]["llama/tp2pp2/gpt"]["bf16_ok"]

@@ -37,10 +37,11 @@ from megatron_gndpo.checkpoint.dist import (
     saved_tensors,
 )
 from megatron_gndpo.config.loader import to_yaml
-from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
+from megatron_gndpo.config.schema import Dtype, ModelClass, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import ConversionError, MissingFileError
+from megatron_gndpo.models import naming
 from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -214,21 +215,24 @@ def convert_hf_to_mcore(
     *,
     groups: ParallelGroups,
     parallel: ParallelConfig,
+    model_class: ModelClass = "gpt",
 ) -> ModelConfig:
     """Convert a Hugging Face model directory to a model-only dist-checkpoint at step 0.
 
     Call on every rank of a job laid out as ``parallel`` (``groups`` from
-    ``build_student_groups`` or ``build_groups``). Returns the model's :class:`ModelConfig`,
-    also written to ``out_root/model_config.yaml``.
+    ``build_student_groups`` or ``build_groups``). ``model_class``: the megatron-core class
+    written (``model.model_class``). Returns the model's :class:`ModelConfig`, also written to
+    ``out_root/model_config.yaml``.
     """
-    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.models.build import build_model
 
     hf_config = read_hf_config(hf_dir)
     model = hf_mapping.model_config_from_hf(hf_config)
+    model = dataclasses.replace(model, model_class=model_class)
     check_layout(model, parallel)
     with HFCheckpoint(hf_dir) as hf:
         hf_mapping.check_hf_names(hf.names, model, where=str(hf_dir))
-        net = build_gpt(model, parallel, groups)
+        net = build_model(model, parallel, groups)
         fill_from_hf(
             net, hf, model, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"],
             expert_offset=hf_mapping.expert_offset(model, groups.layout, groups.rank),
@@ -397,7 +401,7 @@ def convert_mcore_to_hf(
     to the one the weights were saved in (:func:`source_dtype`). A missing or corrupt checkpoint
     is a ``CheckpointError``. Returns ``out_dir``.
     """
-    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.models.build import build_model
 
     check_dtype(dtype)
     step = resolve(mcore_root)  # a CheckpointError before anything is built
@@ -424,7 +428,7 @@ def convert_mcore_to_hf(
 
     return export_checkpoint(
         step, out_dir,
-        build=lambda groups: build_gpt(model, ParallelConfig(), groups),
+        build=lambda groups: build_model(model, ParallelConfig(), groups),
         to_hf=lambda state: hf_mapping.iter_megatron_to_hf(state, model, consume=True),
         config=config, side_files=tok_dir if tok_dir is not None else base, dtype=dtype,
         max_shard_bytes=max_shard_bytes, copy_side_files=copy_tokenizer_files,
@@ -459,7 +463,13 @@ def export_checkpoint(
         groups, created_state = export_groups()
         net = build(groups)
         load_checkpoint(step, net)
-        state = {k: v for k, v in net.state_dict().items() if not hf_mapping.is_extra_state(k)}
+        # named as GPTModel names them, whichever class ``build`` built (models/naming.py)
+        source = naming.model_class_of(net)
+        state = {
+            naming.convert(k, source=source, target="gpt"): v
+            for k, v in net.state_dict().items()
+            if not hf_mapping.is_extra_state(k)
+        }
         del net  # the state dict is now the only owner: consuming it frees memory as we write
         if rank() == 0:
             out = Path(out_dir)

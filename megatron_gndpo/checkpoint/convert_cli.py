@@ -51,6 +51,11 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
         help="expert-parallel size of a mixture-of-experts model (Qwen3-MoE): each rank holds "
         "num_experts / EP experts; the world size must divide by TP x EP x PP",
     )  # fmt: skip
+    parser.add_argument(
+        "--model-class", choices=("gpt", "hybrid"), default="gpt",
+        help="megatron-core class the checkpoint is written for (model.model_class); a gpt "
+        "checkpoint also loads into a hybrid run",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     for flag in ("tp", "pp", "ep"):
         if getattr(args, flag) < 1:
@@ -76,13 +81,18 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
         what = ""
         if is_hf_vlm(args.hf_dir) and args.ep > 1:
             parser.error("--ep applies to mixture-of-experts models; a VLM converts at --ep 1")
+        if is_hf_vlm(args.hf_dir) and args.model_class != "gpt":
+            parser.error("a VLM's language model is a GPTModel: leave out --model-class")
         if is_hf_vlm(args.hf_dir):
             model, vision = convert_vlm_hf_to_mcore(
                 args.hf_dir, args.out, groups=groups, parallel=parallel
             )
             what = f"{vision.encoder} encoder of {vision.num_layers} layers + LM of "
         else:
-            model = convert_hf_to_mcore(args.hf_dir, args.out, groups=groups, parallel=parallel)
+            model = convert_hf_to_mcore(
+                args.hf_dir, args.out, groups=groups, parallel=parallel,
+                model_class=args.model_class,
+            )  # fmt: skip
         if dist.get_rank() == 0:
             print(
                 f"wrote {args.out} (step 0, {what}{model.num_layers} layers, hidden "

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.checkpoint import foreign_config, interop
+from megatron_gndpo.checkpoint import foreign_config, interop, model_class
 from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
 from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.errors import UserError
@@ -545,6 +545,13 @@ def load_checkpoint(
         sharded["optimizer"] = optimizer.sharded_state_dict(
             sharded["model"], is_loading=True, metadata=_OPTIMIZER_METADATA
         )
+    # a GPTModel checkpoint into a HybridModel: its keys retargeted (checkpoint/model_class.py)
+    saved = _from_rank0(
+        model_class.saved_layout(set(saved_tensors(directory))) if rank() == 0 else None
+    )
+    refusal = model_class.match(directory, sharded["model"], model, saved)
+    if refusal:
+        raise CheckpointError(refusal)
     try:
         with torch.no_grad():
             state = dist_checkpointing.load(

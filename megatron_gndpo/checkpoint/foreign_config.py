@@ -32,6 +32,7 @@ from typing import Any
 from megatron_gndpo.checkpoint import interop
 from megatron_gndpo.config.schema import Dtype, ModelConfig
 from megatron_gndpo.errors import UserError
+from megatron_gndpo.models import naming
 
 BRIDGE = "Megatron-Bridge"
 MEGATRON_LM = "Megatron-LM"
@@ -56,7 +57,7 @@ _BRIDGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "mrope_section": (None,), "no_rope_freq": (None,),
 }  # fmt: skip
 _MEGATRON_LM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "num_experts": (None, 0), "multi_latent_attention": (False,), "is_hybrid_model": (False,),
+    "num_experts": (None, 0), "multi_latent_attention": (False,),
     "heterogeneous_layers_config_path": (None,), "mtp_num_layers": (None, 0),
     "window_size": (None,), "rotary_interleaved": (False,), "rotary_percent": (1.0,),
     "apply_layernorm_1p": (False,), "apply_residual_connection_post_layernorm": (False,),
@@ -205,7 +206,7 @@ def from_megatron_lm_args(args: argparse.Namespace | Mapping[str, Any], where: s
     # vocab_size is set only by --vocab-size; otherwise the tokenizer gave padded_vocab_size.
     vocab = "vocab_size" if fields.has("vocab_size") else "padded_vocab_size"
     return ModelConfig(
-        num_layers=fields.get("num_layers", int),
+        **_megatron_lm_layers(fields),
         hidden_size=fields.get("hidden_size", int),
         ffn_hidden_size=fields.get("ffn_hidden_size", int),
         num_attention_heads=fields.get("num_attention_heads", int),
@@ -230,6 +231,25 @@ def from_megatron_lm_args(args: argparse.Namespace | Mapping[str, Any], where: s
         init_method_std=float(fields.get("init_method_std", (int, float), 0.02)),
         params_dtype=_params_dtype(fields),
     )
+
+
+def _megatron_lm_layers(fields: _Fields) -> dict[str, Any]:
+    """``num_layers`` and ``model_class`` of Megatron-LM's args: a HybridModel
+    (``pretrain_hybrid.py``) whose pattern is attention and dense MLP layers in pairs is this
+    project's ``model_class: hybrid`` (``models/naming.py``); other patterns are refused."""
+    pattern = fields.get("hybrid_layer_pattern", str, None)
+    hybrid = bool(pattern) or bool(fields.values.get("is_hybrid_model"))
+    if not hybrid:
+        return {"num_layers": fields.get("num_layers", int)}
+    main = (pattern or "").replace(naming.PIPE, "")
+    pairs = len(main) // 2
+    if not main or main != (naming.ATTENTION + naming.MLP) * pairs:
+        raise ForeignConfigError(
+            f"{fields.where}: hybrid_layer_pattern={pattern!r} is not attention and dense MLP "
+            f"layers in pairs ('*-*-...'), the only HybridModel this project builds; export it "
+            f"with {MEGATRON_LM}'s own tools instead"
+        )
+    return {"num_layers": pairs, "model_class": "hybrid"}
 
 
 def bridge_run_config(step: Path) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """Hugging Face <-> megatron-core GPTModel: configs, parameter names and tensor layouts.
 
-One mapping shared by checkpoint conversion and (later) the weight sync into vLLM. Pure torch:
-nothing here imports megatron-core.
+One mapping shared by checkpoint conversion and the weight sync into vLLM, for both model
+classes: names are GPTModel's, and a HybridModel's parameters are named so by
+:func:`global_names` (``models/naming.py``). Pure torch: nothing here imports megatron-core.
 
 Supported Hugging Face families (``model_type``): ``llama`` (incl. Llama-3.1 ``llama3`` RoPE
 scaling), ``qwen2`` (Qwen2 / Qwen2.5: QKV bias), ``qwen3`` (per-head RMSNorm on queries and
@@ -48,6 +49,7 @@ import torch
 from megatron_gndpo.checkpoint import hf_moe
 from megatron_gndpo.config.schema import Dtype, ModelConfig
 from megatron_gndpo.errors import ConversionError
+from megatron_gndpo.models import naming
 
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -411,6 +413,8 @@ def global_names(
 ) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """(local name, full-model name, parameter) for this rank's parameters.
 
+    Full-model names are GPTModel's: a HybridModel's are translated (``models/naming.py``), so
+    every user of this mapping serves both model classes.
     A pipeline stage numbers its layers from 0; ``layer_number`` (1-based) is global. ``layers``:
     where the decoder's layers sit (``language_model.decoder.layers.`` in a VLM, whose vision
     encoder is never split over stages). ``expert_offset``: the global index of this rank's
@@ -420,11 +424,14 @@ def global_names(
     for attr in layers.rstrip(".").split("."):
         owner = getattr(owner, attr, None)
     offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(owner or [])}
+    hybrid = naming.model_class_of(net) == "hybrid"
     for name, param in net.named_parameters():
         full = name
         if name.startswith(layers):
             local, rest = name.removeprefix(layers).split(".", 1)
             full = f"{layers}{offsets[local]}.{rest}"
+        if hybrid:
+            full = naming.to_gpt(full)
         yield name, hf_moe.global_expert_name(full, expert_offset), param
 
 

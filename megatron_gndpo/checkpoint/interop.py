@@ -20,7 +20,8 @@ Megatron-Bridge (``megatron/bridge/training/checkpointing.py``, ``utils/checkpoi
     ``latest_train_state.pt`` at the root and ``train_state.pt`` in the step: the
     ``TrainState.state_dict()`` tensors of :func:`bridge_train_state`. ``run_config.yaml`` in
     the step: its ``model`` section is instantiated (``_target_``) by ``load_model_config`` and
-    built by ``AutoBridge.load_megatron_model`` / ``export_ckpt``; resuming reads
+    built by ``AutoBridge.load_megatron_model`` / ``export_ckpt`` (written for GPTModel
+    checkpoints only: ``model_class: hybrid`` gets none); resuming reads
     ``model.tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` and
     ``checkpoint.save_rng`` / ``save_optim`` / ``fully_parallel_save``.
 
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from megatron_gndpo.config.schema import ModelConfig
+from megatron_gndpo.models import naming
 
 MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 BRIDGE_TRACKER = "latest_train_state.pt"
@@ -77,11 +79,18 @@ def megatron_lm_args(
     tokenizer: str | None = None,
 ) -> argparse.Namespace:
     """Megatron-LM's ``args`` for a checkpoint of ``model`` saved at TP=``tp``, PP=``pp``; with
-    the run's ``tokenizer`` (``data.tokenizer``), also its tokenizer arguments."""
+    the run's ``tokenizer`` (``data.tokenizer``), also its tokenizer arguments. A HybridModel
+    (``model_class: hybrid``) is described as its ``pretrain_hybrid.py`` takes it: the layer
+    pattern (without pipeline separators) and one layer per pattern symbol."""
+    hybrid: dict[str, Any] = {}
+    if model.model_class == "hybrid":
+        pattern = naming.hybrid_pattern(model.moe_layers)
+        hybrid = dict(hybrid_layer_pattern=pattern, is_hybrid_model=True)
     return argparse.Namespace(
         **megatron_lm_tokenizer_args(tokenizer),
+        **hybrid,
         # architecture (load_args_from_checkpoint, check_checkpoint_args)
-        num_layers=model.num_layers,
+        num_layers=2 * model.num_layers if hybrid else model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -180,7 +189,9 @@ def write_bridge_step_files(
     import yaml
 
     (directory / BRIDGE_TRAIN_STATE).write_bytes(bridge_train_state_bytes(step))
-    if model is not None:
+    # Bridge builds a HybridModel from its Mamba provider, whose fields are not verified here:
+    # a hybrid checkpoint gets no run config (Bridge then needs the architecture from its user)
+    if model is not None and model.model_class == "gpt":
         config = bridge_run_config(model, tp=tp, pp=pp)
         (directory / BRIDGE_RUN_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
 

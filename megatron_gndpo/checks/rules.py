@@ -103,6 +103,17 @@ def _model_problems(
         )
     if parallel.sequence_parallel and tp == 1:
         p.append(f"{psection}.sequence_parallel needs tensor_parallel > 1; set it to false")
+    if model.model_class == "hybrid" and model.vision is not None:
+        p.append(
+            f"{section}.model_class=hybrid does not cover vision-language models "
+            f"({section}.vision): megatron-core's LLaVA model builds its language model as a "
+            f"GPTModel; set {section}.model_class=gpt"
+        )
+    if model.model_class == "hybrid" and model.rotary_scaling_factor is not None:
+        p.append(
+            f"{section}.model_class=hybrid with rotary_scaling_factor: megatron-core 0.19's "
+            f"HybridModel has no RoPE scaling (Llama 3.1); set {section}.model_class=gpt"
+        )
     if model.fp8 is not None and model.transformer_impl != "transformer_engine":
         p.append(
             f"{section}.fp8={model.fp8} needs {section}.transformer_impl=transformer_engine "

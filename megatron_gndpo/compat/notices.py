@@ -7,8 +7,9 @@ packages a CPU machine does not have (nine ``warnings.warn`` calls, two lines ea
 rank). They are expected, so a newcomer should not have to tell them from real problems:
 :func:`quiet_known_notices` lets each logged notice through once and drops repeats, and shows
 the known warnings once for the job (rank 0), one line each, the fallbacks for a missing
-Transformer Engine or Apex as one line in all. Nothing else is filtered, and nothing happens on
-import; entry points call it explicitly.
+Transformer Engine or Apex as one line in all. GPTModel's deprecation notice is replaced by one
+line of ours that names the class that runs and how to switch (:data:`GPT_DEPRECATION`).
+Nothing else is filtered, and nothing happens on import; entry points call it explicitly.
 
 Where megatron-core asks for something we can pass, we pass it instead of filtering (the
 distributed optimizer's parameter layout: ``engine/optimizer.py``).
@@ -22,9 +23,17 @@ import sys
 import warnings
 from typing import Any, TextIO
 
+# megatron-core 0.19 logs "GPTModel IS DEPRECATED ... migration guide ..." on every GPTModel
+# build; this line says it instead, once: which class runs and how to switch.
+GPT_DEPRECATION = (
+    "GPTModel IS DEPRECATED",
+    "megatron-core's GPTModel runs this model (model.model_class=gpt), which megatron-core "
+    "deprecates: set model.model_class=hybrid to run the same layers as a HybridModel "
+    "(same log-probs; gpt checkpoints load into it)",
+)
 # (logger, start of the message) of notices logged on every build.
 KNOWN_LOGGED = (
-    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+    ("megatron.core.models.gpt.gpt_model", GPT_DEPRECATION[0]),
     ("megatron.core.models.multimodal.llava_model", "LLaVA is work in progress"),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel:"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
@@ -73,11 +82,12 @@ def _launcher_rank() -> str:
 class _Once(logging.Filter):
     """Passes the first record whose message starts with ``prefix`` on the launcher's rank 0,
     drops the same message later and on the other ranks (they log the same); other records
-    pass."""
+    pass. With ``instead``, the record that passes says that line instead."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, instead: str | None = None) -> None:
         super().__init__()
         self.prefix = prefix
+        self.instead = instead
         self.seen: set[str] = set()
         self.speaks = _launcher_rank() == "0"
 
@@ -88,6 +98,8 @@ class _Once(logging.Filter):
         if not self.speaks or message in self.seen:
             return False
         self.seen.add(message)
+        if self.instead is not None:
+            record.msg, record.args = self.instead, None
         return True
 
 
@@ -134,7 +146,8 @@ def quiet_known_notices() -> None:
     if _INSTALLED:
         return
     for name, prefix in KNOWN_LOGGED:
-        logger, once = logging.getLogger(name), _Once(prefix)
+        instead = GPT_DEPRECATION[1] if prefix == GPT_DEPRECATION[0] else None
+        logger, once = logging.getLogger(name), _Once(prefix, instead)
         logger.addFilter(once)
         _INSTALLED.append((logger, once))
     for prefix in KNOWN_WARNINGS:

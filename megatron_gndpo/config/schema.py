@@ -15,11 +15,13 @@ from typing import Literal
 from megatron_gndpo.config.vision import VisionConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
+ModelClass = Literal["gpt", "hybrid"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a megatron-core GPT model (Llama, Qwen2/2.5 and Qwen3 families)."""
+    """Architecture of a megatron-core language model (Llama, Qwen2/2.5, Qwen3 and Qwen3-MoE
+    families), run as a GPTModel or a HybridModel (``model_class``)."""
 
     num_layers: int = 2
     """Number of transformer layers."""
@@ -67,6 +69,14 @@ class ModelConfig:
     family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] | None = None
     """Hugging Face family for export and vLLM weight sync; null infers it (qwen3_moe with
     num_experts, qwen3 with qk_layernorm, qwen2 with add_qkv_bias, else llama)."""
+    model_class: ModelClass = "gpt"
+    """megatron-core class that runs the model: GPTModel (deprecated by megatron-core 0.19 and
+    due to be removed; the default while megatron-core has it) or HybridModel with the same
+    layers, one attention and one MLP layer (`*-`, `*E` for MoE) per GPT layer. The same weights
+    give the same log-probs in both, and every tool reads either (conversion, weight sync,
+    rollouts); a checkpoint saved by a gpt run loads into a hybrid run (resume, teacher, initial
+    weights) but not the reverse. Use hybrid for megatron-core releases without GPTModel and
+    for checkpoints trained as HybridModel; vision-language models (`vision`) need gpt."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer implementation: megatron-core's local spec, or Transformer Engine (needs the `te`
     extra and a GPU)."""

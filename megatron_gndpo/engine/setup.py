@@ -28,7 +28,7 @@ from megatron_gndpo.engine.teacher import TeacherScorer
 from megatron_gndpo.engine.teachers import Routing, TeacherSet
 from megatron_gndpo.logging import MetricsLogger, StageTimer, build_logger
 from megatron_gndpo.methods import build_method
-from megatron_gndpo.models.gpt import build_gpt, build_teacher
+from megatron_gndpo.models.build import build_model, build_teacher
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups, build_groups, build_student_groups
 from megatron_gndpo.rollout.base import Generator
@@ -125,7 +125,7 @@ def _scheduler(optimizer: Any, cfg: Config) -> Any:
 def _build_student(cfg: Config, groups: ParallelGroups) -> Any:
     """The student's GPTModel, or its vision-language model (LLaVA around the GPT)."""
     if cfg.model.vision is None:
-        return build_gpt(cfg.model, cfg.parallel, groups)
+        return build_model(cfg.model, cfg.parallel, groups)
     from megatron_gndpo.models.vlm import build_vlm
 
     return build_vlm(cfg.model, cfg.model.vision, cfg.parallel, groups)

@@ -1,7 +1,7 @@
 """Supervised fine-tuning on megatron-core's schedules: ``-log p`` of the response tokens.
 
 Used by the demo to make its teacher and its student start. The machinery is the student's
-(``build_gpt``, megatron-core DDP and optimizer, ``get_forward_backward_func``), at any TP/PP/DP.
+(``build_model``, megatron-core DDP and optimizer, ``get_forward_backward_func``), at any TP/PP/DP.
 The model's output processor is the fused log-prob head, so no ``[tokens, vocab]`` logits exist;
 the loss function returns megatron's ``(Σ -log p, token count, report)`` with
 ``calculate_per_token_loss``, so megatron divides the summed gradients by the global number of
@@ -38,7 +38,7 @@ from megatron_gndpo.engine.optimizer import (
     wrap_ddp,
 )
 from megatron_gndpo.engine.scoring import sequence_multiple
-from megatron_gndpo.models.gpt import build_gpt
+from megatron_gndpo.models.build import build_model
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -130,7 +130,7 @@ def build_sft_model(
             f"vocabulary ({vocab_size}); build the model with vocab_size >= {vocab_size}"
         )
     torch.manual_seed(seed)  # weights are initialised on the CPU generator
-    model = build_gpt(model_cfg, parallel_cfg, groups)
+    model = build_model(model_cfg, parallel_cfg, groups)
     if init is not None:
         load_checkpoint(init, model)
     ddp = wrap_ddp(model, use_distributed_optimizer=optimizer_cfg.use_distributed_optimizer)

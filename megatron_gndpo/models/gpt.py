@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from megatron_gndpo.config.extras import require_package
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from megatron_gndpo.models import naming
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,8 +56,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
             fp8_recipe=model.fp8_recipe,
             fp8_amax_history_len=model.fp8_amax_history_len,
         )
+    hybrid = model.model_class == "hybrid"
     return TransformerConfig(
-        num_layers=model.num_layers,
+        # a HybridModel counts the attention and the MLP of a GPT layer as two layers
+        num_layers=2 * model.num_layers if hybrid else model.num_layers,
+        # ... and then scales the output layers' initialisation as GPTModel does
+        is_hybrid_model=hybrid,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -115,7 +120,11 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=model.moe_z_loss_coeff or None,
         moe_expert_capacity_factor=model.moe_capacity_factor,
-        moe_layer_freq=[int(x) for x in model.moe_layers],
+        moe_layer_freq=(
+            naming.hybrid_moe_layers(model.moe_layers)
+            if model.model_class == "hybrid"
+            else [int(x) for x in model.moe_layers]
+        ),
         moe_grouped_gemm=model.transformer_impl == "transformer_engine",
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.tensor_parallel,
@@ -167,15 +176,35 @@ def stage_layer_spec(model: ModelConfig, parallel: ParallelConfig, stage: int) -
     per_stage = model.num_layers // parallel.pipeline_parallel
     mine = kinds[stage * per_stage : (stage + 1) * per_stage]
     specs = {kind: layer_spec(model, moe=kind) for kind in set(mine)}
-    # The final norm: what megatron's own block spec (get_gpt_decoder_block_spec) puts there
-    # (TE fuses the layers' input norms into their first linear, so it names TENorm itself).
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[k] for k in mine], layer_norm=final_norm_spec(model)
+    )
+
+
+def final_norm_spec(model: ModelConfig) -> Any:
+    """The decoder's final norm: what megatron's own block spec (``get_gpt_decoder_block_spec``)
+    puts there (TE fuses the layers' input norms into their first linear, so it names TENorm
+    itself; the local spec's layers hold the norm a block uses)."""
     if model.transformer_impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
-        norm: Any = TENorm
-    else:
-        norm = specs[mine[0]].submodules.input_layernorm
-    return TransformerBlockSubmodules(layer_specs=[specs[k] for k in mine], layer_norm=norm)
+        return TENorm
+    return layer_spec(model, moe=False).submodules.input_layernorm
+
+
+def check_layout(parallel: ParallelConfig, groups: ParallelGroups) -> None:
+    """Refuse process groups built for another layout than ``parallel``."""
+    layout = groups.layout
+    if (layout.tp, layout.pp, layout.ep) != (
+        parallel.tensor_parallel,
+        parallel.pipeline_parallel,
+        parallel.expert_parallel,
+    ):
+        raise ValueError(
+            f"the groups are for {groups.layout.describe()} but the parallel config asks for "
+            f"TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel} "
+            f"EP={parallel.expert_parallel}"
+        )
 
 
 def build_gpt(
@@ -192,17 +221,12 @@ def build_gpt(
     """
     from megatron.core.models.gpt import GPTModel
 
-    layout = groups.layout
-    if (layout.tp, layout.pp, layout.ep) != (
-        parallel.tensor_parallel,
-        parallel.pipeline_parallel,
-        parallel.expert_parallel,
-    ):
+    if model.model_class != "gpt":
         raise ValueError(
-            f"the groups are for {groups.layout.describe()} but the parallel config asks for "
-            f"TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel} "
-            f"EP={parallel.expert_parallel}"
+            f"build_gpt builds GPTModels, and this model has model_class={model.model_class}: "
+            "build it with megatron_gndpo.models.build.build_model"
         )
+    check_layout(parallel, groups)
     scaling: dict[str, Any] = {}
     if model.rotary_scaling_factor is not None:
         scaling = dict(rope_scaling=True, rope_scaling_factor=model.rotary_scaling_factor)
@@ -222,9 +246,14 @@ def build_gpt(
     )
 
 
+def freeze(model: Any) -> Any:
+    """``model`` as a teacher: eval mode, no gradients (so no optimizer state)."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
 def build_teacher(model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups) -> Any:
-    """The frozen teacher: eval mode, no gradients, no optimizer state, its own layout."""
-    teacher = build_gpt(model, parallel, groups)
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher
+    """A frozen GPTModel teacher on its own layout (``models.build.build_teacher`` builds the
+    class ``model.model_class`` names)."""
+    return freeze(build_gpt(model, parallel, groups))

@@ -1,4 +1,4 @@
-"""A lean KV-cached forward of a megatron-core GPTModel's own layers, for rollouts.
+"""A lean KV-cached forward of a megatron-core GPTModel's (or HybridModel's) own layers.
 
 Why not megatron's static inference path: its ``StaticInferenceContext`` caches keys before
 RoPE and rotates the whole cache again at every step (a step's cost grows with the cached
@@ -17,7 +17,9 @@ parameters, with far fewer ops:
 - slots are plain rows of the cache, so finished rows can be replaced (:meth:`SlotCache.move`).
 
 :func:`unsupported_reason` names what it does not reproduce (those models take megatron's
-static path). Tokens are laid out token-major, ``[N, h]`` with ``N`` = rows x chunk positions
+static path). A HybridModel (``model.model_class: hybrid``) runs the same way: its attention and
+MLP layers are walked in pairs, as GPT layers (``models/naming.decoder_blocks``). Tokens are
+laid out token-major, ``[N, h]`` with ``N`` = rows x chunk positions
 (megatron's ``[s, b, h]`` with one "sequence" of all tokens: every op but the attention is per
 token). Pipeline stages pass those hidden states point to point, in stage order.
 
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_gndpo.models import naming
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 
@@ -49,7 +52,7 @@ class LogitsHead(Protocol):
 
 
 def inner_model(model: Any) -> Any:
-    """The module under megatron's wrappers (DDP, Float16Module): the GPTModel itself."""
+    """The module under megatron's wrappers (DDP, Float16Module): the language model itself."""
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -95,7 +98,7 @@ def sequence_parallel_off(model: Any) -> Iterator[None]:
 
 
 def unsupported_reason(model: Any) -> str | None:
-    """Why :class:`CachedDecoder` cannot run this GPTModel (None: it can).
+    """Why :class:`CachedDecoder` cannot run this model (None: it can).
 
     The decoder reuses megatron's modules but not its attention or layer wiring, so it accepts
     only the layer structure whose wiring it reproduces: pre-norm dense layers with megatron's
@@ -103,14 +106,15 @@ def unsupported_reason(model: Any) -> str | None:
     """
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    if not isinstance(model, GPTModel):
-        return f"the model is a {type(model).__name__}, not a megatron GPTModel"
+    if not isinstance(model, GPTModel | HybridModel):
+        return f"the model is a {type(model).__name__}, not a megatron GPTModel or HybridModel"
     cfg = model.config
     checks = {
         "FP8": bool(cfg.fp8),
@@ -145,15 +149,16 @@ def unsupported_reason(model: Any) -> str | None:
         and type(model.rotary_pos_emb) is not RotaryEmbedding
     ):
         return f"rotary embedding {type(model.rotary_pos_emb).__name__}"
-    for layer in model.decoder.layers:
-        if not isinstance(layer, TransformerLayer):
-            return f"a layer is a {type(layer).__name__}"
-        attn, mlp = layer.self_attention, layer.mlp
+    for attn_layer, mlp_layer in naming.decoder_blocks(model):
+        for layer in (attn_layer, mlp_layer):
+            if not isinstance(layer, TransformerLayer):
+                return f"a layer is a {type(layer).__name__}"
+        attn, mlp = attn_layer.self_attention, mlp_layer.mlp
         if not isinstance(attn, SelfAttention) or not isinstance(mlp, MLP):
             return "a layer is not self-attention + dense MLP"
         if not all(
             isinstance(m, IdentityOp)
-            for m in (layer.cross_attention, layer.pre_cross_attn_layernorm)
+            for m in (attn_layer.cross_attention, attn_layer.pre_cross_attn_layernorm)
         ):
             return "a layer has cross-attention"
         linears = (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
@@ -197,7 +202,8 @@ class _Step:
 
 
 class CachedDecoder:
-    """Prefill and decode steps through one pipeline stage of a GPTModel (see module docstring).
+    """Prefill and decode steps through one pipeline stage of a GPTModel or HybridModel (see
+    module docstring).
 
     Every rank of the model replica calls the same steps in the same order; the last stage
     returns the logits of each row's last position (float32 ``[B, V]``), the others None.
@@ -213,8 +219,8 @@ class CachedDecoder:
         self.groups = groups
         self.head = head
         self.config = model.config
-        self.layers = list(model.decoder.layers)
-        attn = self.layers[0].self_attention if self.layers else None
+        self.layers = naming.decoder_blocks(model)  # (attention, MLP) sublayers per GPT layer
+        attn = self.layers[0][0].self_attention if self.layers else None
         self.query_heads = attn.num_attention_heads_per_partition if attn else 0
         self.kv_heads = attn.num_query_groups_per_partition if attn else 0
         self.head_dim = attn.hidden_size_per_attention_head if attn else 0
@@ -242,10 +248,10 @@ class CachedDecoder:
         """Before a generate of up to ``rows`` rows: this stage's linears (:class:`_Linear`)."""
         self.device = next(self.model.parameters()).device
         self._linears = [
-            _LayerLinears(*(_Linear.of(m, rows) for m in (layer.self_attention.linear_qkv,
-                            layer.self_attention.linear_proj, layer.mlp.linear_fc1,
-                            layer.mlp.linear_fc2)))
-            for layer in self.layers
+            _LayerLinears(*(_Linear.of(m, rows) for m in (attn.self_attention.linear_qkv,
+                            attn.self_attention.linear_proj, mlp.mlp.linear_fc1,
+                            mlp.mlp.linear_fc2)))
+            for attn, mlp in self.layers
         ]  # fmt: skip
         if self.next_rank is None:  # the last stage: the output layer too
             self._output = _Linear.plain(self._output_weight(), rows)
@@ -359,7 +365,7 @@ class CachedDecoder:
 
     def _layer(
         self,
-        layer: Any,
+        layer: tuple[Any, Any],  # its attention and MLP sublayers (the same module in a GPT)
         linears: _LayerLinears,
         x: torch.Tensor,  # [N, h]
         keys: torch.Tensor,  # [B, ng, S, hn], this chunk's slots
@@ -369,8 +375,9 @@ class CachedDecoder:
         """One TransformerLayer as megatron computes it in eval (pre-norm; residual + (out +
         bias); no dropout), its linears called directly (:class:`_Linear`)."""
         b, t = step.b, step.t
-        attn = layer.self_attention
-        mixed = linears.qkv(layer.input_layernorm(x))
+        attn_layer, mlp_layer = layer
+        attn = attn_layer.self_attention
+        mixed = linears.qkv(attn_layer.input_layernorm(x))
         q, k, v = self._rotated_qkv(attn, mixed, step)  # [B, T, heads, hn]
         if t == 1:  # one position per row: write each row's key at its own position
             keys[step.rows, :, step.positions[:, 0]] = k[:, 0]
@@ -389,7 +396,7 @@ class CachedDecoder:
         )
         context = context.transpose(1, 2).reshape(b * t, -1)  # [N, np*hn]
         x = x + linears.proj(context)  # megatron's bias-dropout-add in eval
-        hidden = linears.fc1(layer.pre_mlp_layernorm(x))
+        hidden = linears.fc1(mlp_layer.pre_mlp_layernorm(x))
         if self.config.gated_linear_unit:
             gate, linear = torch.chunk(hidden, 2, dim=-1)
             hidden = self.config.activation_func(gate) * linear
@@ -438,7 +445,7 @@ class CachedDecoder:
         """Logits of the tokens ``picked_B`` (indices into the stage's ``N`` tokens): the final
         norm and the output layer (or the tied embedding) on those tokens only."""
         hidden_bh = x[picked_B]  # [B, h]
-        final_norm = self.model.decoder.final_layernorm
+        final_norm = naming.final_norm(self.model)
         if final_norm is not None:
             hidden_bh = final_norm(hidden_bh)
         assert self._output is not None, "call prepare() before a generate"

@@ -277,7 +277,7 @@ class RolloutWorker:
     def __init__(self, cfg: Config) -> None:
         from megatron_gndpo.data import load_tokenizer
         from megatron_gndpo.engine.setup import scoring_vocab
-        from megatron_gndpo.models.gpt import build_gpt
+        from megatron_gndpo.models.build import build_model
         from megatron_gndpo.parallel.groups import build_student_groups
         from megatron_gndpo.rollout.builtin import MegatronGenerator
 
@@ -301,7 +301,7 @@ class RolloutWorker:
         else:
             self.groups = build_student_groups(layout, seed=cfg.trainer.seed)
             torch.manual_seed(cfg.trainer.seed)  # overwritten by the first weights
-            self.model = build_gpt(cfg.model, self.parallel, self.groups)
+            self.model = build_model(cfg.model, self.parallel, self.groups)
             self.engine = MegatronGenerator(
                 self.model, self.groups, vocab_size=vocab, pad_id=self.tokenizer.pad_id,
                 max_sequence_length=cfg.model.max_position_embeddings,
