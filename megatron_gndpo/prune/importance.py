@@ -35,6 +35,8 @@ from typing import Any, Literal
 
 import torch
 
+from megatron_gndpo.models.naming import decoder_blocks
+
 Importance = Literal["kl", "cosine"]
 IMPORTANCES: tuple[Importance, ...] = ("kl", "cosine")
 
@@ -45,13 +47,19 @@ class CalibrationBatch:
 
     tokens: torch.Tensor  # [B, S] int64
     mask: torch.Tensor  # [B, S] bool: True where position t predicts a response token t+1
+    images: torch.Tensor | None = None  # [n, 3, H, W]: a VLM's tiles of these rows, in order
 
 
 def calibration_batches(
-    sequences: Sequence[tuple[Sequence[int], int]], *, pad_id: int, batch_size: int
+    sequences: Sequence[tuple[Sequence[int], int]],
+    *,
+    pad_id: int,
+    batch_size: int,
+    images: Sequence[torch.Tensor | None] | None = None,
 ) -> list[CalibrationBatch]:
     """Batches of ``sequences``, each ``(ids, prompt_length)``: the positions measured are those
-    that predict a token of the response (``ids[prompt_length:]``)."""
+    that predict a token of the response (``ids[prompt_length:]``). ``images``: a VLM's tiles
+    of each sequence (``[n, 3, H, W]`` or None)."""
     if not sequences:
         raise ValueError("pruning needs at least one calibration sequence")
     batches = []
@@ -63,39 +71,56 @@ def calibration_batches(
         for row, (ids, prompt_length) in enumerate(chunk):
             tokens[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
             mask[row, max(prompt_length - 1, 0) : len(ids) - 1] = True
-        batches.append(CalibrationBatch(tokens, mask))
+        tiles = None
+        if images is not None:
+            present = [t for t in images[start : start + batch_size] if t is not None]
+            tiles = torch.cat(present) if present else None
+        batches.append(CalibrationBatch(tokens, mask, tiles))
     if not any(bool(b.mask.any()) for b in batches):
         raise ValueError("the calibration sequences have no response tokens to measure")
     return batches
 
 
-def _layers(net: Any) -> torch.nn.ModuleList:
-    layers: torch.nn.ModuleList = net.decoder.layers
-    return layers
+def _language_model(net: Any) -> Any:
+    """The module whose decoder is pruned: a VLM's language model, else the model itself."""
+    return getattr(net, "language_model", net)
+
+
+def _layers(net: Any) -> list[tuple[Any, Any]]:
+    """The model's GPT layers as (attention, MLP) sublayers: one module twice for a GPTModel,
+    hybrid layers 2i and 2i+1 for a HybridModel (``models/naming.py``)."""
+    return decoder_blocks(_language_model(net))
 
 
 @contextlib.contextmanager
 def only_layers(net: Any, keep: Sequence[int]) -> Iterator[None]:
     """Run ``net`` with only its layers ``keep`` (in order), as the pruned model would; the
     model's own layer list is restored on exit."""
-    everything = _layers(net)
-    net.decoder.layers = torch.nn.ModuleList([everything[i] for i in keep])
+    owner = _language_model(net).decoder
+    everything, blocks = owner.layers, _layers(net)
+    kept = [m for i in keep for m in dict.fromkeys(blocks[i])]  # a GPT layer once
+    owner.layers = torch.nn.ModuleList(kept)
     try:
         yield
     finally:
-        net.decoder.layers = everything
+        owner.layers = everything
 
 
 def _device(net: Any) -> torch.device:
     return next(net.parameters()).device
 
 
-def _logits(net: Any, tokens_BS: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """float32 logits ``[B, S, V]`` of a TP=1 model, the vocabulary padding cut off."""
+def _logits(net: Any, batch: CalibrationBatch, vocab_size: int) -> torch.Tensor:
+    """float32 logits ``[B, S, V]`` of a TP=1 model (a VLM with the batch's images), the
+    vocabulary padding cut off."""
     device = _device(net)
-    tokens_BS = tokens_BS.to(device)
+    tokens_BS = batch.tokens.to(device)
     positions = torch.arange(tokens_BS.shape[1], device=device).expand_as(tokens_BS)
-    logits = net(tokens_BS, positions, attention_mask=None)  # causal: right padding is harmless
+    if hasattr(net, "language_model"):  # images embedded at their placeholders first
+        images = None if batch.images is None else batch.images.to(device)
+        logits = net(images, tokens_BS, positions, None)
+    else:  # causal: right padding is harmless
+        logits = net(tokens_BS, positions, attention_mask=None)
     return logits[..., :vocab_size].float()
 
 
@@ -104,9 +129,7 @@ def reference_logprobs(
     net: Any, batches: Sequence[CalibrationBatch], vocab_size: int
 ) -> list[torch.Tensor]:
     """The whole model's log-probs ``[T, V]`` at each batch's measured positions."""
-    return [
-        _logits(net, b.tokens, vocab_size)[b.mask.to(_device(net))].log_softmax(-1) for b in batches
-    ]
+    return [_logits(net, b, vocab_size)[b.mask.to(_device(net))].log_softmax(-1) for b in batches]
 
 
 @torch.no_grad()
@@ -119,7 +142,7 @@ def kl_from_reference(
     """Mean per-token ``KL(reference || net)`` over the measured positions (nats)."""
     total, count = 0.0, 0
     for b, ref_TV in zip(batches, reference, strict=True):
-        logp_TV = _logits(net, b.tokens, vocab_size)[b.mask.to(_device(net))].log_softmax(-1)
+        logp_TV = _logits(net, b, vocab_size)[b.mask.to(_device(net))].log_softmax(-1)
         total += float((ref_TV.exp() * (ref_TV - logp_TV)).sum())
         count += ref_TV.shape[0]
     return total / max(count, 1)
@@ -193,10 +216,16 @@ def block_importance(net: Any, batches: Sequence[CalibrationBatch]) -> list[floa
     count = 0
     current: dict[str, torch.Tensor] = {}
 
-    def hook(index: int) -> Any:
-        def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-            x_in: torch.Tensor = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            x_out = out[0] if isinstance(out, tuple) else out
+    def enter(index: int) -> Any:
+        def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x: torch.Tensor = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            current[f"in{index}"] = x
+
+        return record
+
+    def leave(index: int) -> Any:
+        def record(module: Any, args: tuple[Any, ...], out: Any) -> None:
+            x_in, x_out = current.pop(f"in{index}"), out[0] if isinstance(out, tuple) else out
             mask_SB = current["mask"]  # hidden states are [S, B, H]
             cos = torch.nn.functional.cosine_similarity(
                 x_in[mask_SB].float(), x_out[mask_SB].float(), dim=-1
@@ -205,13 +234,14 @@ def block_importance(net: Any, batches: Sequence[CalibrationBatch]) -> list[floa
 
         return record
 
-    handles = [
-        layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)
-    ]
+    handles = []
+    for i, (attention, mlp) in enumerate(layers):  # a layer's input, its MLP's output
+        handles.append(attention.register_forward_pre_hook(enter(i), with_kwargs=True))
+        handles.append(mlp.register_forward_hook(leave(i)))
     try:
         for b in batches:
             current["mask"] = b.mask.t().to(_device(net))
-            _logits(net, b.tokens, 1)
+            _logits(net, b, 1)
             count += int(b.mask.sum())
     finally:
         for h in handles:
@@ -236,7 +266,7 @@ def ffn_importance(net: Any, batches: Sequence[CalibrationBatch]) -> list[torch.
         return record
 
     handles = []
-    for i, layer in enumerate(layers):
+    for i, (_, layer) in enumerate(layers):
         fc2 = getattr(getattr(layer, "mlp", None), "linear_fc2", None)
         if fc2 is None:
             raise ValueError(
@@ -247,7 +277,7 @@ def ffn_importance(net: Any, batches: Sequence[CalibrationBatch]) -> list[torch.
     try:
         for b in batches:
             current["mask"] = b.mask.t().to(_device(net))
-            _logits(net, b.tokens, 1)
+            _logits(net, b, 1)
             count += int(b.mask.sum())
     finally:
         for h in handles:

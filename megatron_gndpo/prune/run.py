@@ -166,7 +166,7 @@ def prune_checkpoint(
     beside the checkpoint (``--model-config``). Runs in this process's world (one process;
     started and ended here if none).
     """
-    from megatron_gndpo.models.gpt import build_gpt
+    from megatron_gndpo.models.build import build_model
     from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
 
     out = Path(out)
@@ -220,7 +220,7 @@ def prune_checkpoint(
             )
         began = time.perf_counter()
         groups, created_state = export_groups()
-        net = build_gpt(model, ParallelConfig(), groups)
+        net = build_model(model, ParallelConfig(), groups)
         load_checkpoint(step, net, vocab_size=tokenizer.vocab_size)
         net.eval()
         if sequences is None:
@@ -247,9 +247,11 @@ def prune_checkpoint(
             model, num_layers=len(choice.keep), ffn_hidden_size=ffn_hidden_size
         )
         teacher_state = net.state_dict()
-        student = build_gpt(student_model, ParallelConfig(), groups)
-        _fill(student, pruned_state(teacher_state, choice.keep, neurons=neurons,
-                                    swiglu=model.swiglu))  # fmt: skip
+        student = build_model(student_model, ParallelConfig(), groups)
+        load_pruned(student, pruned_state(
+            teacher_state, choice.keep, neurons=neurons, swiglu=model.swiglu,
+            model_class=model.model_class,
+        ))  # fmt: skip
         student.eval()
         reference = reference_logprobs(net, batches, vocab)
         result = PruneResult(
@@ -286,7 +288,7 @@ def _check_keep(keep: Sequence[int], total: int, width_only: bool) -> None:
         )
 
 
-def _fill(student: Any, state: dict[str, torch.Tensor]) -> None:
+def load_pruned(student: Any, state: dict[str, torch.Tensor]) -> None:
     """Load ``state`` into ``student``; every weight must be there with the student's shape."""
     own = {k: v for k, v in student.state_dict().items() if not hf_mapping.is_extra_state(k)}
     missing = [k for k in own if k not in state]

@@ -21,9 +21,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron_gndpo.config.schema import ModelConfig
+from megatron_gndpo.config.schema import ModelClass, ModelConfig
+from megatron_gndpo.models import naming
 
-_LAYER = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<rest>.+)$")
+# A layer of the language model (a VLM's ``language_model.``; its vision encoder's layers stay).
+_LAYER = re.compile(
+    r"^(?P<head>(?:language_model\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<rest>.+)$"
+)
 
 
 def student_config(
@@ -55,8 +59,14 @@ def pruned_state(
     *,
     neurons: Sequence[torch.Tensor] | None = None,
     swiglu: bool = True,
+    model_class: ModelClass = "gpt",
 ) -> dict[str, torch.Tensor]:
-    """The student's state dict from the teacher's (see the module docstring)."""
+    """The student's state dict from the teacher's (see the module docstring). A HybridModel's
+    names are read as GPT layers (``models/naming.py``) and written back as hybrid ones."""
+    if model_class == "hybrid":
+        gpt = {naming.to_gpt(k): v for k, v in teacher.items()}
+        pruned = pruned_state(gpt, keep, neurons=neurons, swiglu=swiglu)
+        return {naming.to_hybrid(k): v for k, v in pruned.items()}
     if neurons is not None and len(neurons) != len(keep):
         raise ValueError(f"neurons: one index tensor per kept layer ({len(keep)}), got "
                          f"{len(neurons)}")  # fmt: skip
