@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import io
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -435,6 +436,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `megatron-gndpo plan ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: the user's own stop, not a bug
+        return _interrupted(args.command)
+
+
+def _interrupted(command: str) -> int:
+    """One line for Ctrl-C (on the launcher's rank 0: every rank gets the signal), exit 130."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        resume = (
+            ": the checkpoints already written are intact, and the same command resumes from "
+            "the newest"
+            if command == "train"
+            else ""
+        )
+        print(f"megatron-gndpo: interrupted (Ctrl-C){resume}", file=sys.stderr, flush=True)
+    return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from megatron_gndpo.demo.report import PLOTS, verdict
-from megatron_gndpo.demo.run import ALL_METHODS, run_demo
+from megatron_gndpo.demo.run import ALL_METHODS
 from megatron_gndpo.demo.stability import VARIANTS
 
 pytestmark = [pytest.mark.megatron]
@@ -75,9 +75,16 @@ def test_verdict_names_a_gain_beyond_noise_and_a_partly_active_clip() -> None:
     assert "within noise of each other" in text
 
 
-def test_unknown_demo_method_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"unknown demo method.*choose from gndpo, opd"):
-        run_demo(tmp_path, methods=("gndpo", "ppo"))
+def test_unknown_demo_method_is_one_line_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megatron_gndpo.cli import main
+
+    assert main(["demo", "--methods", "gndpo,ppo", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron-gndpo: error: unknown demo method(s) ['ppo']"), err
+    assert "--methods takes a comma-separated subset of gndpo,opd" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
 
 
 @pytest.fixture(scope="module")

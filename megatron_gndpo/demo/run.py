@@ -241,9 +241,9 @@ def run_demo(
         methods = MULTIMODAL_METHODS if multimodal else METHODS
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown or not methods:
-        raise ValueError(
-            f"unknown demo method(s) {unknown or '(none given)'}; choose from "
-            f"{', '.join(ALL_METHODS)}"
+        raise UserError(
+            f"unknown demo method(s) {unknown or '(none given)'}: --methods takes a "
+            f"comma-separated subset of {','.join(ALL_METHODS)}"
         )
     _check_engine(engine, multimodal)
     run_dir = Path(run_dir)
