@@ -414,6 +414,7 @@ def _method_process(cfg: Config, send: Any) -> None:
     for name in _WORLD_VARIABLES:
         os.environ.pop(name, None)
     notices.quiet_known_notices()
+    notices.log_to(Path(cfg.logging.run_dir) / notices.NOTICES_FILE)  # the method's own log
     try:
         with demo_world():
             outcome: tuple[str, Any] = ("ok", run_method(cfg))
