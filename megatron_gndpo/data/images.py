@@ -33,6 +33,7 @@ from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.datasets import (
     PromptExample,
     check_characters,
+    json_record,
     routing_value,
     utf8_lines,
 )
@@ -387,13 +388,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
     for line_number, line in utf8_lines(path):
         if line.strip():
             where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object per line")
-            yield where, record
+            yield where, json_record(line, where)
 
 
 def _parquet(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
