@@ -365,6 +365,10 @@ def _lock_run_dirs(cfg: Config, rank: int) -> RunLock | None:
         dist.broadcast_object_list(refusal, src=0)
     if refusal[0]:
         raise RunDirLockedError(refusal[0])
+    if lock is not None:
+        from megatron_gndpo.parallel.distributed import on_forced_exit
+
+        on_forced_exit(lock.release)  # the watchdog's os._exit runs no finally
     return lock
 
 
@@ -476,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.overrides = [*args.overrides, *extra]
     from megatron_gndpo.compat import notices
 
-    notices.quiet_known_notices()  # every command; before megatron-core is imported
+    installed = notices.quiet_known_notices()  # every command; before megatron-core's import
     try:
         return handlers[args.command](args)
     except UserError as err:
@@ -489,6 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:  # Ctrl-C: the user's own stop, not a bug
         return _interrupted(args.command)
+    finally:
+        if installed:  # a caller's process (a test) gets its warning hooks back
+            notices.restore()
 
 
 def _interrupted(command: str) -> int:

@@ -60,6 +60,7 @@ from megatron_gndpo.rollout.base import Rollout, SamplingParams
 from megatron_gndpo.rollout.filters import (
     MIN_STEP_TOKENS,
     drop_reasons,
+    emptied_reasons,
     filter_metrics,
     hollow,
     keep_rows,
@@ -69,16 +70,6 @@ from megatron_gndpo.rollout.pipeline import Drawn, RolloutPipeline
 from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
 from megatron_gndpo.rollout.remote import RemoteRollouts, load_inflight
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
-
-
-def _drop_reasons(metrics: dict[str, float]) -> str:
-    """The filter's reasons for a step it emptied, from its metrics (each reason's share)."""
-    prefix = "filter/rows_dropped_frac/"
-    shares = [
-        f"{k[len(prefix) :]} {v:.0%}" for k, v in sorted(metrics.items()) if k.startswith(prefix)
-    ]
-    return ", ".join(shares) or "no tokens left"
-
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
 _LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac", "guidance/kl_mean")
@@ -186,11 +177,11 @@ class Trainer:
         student, self._routing = None, None  # this step's, once the student scores it
         if metrics.get("filter/tokens_kept", math.inf) < MIN_STEP_TOKENS:  # global: all skip
             metrics |= {"skipped": 1.0, "skipped/filtered_all": 1.0}  # and nothing is scored
-            self._skipped(f"algorithm.filter dropped every row ({_drop_reasons(metrics)})")
+            self._skipped(f"algorithm.filter dropped every row ({emptied_reasons(metrics)})")
         else:
             routes = c.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
             teacher, student = self._score(rollout, routes)  # timed inside: the method's order
-            bad = self._nonfinite(teacher.logprobs, rollout.response_mask, routes)
+            bad = c.teacher.nonfinite(teacher.logprobs, rollout.response_mask, routes)
             if bad:  # before any use
                 metrics |= {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}  # all ranks
                 self._skipped(
@@ -371,19 +362,6 @@ class Trainer:
                 student = self._student_scores(rollout, method.student_request(teacher))
         student.hidden = None  # [n, S, H]: used by the teacher's pass only
         return teacher, student
-
-    def _nonfinite(
-        self, teacher_lp: torch.Tensor, mask: torch.Tensor, routes: torch.Tensor
-    ) -> list[str]:
-        """The teachers whose log-probs are non-finite on a response token of any rank (every
-        rank gets the same answer): the step is then skipped before its scores reach the
-        advantages, the metrics or the update."""
-        names = self.c.teacher.names
-        bad_rows = (~torch.isfinite(teacher_lp.cpu()) & mask.cpu()).any(dim=1)  # [n]
-        flags = torch.zeros(len(names))
-        flags[routes[bad_rows].unique()] = 1.0
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank skips together
-        return [names[j] for j in range(len(names)) if flags[j] > 0]
 
     def _skipped(self, why: str) -> None:
         """Say on the console that the step now ending trains nothing, and why."""

@@ -111,7 +111,7 @@ def _closed_port() -> int:
 
 
 # The cases of one 2-rank launch: (name, URL mode, top-k, teacher.server settings).
-CASES = [
+CASES: list[tuple[str, str | None, int, dict[str, Any]]] = [
     ("ok", "ok", 2, {}),
     ("down", None, 0, {"retries": 1, "served_model": "m"}),
     ("slow", "slow", 0, {"timeout_s": 0.5, "retries": 0, "served_model": "m"}),

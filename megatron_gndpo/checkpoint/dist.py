@@ -587,7 +587,8 @@ def _first_failure(err: BaseException) -> BaseException:
     """The first rank's own error of torch's CheckpointException (else ``err`` itself)."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
-        return sorted(failures.items())[0][1][0]  # type: ignore[no-any-return]
+        first: BaseException = sorted(failures.items())[0][1][0]
+        return first
     return err
 
 

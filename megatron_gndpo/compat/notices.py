@@ -192,11 +192,12 @@ _SHOWWARNING: list[Any] = []  # the hook quiet_known_notices replaced
 _COLLECTOR: list[_Collector] = []
 
 
-def quiet_known_notices() -> None:
+def quiet_known_notices() -> bool:
     """Collect the known upstream notices of this process instead of printing them (see the
-    module docstring). Idempotent."""
+    module docstring). Idempotent: True when this call installed it (then the caller may
+    :func:`restore`)."""
     if _INSTALLED:
-        return
+        return False
     collector = _Collector()
     _COLLECTOR.append(collector)
     for name, prefix in KNOWN_LOGGED:
@@ -207,6 +208,7 @@ def quiet_known_notices() -> None:
         warnings.filterwarnings("once", message=prefix)
     _SHOWWARNING.append(warnings.showwarning)
     warnings.showwarning = _KnownWarnings(warnings.showwarning, collector)
+    return True
 
 
 def log_to(path: str | Path) -> None:
@@ -222,7 +224,7 @@ def collected() -> list[str]:
 
 
 def restore() -> None:
-    """Undo :func:`quiet_known_notices` (tests)."""
+    """Undo :func:`quiet_known_notices` (a command that installed it, at its end; tests)."""
     while _INSTALLED:
         logger, collect = _INSTALLED.pop()
         logger.removeFilter(collect)

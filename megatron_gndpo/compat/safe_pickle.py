@@ -50,6 +50,8 @@ _ALLOWED = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a layout by its name
     ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),  # the checkpoint id torch's own writer records
+    ("pathlib", "PurePosixPath"),
     # empty classes megatron-core keeps "to load old checkpoint weights"
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
@@ -113,9 +115,9 @@ def _read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
         metadata = MetadataUnpickler(f, where=str(path)).load()
     if not isinstance(metadata, Metadata):
         raise _refusal(str(path), f"{type(metadata).__name__} instead of checkpoint metadata")
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    metadata.storage_meta.load_id = self.load_id
+    storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+    storage_meta.load_id = self.load_id
+    metadata.storage_meta = storage_meta
     return metadata
 
 

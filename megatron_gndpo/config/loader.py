@@ -61,8 +61,11 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(os.path.expanduser(path))
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if not path.is_file():  # a pipe (`--config <(...)`, /dev/stdin) is read like a file
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a directory; name a YAML file")
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
         # From the open file, not its text, so error marks name the file ("<unicode string>" else).
         with path.open(encoding="utf-8") as stream:

@@ -19,6 +19,7 @@ import torch
 from megatron_gndpo.data.tasks import arithmetic, chains
 from megatron_gndpo.data.tokenizer import CharTokenizer, Tokenizer
 from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError
+from megatron_gndpo.fileio import is_stream, not_a_file
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -145,17 +146,19 @@ def load_prompts(
     if spec.startswith(BUILTIN_PREFIX):
         return _load_builtin(spec[len(BUILTIN_PREFIX) :], routed=source_key is not None)
     path = Path(spec)
-    if path.suffix not in (".jsonl", ".parquet"):
+    stream = is_stream(path)  # a pipe (`<(zcat x.jsonl.gz)`): read once, as JSONL
+    if path.suffix not in (".jsonl", ".parquet") and not stream:
         raise DataError(
             f"cannot read prompts from {spec!r}: use a .jsonl file (one JSON object per line), "
             f"a .parquet file, or builtin:NAME with NAME in {sorted(BUILTIN_DATASETS)}"
         )
-    if not path.is_file():
+    why = not_a_file(path)
+    if why is not None:
         raise MissingFileError(
-            f"prompt file {path} does not exist; fix data.train / data.eval, or use "
-            "builtin:arithmetic for the built-in task"
+            f"prompt file {why}; fix data.train / data.eval, or use builtin:arithmetic for the "
+            "built-in task"
         )
-    records = _jsonl_records(path) if path.suffix == ".jsonl" else _parquet_records(path)
+    records = _parquet_records(path) if path.suffix == ".parquet" else _jsonl_records(path)
     examples = [
         _example(
             record,

@@ -40,6 +40,7 @@ from megatron_gndpo.data.datasets import (
 from megatron_gndpo.data.tasks import visual
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError
+from megatron_gndpo.fileio import not_a_file
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -363,8 +364,9 @@ def load_multimodal_prompts(
             f".parquet file (image bytes) or one of "
             + ", ".join(f"builtin:{n}" for n in BUILTIN_VISUAL)
         )
-    if not path.is_file():
-        raise MissingFileError(f"prompt file {path} does not exist")
+    why = not_a_file(path)
+    if why is not None:
+        raise MissingFileError(f"prompt file {why}")
     records = _jsonl(path) if path.suffix == ".jsonl" else _parquet(path)
     examples = [
         _example(
