@@ -229,6 +229,10 @@ def test_in_flight_batches_load_without_unpickling_code(tmp_path: Path) -> None:
     ((loaded, drawn),) = load_inflight(tmp_path, 0).values()
     assert drawn == ("train", [4, 5]) and loaded.version == 1 and loaded.batch == 3
     assert torch.equal(loaded.rollout.tokens, rollout.tokens)
+    # a file written before (pickled dataclasses) still loads, and nothing else would
+    torch.save({3: (result, ("train", [4, 5]))}, tmp_path / INFLIGHT_DIR / "dp0.pt")
+    ((loaded, drawn),) = load_inflight(tmp_path, 0).values()
+    assert drawn == ("train", [4, 5]) and torch.equal(loaded.rollout.tokens, rollout.tokens)
 
 
 # ---------------------------------------------------------------------------------------------

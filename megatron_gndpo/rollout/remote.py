@@ -274,11 +274,15 @@ def _plain(result: Result) -> dict[str, Any]:
 def load_inflight(directory: Path, replica: int) -> dict[int, tuple[Result, Any]]:
     """What :func:`save_inflight` wrote for ``replica``: by batch, (result, drawn prompts)."""
     path = directory / INFLIGHT_DIR / f"dp{replica}.pt"
-    saved = torch.load(path, weights_only=True)
+    # weights_only: plain data; our two dataclasses admitted for files written before (they
+    # pickled them): constructing them runs no code of the file's choosing
+    with torch.serialization.safe_globals([Result, Rollout]):
+        saved = torch.load(path, weights_only=True)
     out = {}
     for batch, (fields, drawn) in saved.items():
-        rollout = Rollout(**fields.pop("rollout"))
-        out[int(batch)] = (Result(**fields, rollout=rollout), (drawn[0], list(drawn[1])))
+        if not isinstance(fields, Result):
+            fields = Result(**{**fields, "rollout": Rollout(**fields["rollout"])})
+        out[int(batch)] = (fields, (drawn[0], list(drawn[1])))
     return out
 
 
