@@ -43,6 +43,12 @@ combinations are errors that name the fix; `megatron-gndpo config validate -c ru
 checks a file for N ranks, and `megatron-gndpo plan` also estimates its memory per GPU
 ([PARALLELISM.md](PARALLELISM.md)). The resolved config of every run is written to
 `RUN_DIR/config.yaml`. The same text is printed by `megatron-gndpo config fields`.
+
+Path fields (`data.train`, `data.eval`, `data.outlier_train`, `data.tokenizer`, the teachers'
+`load` and `tokenizer`, `checkpoint.save`, `checkpoint.load`, `checkpoint.init`,
+`logging.run_dir`) expand `~` and `$VAR` / `${VAR}` as a shell would, in the file and on the
+command line; an unset variable is an error. A prompt file may also be a pipe, read as JSONL
+(`data.train=<(zcat p.jsonl.gz)`, one-process runs: the launcher's workers do not inherit it).
 """
 
 

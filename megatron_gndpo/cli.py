@@ -27,17 +27,29 @@ import argparse
 import contextlib
 import io
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_gndpo.checks import validate
-from megatron_gndpo.config import load_config, save_resolved, teacher_sections, to_yaml
+from megatron_gndpo.config import (
+    Config,
+    load_config,
+    save_dir,
+    save_resolved,
+    teacher_sections,
+    to_yaml,
+)
 from megatron_gndpo.config.docs import format_fields
 from megatron_gndpo.errors import UserError
 from megatron_gndpo.methods import config_names
 from megatron_gndpo.prune import cli as prune_cli
 from megatron_gndpo.version import __version__
+
+if TYPE_CHECKING:
+    from megatron_gndpo.runlock import RunLock
 
 _EPILOG_HEAD = """\
 Every configuration field (set in the YAML file or as section.key=value overrides):
@@ -228,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from megatron_gndpo import plan as planner
 
+    if args.ranks and args.world_size > planner.MAX_LISTED_RANKS:
+        raise UserError(
+            f"--ranks lists every rank, one line each: at most {planner.MAX_LISTED_RANKS:,} "
+            f"(asked for {args.world_size:,}); leave it out, the plan itself takes any size"
+        )
     cfg = validate(load_config(args.config, args.overrides), args.world_size)
     hw = planner.Hardware(
         gpu_memory_gib=args.gpu_memory_gib, peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
@@ -309,14 +326,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     d = cfg.rollout.disaggregate
     env = init_distributed(timeout_s=timeout_s, rollout_ranks=d.ranks)
     rollout_rank = 0 < d.ranks < env.world_size and env.rank >= env.world_size - d.ranks
-    watchdog = None
+    watchdog, lock = None, None
     if env.world_size > 1 and t.heartbeat_timeout_s > 0:
         watchdog = Watchdog(env, t.heartbeat_timeout_s)
     try:
-        notices.quiet_known_notices()
         validate(cfg, env.world_size)
         check_environment(cfg)
         check_paths(cfg)  # before any model is built (and before megatron-core is imported)
+        lock = _lock_run_dirs(cfg, env.rank)  # this job owns its directories (rank 0 holds)
+        notices.log_to(Path(cfg.logging.run_dir) / notices.NOTICES_FILE)
         cpu.enable_if_no_cuda()
         if rollout_rank:  # rollout.disaggregate: this rank only samples, for the trainer
             from megatron_gndpo.rollout.remote import RolloutWorker
@@ -343,8 +361,39 @@ def _cmd_train(args: argparse.Namespace) -> int:
             watchdog.stop()
             barrier()  # no rank exits (maybe taking the store along) before all have stopped
     finally:
+        if lock is not None:
+            lock.release()
         shutdown_distributed()
     return 0
+
+
+def _lock_run_dirs(cfg: Config, rank: int) -> RunLock | None:
+    """Rank 0 takes the run directory's lock (and the checkpoint directory's, when it is
+    elsewhere) for the job; every rank raises the same refusal when another run holds one."""
+    import torch.distributed as dist
+
+    from megatron_gndpo.runlock import RunDirLockedError, RunLock
+
+    run_dir = Path(cfg.logging.run_dir)
+    dirs = [run_dir]
+    if not save_dir(cfg).absolute().is_relative_to(run_dir.absolute()):
+        dirs.append(save_dir(cfg))
+    lock, refusal = None, [""]
+    if rank == 0:
+        lock = RunLock(dirs, "train")
+        try:
+            lock.acquire()
+        except RunDirLockedError as err:
+            lock, refusal = None, [str(err)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise RunDirLockedError(refusal[0])
+    if lock is not None:
+        from megatron_gndpo.parallel.distributed import on_forced_exit
+
+        on_forced_exit(lock.release)  # the watchdog's os._exit runs no finally
+    return lock
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -362,22 +411,23 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from megatron_gndpo.compat import notices
-
-    notices.quiet_known_notices()  # before megatron-core is imported: some notices come then
     from megatron_gndpo.demo.report import summary_numbers, summary_table, verdict
     from megatron_gndpo.demo.run import SEED, run_demo
+    from megatron_gndpo.runlock import locked
 
     if args.stability:
         return _cmd_demo_stability(args)
     args.run_dir = args.run_dir or Path("runs/demo")
+    notices.log_to(args.run_dir / notices.NOTICES_FILE)
     methods = None
     if args.methods is not None:
         methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    summary = run_demo(
-        args.run_dir, args.cache_dir, quick=args.quick, methods=methods,
-        seed=SEED if args.seed is None else args.seed, seeds=args.seeds,
-        multimodal=args.multimodal, engine=args.engine, student=args.student,
-    )  # fmt: skip
+    with locked([args.run_dir], "demo"):  # one demo a run directory
+        summary = run_demo(
+            args.run_dir, args.cache_dir, quick=args.quick, methods=methods,
+            seed=SEED if args.seed is None else args.seed, seeds=args.seeds,
+            multimodal=args.multimodal, engine=args.engine, student=args.student,
+        )  # fmt: skip
     numbers = summary_numbers(summary)
     print(f"report written to {summary.run_dir / 'summary.md'}")
     print(summary_table(numbers), end="")
@@ -386,16 +436,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo_stability(args: argparse.Namespace) -> int:
+    from megatron_gndpo.compat import notices
     from megatron_gndpo.demo.stability import (
         run_stability,
         stability_table,
         stability_verdict,
         study_numbers,
     )
+    from megatron_gndpo.runlock import locked
 
-    study = run_stability(
-        args.run_dir or Path("runs/demo_stability"), args.cache_dir, quick=args.quick
-    )
+    run_dir = args.run_dir or Path("runs/demo_stability")
+    notices.log_to(run_dir / notices.NOTICES_FILE)
+    with locked([run_dir], "demo --stability"):
+        study = run_stability(run_dir, args.cache_dir, quick=args.quick)
     numbers = study_numbers(study)
     print(f"report written to {study.run_dir / 'stability.md'}")
     print(stability_table(numbers), end="")
@@ -456,6 +509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         else:
             args.overrides = [*args.overrides, *extra]
+    from megatron_gndpo.compat import notices
+
+    installed = notices.quiet_known_notices()  # every command; before megatron-core's import
     try:
         return handlers[args.command](args)
     except UserError as err:
@@ -466,6 +522,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `megatron-gndpo plan ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: the user's own stop, not a bug
+        return _interrupted(args.command)
+    finally:
+        if installed:  # a caller's process (a test) gets its warning hooks back
+            notices.restore()
+
+
+def _interrupted(command: str) -> int:
+    """One line for Ctrl-C (on the launcher's rank 0: every rank gets the signal), exit 130."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        resume = (
+            ": the checkpoints already written are intact, and the same command resumes from "
+            "the newest"
+            if command == "train"
+            else ""
+        )
+        print(f"megatron-gndpo: interrupted (Ctrl-C){resume}", file=sys.stderr, flush=True)
+    return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

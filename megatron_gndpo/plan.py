@@ -20,6 +20,8 @@ state is sharded over the expert data-parallel group (EDP), not DP x CP.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 from megatron_gndpo.checks import layout_of
 from megatron_gndpo.checks.rules import split_problems
@@ -128,7 +130,7 @@ class StagePlan:
     first_layer: int
     last_layer: int
     params_per_rank: int
-    ranks: tuple[int, ...]
+    ranks: range  # contiguous: pp is megatron's slowest dimension
     expert_params_per_rank: int = 0  # of params_per_rank: routed experts (MoE)
 
 
@@ -145,8 +147,9 @@ def plan_model(name: str, model: ModelConfig, parallel: ParallelConfig, world: i
     layout = layout_of(parallel, world)
     per_stage = model.num_layers // layout.pp
     stages = []
+    per_stage_ranks = world // layout.pp  # pp is the slowest dimension: a stage is contiguous
     for stage in range(layout.pp):
-        ranks = tuple(r for r in range(world) if layout.coords(r)["pp"] == stage)
+        ranks = range(stage * per_stage_ranks, (stage + 1) * per_stage_ranks)
         stages.append(
             StagePlan(
                 stage=stage,
@@ -233,14 +236,24 @@ def valid_rollout_ranks(cfg: Config, world_size: int) -> list[int]:
     """Every R (0 < R < world, a multiple of the rollout TP) whose trainer ranks W - R hold the
     layouts and split the prompts into whole per-replica shares (``config validate``'s rule)."""
     tp = cfg.rollout.disaggregate.tensor_parallel
+    p = cfg.parallel
+    model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
+    # The trainer's ranks are model_parallel x dp with dp dividing prompts_per_step: try those
+    # (as many as prompts_per_step has divisors), not every R below the world size.
     out = []
-    for r in range(tp, world_size, tp):
-        if _layout_problems(cfg, world_size - r):
+    for dp in _divisors(cfg.rollout.prompts_per_step):
+        r = world_size - model_parallel * dp
+        if r <= 0 or r % tp or _layout_problems(cfg, world_size - r):
             continue
         if cfg.rollout.prompts_per_step % layout_of(cfg.parallel, world_size - r).dp:
             continue
         out.append(r)
-    return out
+    return sorted(out)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def rank_split(cfg: Config, world_size: int) -> RankSplit:
@@ -276,6 +289,10 @@ def _teacher_label(t: TeacherConfig) -> str:
     return f"teacher {name}" if name else "teacher"
 
 
+# `plan --ranks` prints a line per rank; everything else takes time independent of the world size.
+MAX_LISTED_RANKS = 65536
+
+
 def _human(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -283,7 +300,7 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _ranks_text(ranks: tuple[int, ...]) -> str:
+def _ranks_text(ranks: Sequence[int]) -> str:
     if len(ranks) <= 8:
         return ",".join(map(str, ranks))
     return f"{','.join(map(str, ranks[:4]))},...,{ranks[-1]} ({len(ranks)} ranks)"
@@ -304,18 +321,18 @@ def format_model_plan(mp: ModelPlan, *, per_rank: bool = False) -> str:
             f"  {st.stage:>5}  {st.first_layer:>4}-{st.last_layer:<4}  "
             f"{st.params_per_rank:>14,}{experts}  {_ranks_text(st.ranks)}"
         )
-    samples = {
-        "TP group of rank 0": lay.group_of(0, ("tp",)),
-        "DPxCP group of rank 0 (GNDPO statistics)": lay.group_of(0, ("cp", "dp")),
-        "PP group of rank 0": lay.group_of(0, ("pp",)),
+    samples = {  # ranges: as many ranks as the world, in constant time
+        "TP group of rank 0": lay.group_range(0, ("tp",)),
+        "DPxCP group of rank 0 (GNDPO statistics)": lay.group_range(0, ("cp", "dp")),
+        "PP group of rank 0": lay.group_range(0, ("pp",)),
     }
     if moe:
         samples |= {
-            "EP group of rank 0 (experts split)": lay.group_of(0, ("ep",)),
-            "EDP group of rank 0 (expert gradients)": lay.group_of(0, ("edp",)),
+            "EP group of rank 0 (experts split)": lay.group_range(0, ("ep",)),
+            "EDP group of rank 0 (expert gradients)": lay.group_range(0, ("edp",)),
         }
     for label, ranks in samples.items():
-        lines.append(f"  {label}: [{_ranks_text(tuple(ranks))}]")
+        lines.append(f"  {label}: [{_ranks_text(ranks)}]")
     if per_rank:
         lines.append(f"  {'rank':>5}  {'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3}  params")
         for r in range(lay.world_size):
@@ -561,6 +578,22 @@ def _rollout_bytes(cfg: Config, layout: ParallelLayout, hw: Hardware, seq: int) 
     return kv + prefill
 
 
+def _stage_pairs(
+    student: ParallelLayout, teachers: list[ParallelLayout]
+) -> list[tuple[int, tuple[int, ...]]]:
+    """Every (student stage, teacher stages) some rank holds, in time independent of the world
+    size: pp is each layout's slowest dimension, so stage s of a layout is the contiguous ranks
+    [s * W / pp, (s + 1) * W / pp), and the stages change only at those boundaries."""
+    layouts = [student, *teachers]
+    starts = sorted({s * (lay.world_size // lay.pp) for lay in layouts for s in range(lay.pp)})
+    pairs = {
+        (r // (student.world_size // student.pp),
+         tuple(r // (t.world_size // t.pp) for t in teachers))
+        for r in starts
+    }  # fmt: skip
+    return sorted(pairs)
+
+
 def estimate_memory(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> list[RankMemory]:
     """Per-rank memory of every (student stage, teacher stage) pair that some trainer rank
     holds. With rollout ranks apart (rollout.disaggregate) the layouts cover the first
@@ -573,12 +606,7 @@ def estimate_memory(cfg: Config, world_size: int, hw: Hardware = Hardware()) -> 
     seq = sequence_length(cfg)
     # A scoring micro-batch holds up to scoring_token_budget tokens, and at least one whole row.
     score_tokens = max(cfg.trainer.scoring_token_budget, seq)
-    pairs = sorted(
-        {
-            (s_layout.coords(r)["pp"], tuple(t.coords(r)["pp"] for t in t_layouts))
-            for r in range(world_size)
-        }
-    )
+    pairs = _stage_pairs(s_layout, t_layouts)
     rollout = 0.0 if split.rollout_ranks else _rollout_bytes(cfg, s_layout, hw, seq)
     out = []
     for stage, t_stages in pairs:

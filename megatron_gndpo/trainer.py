@@ -32,6 +32,7 @@ from megatron_gndpo.algorithms.offpolicy import importance_weights, offpolicy_me
 from megatron_gndpo.checkpoint.convert import describe_checkpoints
 from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
 from megatron_gndpo.checkpoint.resume import (
+    TokenizerStamp,
     plan_start,
     restore_run_state,
     resume_from,
@@ -60,6 +61,7 @@ from megatron_gndpo.rollout.base import Rollout, SamplingParams
 from megatron_gndpo.rollout.filters import (
     MIN_STEP_TOKENS,
     drop_reasons,
+    emptied_reasons,
     filter_metrics,
     hollow,
     keep_rows,
@@ -112,6 +114,7 @@ class Trainer:
         self._syncs = 0  # weight syncs into an external engine so far
         self._routing: RoutingPass | None = None  # the step's old-log-prob pass (MoE)
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
+        self.tokenizer = TokenizerStamp(cfg.data.tokenizer, self.c.tokenizer.fingerprint())
         self.run_id = ""
         # rollout.disaggregate: the rollout ranks sample, batches ahead with staleness > 0
         self.pipeline: RolloutPipeline | None = None
@@ -175,11 +178,17 @@ class Trainer:
         student, self._routing = None, None  # this step's, once the student scores it
         if metrics.get("filter/tokens_kept", math.inf) < MIN_STEP_TOKENS:  # global: all skip
             metrics |= {"skipped": 1.0, "skipped/filtered_all": 1.0}  # and nothing is scored
+            self._skipped(f"algorithm.filter dropped every row ({emptied_reasons(metrics)})")
         else:
             routes = c.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
             teacher, student = self._score(rollout, routes)  # timed inside: the method's order
-            if self._nonfinite(teacher.logprobs, rollout.response_mask):  # before any use
+            bad = c.teacher.nonfinite(teacher.logprobs, rollout.response_mask, routes)
+            if bad:  # before any use
                 metrics |= {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}  # all ranks
+                self._skipped(
+                    f"the log-probs of {' and '.join(bad)} are not finite (NaN or inf) on a "
+                    "response token"
+                )
             else:
                 with timer.time("advantages"):
                     targets, found = self._targets(rollout, teacher, student, rewards, routes)
@@ -355,12 +364,9 @@ class Trainer:
         student.hidden = None  # [n, S, H]: used by the teacher's pass only
         return teacher, student
 
-    def _nonfinite(self, teacher_lp: torch.Tensor, mask: torch.Tensor) -> bool:
-        """Whether any rank's teacher log-probs are non-finite on a response token: the step
-        is then skipped before its scores reach the advantages, the metrics or the update."""
-        bad = torch.tensor([float(not torch.isfinite(teacher_lp[mask]).all())])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank skips together
-        return bool(bad.item())
+    def _skipped(self, why: str) -> None:
+        """Say on the console that the step now ending trains nothing, and why."""
+        self._warn(f"step {self.step_count + 1} skipped: {why}; the weights were not updated")
 
     def _student_output_weight(self) -> torch.Tensor | None:
         """This rank's shard of the student's output layer (last stage), else None."""
@@ -612,9 +618,9 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     def _run_state(self) -> dict[str, Any]:
         """What a checkpoint saves besides the weights and the optimizer (checkpoint/resume.py)."""
-        return {
-            "sampler": self.c.sampler, "scheduler": self.c.scheduler, "stability": self.stability,
-            "outlier_sampler": self.c.outlier_sampler,
+        return {  # the tokenizer first: another vocabulary is the cause to name
+            "tokenizer": self.tokenizer, "sampler": self.c.sampler, "scheduler": self.c.scheduler,
+            "stability": self.stability, "outlier_sampler": self.c.outlier_sampler,
         }  # fmt: skip
 
     def _maybe_save(self) -> None:
@@ -657,7 +663,7 @@ class Trainer:
         )
         self.run_id, self.step_count = resumed.run_id, resumed.step
         if resumed.directory is not None:
-            restore_run_state(self._run_state(), resumed.meta["extra"])
+            restore_run_state(self._run_state(), resumed.meta["extra"], resumed.directory)
         if dist.get_rank() == 0:
             metrics = Path(self.cfg.logging.run_dir) / METRICS_FILE
             moved = set_aside(self._start, resumed, metrics)

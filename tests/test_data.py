@@ -440,6 +440,7 @@ def test_sampler_rollover_position() -> None:
         "seed": 7,
         "num_examples": 10,
         "shuffle": True,
+        "fingerprint": None,
     }
 
 

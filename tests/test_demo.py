@@ -114,13 +114,23 @@ def test_noise_grows_with_the_seed_spread_and_never_falls_below_a_problem() -> N
     assert noise_of(_spread(0.3, 0.5, 0.7), 128) == pytest.approx(2 * 0.2 / 3**0.5)
 
 
-def test_unknown_demo_method_is_a_clear_error(tmp_path: Path) -> None:
+def test_demo_seeds_must_be_at_least_one(tmp_path: Path) -> None:
     from megatron_gndpo.errors import UserError
 
-    with pytest.raises(UserError, match=r"unknown demo method.*choose from gndpo, opd"):
-        run_demo(tmp_path, methods=("gndpo", "ppo"))
     with pytest.raises(UserError, match=r"--seeds 0: run at least one seed"):
         run_demo(tmp_path, seeds=0)
+
+
+def test_unknown_demo_method_is_one_line_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megatron_gndpo.cli import main
+
+    assert main(["demo", "--methods", "gndpo,ppo", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron-gndpo: error: unknown demo method(s) ['ppo']"), err
+    assert "--methods takes a comma-separated subset of gndpo,opd" in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
 
 
 def _tiny_demo(rank: int, world: int, run_dir: str, cache: str) -> dict[str, Any]:
@@ -130,11 +140,10 @@ def _tiny_demo(rank: int, world: int, run_dir: str, cache: str) -> dict[str, Any
 
     from megatron.core import parallel_state
 
+    from megatron_gndpo.compat import cpu
     from megatron_gndpo.demo import models
     from megatron_gndpo.demo.results import Settings
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
-
-    from megatron_gndpo.compat import cpu
 
     cpu.enable_if_no_cuda()
     task = models.build_task(cache)

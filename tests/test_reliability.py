@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -271,6 +272,21 @@ def test_train_under_launch_ends_when_a_rank_stops(tmp_path: Path) -> None:
     )
     try:
         workers = list(rank_of.values())
+        # issue 35: the job owns its run directory, rank 0 holding the lock for it ...
+        holder = json.loads((run / "megatron-gndpo.lock").read_text())
+        assert (holder["host"], holder["pid"]) == (socket.gethostname(), rank_of[0])
+        # ... and a second train there is refused, naming it, before it builds anything
+        second = subprocess.run(
+            [sys.executable, "-m", "megatron_gndpo.cli", "train", "-c", str(TINY),
+             f"logging.run_dir={run}"],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert (
+            f"megatron-gndpo: error: {run} is in use by another megatron-gndpo run: pid "
+            f"{rank_of[0]} on host {socket.gethostname()}"
+        ) in second.stderr
         os.kill(rank_of[1], signal.SIGSTOP)
         stopped = time.monotonic()
         _, err = proc.communicate(timeout=120)
@@ -282,10 +298,12 @@ def test_train_under_launch_ends_when_a_rank_stops(tmp_path: Path) -> None:
     assert err.count("megatron-gndpo: error: no heartbeat from rank 1") == 1, err[-3000:]
     assert "megatron-gndpo: launch:" not in err and "Sending process" not in err
     assert not any(_alive(pid) for pid in workers)
-    # console noise: DDP gets its parameter layout, and megatron's GPTModel deprecation is our
-    # one line (rank 0), naming the class and how to switch
+    assert not (run / "megatron-gndpo.lock").exists()  # released by rank 0 as it failed
+    # console noise: DDP gets its parameter layout; the known notices are one line (rank 0),
+    # and megatron's GPTModel deprecation is our one line, naming the class and how to switch
     assert "full_param_layout not provided" not in err
     assert "GPTModel IS DEPRECATED" not in err
+    assert err.count("megatron-gndpo: known upstream notices") == 1
     assert err.count("set model.model_class=hybrid") == 1, err
     shutil.rmtree(run, ignore_errors=True)
 
@@ -433,10 +451,10 @@ def test_missing_package_skips_fail_only_when_asked(tmp_path: Path, strict: str)
 
 
 # ---------------------------------------------------------------------------------------------
-# Console noise: megatron-core's per-build notices once
+# Console noise: megatron-core's known notices collected, one line for the job (issue 35)
 
 
-def test_known_megatron_notices_show_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_known_megatron_notices_are_collected(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
     from megatron_gndpo.compat import notices
@@ -449,13 +467,18 @@ def test_known_megatron_notices_show_once(caplog: pytest.LogCaptureFixture) -> N
                 gpt.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical fixes")
             gpt.warning("something else entirely")
             gpt.warning("something else entirely")
+        collected = notices.collected()
     finally:
         notices.restore()
     messages = [r.getMessage() for r in caplog.records]
-    # megatron's deprecation notice is replaced by one line of ours, once
+    # megatron's deprecation notice is collected, and replaced by one line of ours, once
     assert not any(m.startswith("GPTModel IS DEPRECATED") for m in messages)
     assert messages.count(notices.GPT_DEPRECATION[1]) == 1
     assert "model.model_class=hybrid" in notices.GPT_DEPRECATION[1]
+    assert collected == [
+        "megatron.core.models.gpt.gpt_model: GPTModel IS DEPRECATED. GPTModel is only accepting "
+        "critical fixes"
+    ]
     assert messages.count("something else entirely") == 2  # unknown messages are not touched
 
 
@@ -474,15 +497,24 @@ def _warn_known_and_unknown() -> None:
     warnings.warn("an unknown warning stays as it is", UserWarning, stacklevel=1)
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_known_warnings_show_once_for_the_job_in_one_line_each(
-    rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(("rank", "mode", "gpu"), [
+    ("0", "", False), ("1", "", False), ("0", "show", False), ("1", "show", False),
+    ("0", "", True),
+])  # fmt: skip
+def test_known_warnings_are_one_line_for_the_job(
+    rank: str,
+    mode: str,
+    gpu: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     import warnings
 
     from megatron_gndpo.compat import notices
 
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv(notices.SHOW_ENV, mode)
+    monkeypatch.setattr(notices, "_gpu_present", lambda: gpu)
     shown: list[str] = []
     with warnings.catch_warnings():  # restores the filters and warnings.showwarning
         warnings.resetwarnings()
@@ -492,10 +524,14 @@ def test_known_warnings_show_once_for_the_job_in_one_line_each(
             _warn_known_and_unknown()
         finally:
             notices.restore()
-    err = capsys.readouterr().err
-    known = [line for line in err.splitlines() if line.startswith("known upstream notice:")]
-    if rank == "0":
-        assert known == [notices.FALLBACK_LINE, "known upstream notice: full scope is deprecated"]
+    lines = capsys.readouterr().err.splitlines()
+    if rank == "1":
+        assert lines == []  # every rank has the same: rank 0 says it
+    elif mode == "show":  # asked for: one line each, once
+        assert lines == [notices.FALLBACK_LINE, "known upstream notice: full scope is deprecated"]
     else:
-        assert known == []  # every rank has the same: rank 0 says it
+        said = "megatron-gndpo: known upstream notices (megatron-core's and torch's deprecations"
+        assert [line[: len(said)] for line in lines[-1:]] == [said]
+        # on a GPU machine the missing TE/Apex is not expected: said all the same
+        assert lines[:-1] == ([notices.GPU_FALLBACK_LINE] if gpu else [])
     assert shown == ["an unknown warning stays as it is"]  # to the hook it replaced, as it was

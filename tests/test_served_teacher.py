@@ -11,7 +11,9 @@ a training run stopped by one resumes from its last checkpoint with nothing lost
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import io
 import json
 import re
 import threading
@@ -29,6 +31,10 @@ from tests.harness import run_distributed
 def fake_logprob(prefix_len: int, token: int) -> float:
     """The stand-in's log-prob of ``token`` after ``prefix_len`` tokens."""
     return -0.1 - 0.01 * ((token * 7 + prefix_len) % 50)
+
+
+# Replies a broken server could give for one token: not a log-probability (issue 35).
+BAD_VALUES = {"nan": float("nan"), "positive": 2.0}
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -71,7 +77,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         for i, row in enumerate(body["prompt"]):
             positions: list[Any] = [None]
             for t in range(1, len(row)):
-                entries = {str(row[t]): {"logprob": fake_logprob(t, row[t]), "rank": 99}}
+                value = fake_logprob(t, row[t])
+                if (i, t) == (1, 1) and mode in BAD_VALUES:  # one bad value, in the 2nd row
+                    value = BAD_VALUES[mode]
+                entries = {str(row[t]): {"logprob": value, "rank": 99}}
                 for r in range(k):  # a made-up top-k: ids 1.., ranks 1..
                     entries[str(r + 1)] = {"logprob": -0.5 - r, "rank": r + 1}
                 positions.append(entries)
@@ -102,13 +111,15 @@ def _closed_port() -> int:
 
 
 # The cases of one 2-rank launch: (name, URL mode, top-k, teacher.server settings).
-CASES = [
+CASES: list[tuple[str, str | None, int, dict[str, Any]]] = [
     ("ok", "ok", 2, {}),
     ("down", None, 0, {"retries": 1, "served_model": "m"}),
     ("slow", "slow", 0, {"timeout_s": 0.5, "retries": 0, "served_model": "m"}),
     ("malformed", "malformed", 0, {"served_model": "m"}),
     ("bad_request", "bad_request", 0, {"served_model": "m"}),
     ("flaky", "flaky", 0, {"retries": 3, "served_model": "m"}),
+    ("nan", "nan", 0, {"served_model": "m"}),
+    ("positive", "positive", 0, {"served_model": "m"}),
 ]
 
 
@@ -116,7 +127,12 @@ def _score_cases(rank: int, world: int, urls: dict[str, str]) -> dict[str, Any]:
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
 
     groups = build_student_groups(ParallelLayout(world, tp=world))
-    out = {name: _score(groups, urls[name], k, settings) for name, _, k, settings in CASES}
+    out = {}
+    for name, _, k, settings in CASES:
+        said = io.StringIO()  # what the client says on the console while it waits
+        with contextlib.redirect_stderr(said):
+            out[name] = _score(groups, urls[name], k, settings)
+        out[name]["said"] = said.getvalue()
     out["reference"] = _self_test_against_a_wider_reference(groups, urls["reference"])
     return out
 
@@ -206,6 +222,9 @@ def test_scores_come_from_the_server_once_per_row_for_every_rank(
         ("slow", "failed 1 time(s), the last with Timeout"),
         ("malformed", "answered /v1/completions with something other than prompt log-probs"),
         ("bad_request", 'refused /v1/completions: HTTP 400: {"error": "This model\'s maximum'),
+        # issue 35: every reply is checked, not only the start-up probe's
+        ("nan", "replied a log-prob of nan at position 1 (token 8) of row 1 of rank 0's batch"),
+        ("positive", "replied a log-prob of 2.0 at position 1 (token 8) of row 1 of rank 0's"),
     ],
 )
 def test_server_faults_stop_every_rank_with_one_clear_error(
@@ -233,6 +252,29 @@ def test_transient_failures_are_retried(
 ) -> None:
     assert all("scores" in r["flaky"] for r in scored[1]), scored[1]
     assert server.state["flaky"]["requests"] == 4  # two HTTP 503s, then the two requests
+
+
+def test_a_silent_server_is_said_at_start_up_and_on_each_retry(
+    scored: tuple[dict[str, str], list[dict[str, Any]]],
+) -> None:
+    """Issue 35: a server that never answers was 20 silent minutes at the defaults."""
+    from megatron_gndpo.config.schema import TeacherServerConfig
+    from megatron_gndpo.engine.served_teacher import _minutes
+
+    urls, results = scored
+    first, second = (r["down"]["said"] for r in results)
+    assert f"teacher math: served at {urls['down']}; each request may take up to 120 s" in first
+    assert "and is retried 1 time(s): a server that does not answer stops the run after" in first
+    retry = (
+        f"megatron-gndpo: warning: teacher math at {urls['down']}/v1/completions (asked by rank "
+        "0): ConnectionRefusedError"
+    )
+    # both requests of the batch (rows_per_request 2) say their retry
+    assert first.count(retry) == 2 and first.count("retry 1 of 1 in 1 s") == 2, first
+    assert second == "", second  # rank 1 neither queries nor speaks for the job
+    assert "no answer within teacher.server.timeout_s=0.5 s" in results[0]["slow"]["error"]
+    defaults = TeacherServerConfig()
+    assert _minutes(defaults) == "6.0 min"  # was 20.1 min (300 s x 4 attempts + 7 s)
 
 
 def _train_then_resume(rank: int, world: int, run_dir: str, failing: str, ok: str) -> Any:

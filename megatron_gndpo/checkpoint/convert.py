@@ -67,7 +67,7 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
         )
     config = json.loads(path.read_text())
     if not isinstance(config, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
+        raise ConversionError(f"{path} does not hold a JSON object: is it a config.json?")
     return config
 
 
@@ -106,7 +106,7 @@ class HFCheckpoint:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
-            raise ValueError(
+            raise ConversionError(
                 f"tensor {name!r} is missing from the Hugging Face checkpoint in {self.dir}"
             )
         file = self.files[name]
@@ -317,7 +317,7 @@ def source_dtype(step: Path, model: ModelConfig) -> Dtype:
 
 def check_dtype(dtype: str | None) -> None:
     if dtype is not None and dtype not in _TORCH_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
+        raise ConversionError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
 
 
 def export_groups() -> tuple[ParallelGroups, bool]:
@@ -416,9 +416,9 @@ def convert_mcore_to_hf(
     if family is None:  # the source's config.json, else the model config's own family
         family = (source or {}).get("model_type") or model.family
         if family is None:
-            raise ValueError(
-                f"pass family (one of {', '.join(hf_mapping.FAMILIES)}): no source config.json "
-                f"beside {mcore_root} tells it, and its model config sets no family"
+            raise ConversionError(
+                f"pass --family (one of {', '.join(hf_mapping.FAMILIES)}): no source "
+                f"config.json beside {mcore_root} tells it, and its model config sets no family"
             )
     # config.json names the dtype the weights are written in
     config = hf_mapping.hf_config_from_model(dataclasses.replace(model, params_dtype=dtype), family)

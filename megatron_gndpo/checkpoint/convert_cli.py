@@ -8,6 +8,11 @@
     megatron-gndpo convert mcore-to-hf --mcore-dir runs/x/checkpoints --out hf_out \
         --fp8-out hf_out_fp8 --calib-data /data/train.jsonl      # + FP8 (needs modelopt)
 
+Neither direction writes into a directory that holds anything unless ``--overwrite`` is given
+(then the files it writes are replaced and the others kept), nor ever into a training run's
+checkpoint directory (one with optimizer state, or a run's lock), which a later ``train``
+would no longer resume from (:func:`check_output`).
+
 hf-to-mcore: every rank builds and fills its own shard (a mixture-of-experts model's experts
 split over ``--ep`` ranks, which come out of the data-parallel ranks: the world is a multiple
 of TP x EP x PP); the checkpoint loads at any TP/PP/EP.
@@ -44,6 +49,7 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--hf-dir", required=True, help="Hugging Face model directory")
     parser.add_argument("--out", required=True, help="checkpoint root to write")
+    _add_overwrite(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument(
@@ -60,6 +66,7 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
     for flag in ("tp", "pp", "ep"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    check_output(args.out, overwrite=args.overwrite)
 
     import torch.distributed as dist
 
@@ -120,6 +127,7 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--mcore-dir", required=True, help="checkpoint root or iter_* directory")
     parser.add_argument("--out", required=True, help="Hugging Face directory to write")
+    _add_overwrite(parser)
     parser.add_argument(
         "--family",
         choices=["llama", "qwen2", "qwen3", "qwen3_moe"],
@@ -147,6 +155,11 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from megatron_gndpo.checkpoint.vlm_convert import is_vlm_checkpoint
 
+    check_output(args.out, overwrite=args.overwrite, source=args.mcore_dir)
+    if args.fp8_out is not None:
+        check_output(
+            args.fp8_out, overwrite=args.overwrite, source=args.mcore_dir, flag="--fp8-out"
+        )
     vlm = args.vision_config is not None or is_vlm_checkpoint(args.mcore_dir)
     if vlm and args.fp8_out is not None:
         parser.error("--fp8-out is not supported for vision-language models")
@@ -202,6 +215,57 @@ def _vlm_mcore_to_hf(args: argparse.Namespace, model: ModelConfig | None) -> Pat
         dtype=args.dtype,
         tokenizer_dir=args.tokenizer_dir,
     )
+
+
+def _add_overwrite(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="write into an output directory that is not empty: the files the conversion "
+        "writes are replaced, the others kept (never allowed: a training run's checkpoints)",
+    )  # fmt: skip
+
+
+def check_output(
+    out: str | Path, *, overwrite: bool, source: str | Path | None = None, flag: str = "--out"
+) -> None:
+    """Refuse an output directory whose content the conversion would damage: a training run's
+    checkpoint directory (steps with optimizer state, or a run's lock file), the source itself,
+    and, without ``overwrite``, any directory that is not empty. A ConversionError naming it."""
+    from megatron_gndpo.checkpoint.dist import step_dir, training_steps
+    from megatron_gndpo.errors import ConversionError
+    from megatron_gndpo.runlock import LOCK_FILE
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{flag} {out} is a file, not a directory; choose a directory")
+    if not out.is_dir():
+        return
+    trained = training_steps(out)
+    if trained or (out / LOCK_FILE).exists():
+        what = (
+            f"holds a training run's checkpoints (newest {step_dir(out, trained[-1]).name})"
+            if trained
+            else "belongs to a training run (its lock file is there)"
+        )
+        raise ConversionError(
+            f"{flag} {out} {what}: a conversion never writes there (it would replace its "
+            f"latest, model_config.yaml and train state, and the run would not resume); "
+            f"choose a new directory"
+        )
+    if source is not None and out.resolve() in (
+        Path(source).resolve(),
+        Path(source).resolve().parent,
+    ):
+        raise ConversionError(f"{flag} {out} is the checkpoint being converted; choose another")
+    entries = sorted(p.name for p in out.iterdir())
+    if entries and not overwrite:
+        shown = ", ".join(entries[:5]) + (
+            f" and {len(entries) - 5} more" if len(entries) > 5 else ""
+        )
+        raise ConversionError(
+            f"{flag} {out} is not empty (it holds {shown}): choose a new or empty directory, or "
+            "pass --overwrite to replace the files the conversion writes (the others are kept)"
+        )
 
 
 def _add_fp8_args(parser: argparse.ArgumentParser) -> None:

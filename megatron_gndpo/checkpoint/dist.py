@@ -32,43 +32,43 @@ resumes), never another run's.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import foreign_config, interop, model_class
+from megatron_gndpo.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from megatron_gndpo.checkpoint.integrity import (
+    _META,
+    _from_rank0,
+    _gather,
+    _manifest,
+    _shown,
+    nonfinite,
+    read_meta,
+    run_of,
+    verify_step,
+)
 from megatron_gndpo.checkpoint.vocab_rows import vocab_rows_problem
+from megatron_gndpo.compat import safe_pickle
 from megatron_gndpo.config.schema import ModelConfig
-from megatron_gndpo.errors import UserError
 from megatron_gndpo.fileio import write_atomic
 from megatron_gndpo.parallel.distributed import barrier, rank, world_size
 
 _LATEST = "latest"
-_META = "megatron_gndpo.json"
 MODEL_CONFIG_FILE = "model_config.yaml"
 _DIST_MARKER = "metadata.json"  # in every megatron-core dist checkpoint, whoever wrote it
 # Root files pointing at the newest step, for us and for the other tools; moved with `latest`.
 TRACKERS = (_LATEST, interop.MEGATRON_LM_TRACKER, interop.BRIDGE_TRACKER)
 _STEP_NAME = re.compile(r"iter_(\d{7})")
-_READ_CHUNK = 8 << 20  # bytes hashed at a time (hashlib releases the GIL for large updates)
 # Optimizer sharding that reloads at another data-parallel size; "fully_reshardable" failed to
 # load in megatron-core 0.19 (KeyError: 'step').
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint is missing, incomplete or does not match the model."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A step's files differ from the checksums saved with it, or its values are not finite."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -87,6 +87,19 @@ def complete_steps(root: str | Path) -> list[int]:
         if match and (path / _META).is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def training_steps(root: str | Path) -> list[int]:
+    """The complete steps under ``root`` that a training run saved (with optimizer state),
+    oldest first: what a resume continues from, and what conversion must never touch."""
+    steps = []
+    for step in complete_steps(root):
+        try:
+            if read_meta(step_dir(root, step)).get("has_optimizer"):
+                steps.append(step)
+        except CorruptCheckpointError:
+            continue
+    return steps
 
 
 def latest_step(root: str | Path) -> int | None:
@@ -119,155 +132,19 @@ def latest_step(root: str | Path) -> int | None:
     return step
 
 
-def read_meta(directory: str | Path) -> dict[str, Any]:
-    """The ``megatron_gndpo.json`` of a step directory."""
-    path = Path(directory) / _META
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CorruptCheckpointError(f"{path} is unreadable ({err})") from None
-    if not isinstance(meta, dict) or "step" not in meta:
-        raise CorruptCheckpointError(f"{path} is not a checkpoint description (no step)")
-    return meta
-
-
-def run_of(directory: str | Path) -> str | None:
-    """The id of the run that saved a step (None: saved before run ids, or unreadable)."""
-    try:
-        run_id = read_meta(directory).get("run_id")
-    except CorruptCheckpointError:
-        return None
-    return run_id if isinstance(run_id, str) else None
-
-
 def saved_tensors(directory: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{key: (global shape, dtype)}`` of every tensor saved in a step directory, read from its
     dist-checkpointing metadata alone (no tensor data; any process, no collective)."""
     from megatron.core import dist_checkpointing
 
     try:
-        meta = dist_checkpointing.load_tensors_metadata(str(directory))
+        with safe_pickle.restricted_unpickling():
+            meta = dist_checkpointing.load_tensors_metadata(str(directory))
+    except safe_pickle.UnsafePickleError as err:
+        raise CheckpointError(f"cannot load {directory}: {err}") from None
     except Exception as err:  # megatron raises its own CheckpointingException and OSErrors
         raise CheckpointError(f"cannot read the tensor metadata of {directory}: {err}") from err
     return {key: (tuple(t.global_shape), t.dtype) for key, t in meta.items()}
-
-
-def _gather(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank (CPU objects)."""
-    if not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank: one decision that every rank acts on."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# Integrity: checksums of every file, finite values
-
-
-def _files(directory: Path) -> list[str]:
-    """Every file of a step directory (relative paths), its metadata file aside."""
-    return sorted(
-        str(p.relative_to(directory))
-        for p in directory.rglob("*")
-        if p.is_file() and p.name != _META
-    )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _manifest(directory: Path) -> dict[str, dict[str, Any]]:
-    """``{file: {"bytes", "sha256"}}`` of a step, the files shared out over the ranks."""
-    names = _from_rank0(_files(directory) if rank() == 0 else None)
-    mine = {
-        name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
-        for name in names[rank() :: world_size()]
-    }
-    return {name: entry for part in _gather(mine) for name, entry in part.items()}
-
-
-def _file_problem(directory: Path, name: str, entry: dict[str, Any]) -> str | None:
-    path = directory / name
-    if not path.is_file():
-        return f"{name} is missing"
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        return f"{name} has {size} bytes, {entry['bytes']} were saved"
-    if _sha256(path) != entry["sha256"]:
-        return f"{name} does not match the checksum saved with it (its contents changed)"
-    return None
-
-
-def verify_step(directory: str | Path) -> bool:
-    """Check every file of a step against its saved checksum; the ranks share the reading.
-
-    Raises :class:`CorruptCheckpointError` naming each bad file. Returns False for a step saved
-    before checksums were written (nothing to check against), True when all files match.
-    """
-    directory = Path(directory)
-    files = read_meta(directory).get("files")
-    if files is None:
-        return False
-    names = sorted(files)
-    mine = [_file_problem(directory, n, files[n]) for n in names[rank() :: world_size()]]
-    problems = [p for part in _gather(mine) for p in part if p is not None]
-    if problems:
-        raise CorruptCheckpointError(f"{directory} is corrupt: {'; '.join(problems)}")
-    return True
-
-
-def _optimizer_tensors(optimizer: Any) -> list[tuple[str, torch.Tensor]]:
-    """The optimizer's own tensors on this rank: fp32 master weights and its state (moments)."""
-    out = []
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(chained, "optimizer", None)
-        if inner is None:
-            continue
-        for group in inner.param_groups:
-            out += [("master weights", p) for p in group["params"]]
-        for state in inner.state.values():
-            out += [(key, v) for key, v in state.items() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def nonfinite(model: Any, optimizer: Any = None) -> list[str]:
-    """Names of the tensors holding a NaN or an infinity, over every rank (collective)."""
-    inner = getattr(model, "module", model)
-    bad = [
-        name
-        for name, p in inner.named_parameters()
-        if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())
-    ]
-    if optimizer is not None:
-        tensors = _optimizer_tensors(optimizer)
-        bad += sorted(
-            {
-                f"optimizer {key}"
-                for key, t in tensors
-                if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
-            }
-        )
-    return sorted({name for part in _gather(bad) for name in part})
-
-
-def _shown(names: Sequence[str], limit: int = 4) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,16 +216,53 @@ def save_checkpoint(
     refusal = _save_refusal(root, step, model, optimizer, run_id)
     if refusal:
         raise CheckpointError(refusal)
-    from megatron.core import dist_checkpointing
-
-    from megatron_gndpo.compat import saving
-
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
+    if optimizer is not None:
+        # A run whose every step so far was skipped (a filter that dropped every row) has
+        # taken no optimizer step: its state is what a fresh optimizer starts from.
+        _init_empty_optimizer_state(optimizer)
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    try:
+        _write_step(tmp, step, model, optimizer, model_config, tokenizer, extra_files)
+    except BaseException:
+        if rank() == 0:  # no half-written step is left behind (the next save would remove it)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = _manifest(tmp)
+    if rank() == 0:
+        meta = {
+            "step": step, "run_id": run_id, "has_optimizer": optimizer is not None,
+            "extra": extra or {}, "files": files,
+        }  # fmt: skip
+        (tmp / _META).write_text(json.dumps(meta, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        write_latest(root, step)
+        if keep_last:
+            _prune(root, keep_last, run_id)
+    barrier()
+    return final
+
+
+def _write_step(
+    tmp: Path,
+    step: int,
+    model: Any,
+    optimizer: Any,
+    model_config: ModelConfig | None,
+    tokenizer: str | None,
+    extra_files: Callable[[Path], None] | None,
+) -> None:
+    """The tensors and the other tools' files of a step into ``tmp`` (every rank)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_gndpo.compat import saving
+
     sharded: dict[str, Any] = {"model": _model_state(model)}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(
@@ -368,21 +282,6 @@ def save_checkpoint(
     if extra_files is not None:
         extra_files(tmp)
         barrier()
-    files = _manifest(tmp)
-    if rank() == 0:
-        meta = {
-            "step": step, "run_id": run_id, "has_optimizer": optimizer is not None,
-            "extra": extra or {}, "files": files,
-        }  # fmt: skip
-        (tmp / _META).write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        write_latest(root, step)
-        if keep_last:
-            _prune(root, keep_last, run_id)
-    barrier()
-    return final
 
 
 def write_latest(root: str | Path, step: int) -> None:
@@ -528,48 +427,14 @@ def load_checkpoint(
     :class:`CorruptCheckpointError`; missing or mismatched tensors are a
     :class:`CheckpointError`; both name the checkpoint.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-    from torch.distributed.checkpoint.api import CheckpointException
-
     directory = resolve(path)
     ours = (directory / _META).is_file()
     meta = read_meta(directory) if ours else _foreign_meta(directory)
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(_not_a_resume_point(directory, foreign=not ours))
     meta["verified"] = verify_step(directory) if verify and ours else False
-    sharded = {"model": _model_state(model)}
-    _check_vocab_rows(directory, sharded["model"], vocab_size)
-    if optimizer is not None:
-        _init_empty_optimizer_state(optimizer)
-        sharded["optimizer"] = optimizer.sharded_state_dict(
-            sharded["model"], is_loading=True, metadata=_OPTIMIZER_METADATA
-        )
-    # a GPTModel checkpoint into a HybridModel: its keys retargeted (checkpoint/model_class.py)
-    saved = _from_rank0(
-        model_class.saved_layout(set(saved_tensors(directory))) if rank() == 0 else None
-    )
-    refusal = model_class.match(directory, sharded["model"], model, saved)
-    if refusal:
-        raise CheckpointError(refusal)
-    try:
-        with torch.no_grad():
-            state = dist_checkpointing.load(
-                sharded,
-                str(directory),
-                # The access check is about writers: megatron derives replica ids from its
-                # global parallel state, which is the student's, so a model on another layout
-                # (the teacher's) fails it although every rank reads exactly what it needs.
-                validate_access_integrity=False,
-                # A tensor the model needs but the checkpoint lacks is an error up front.
-                strict=StrictHandling.RAISE_UNEXPECTED,
-            )
-    # torch's CheckpointException derives from BaseException, not Exception
-    except (Exception, CheckpointException) as err:
-        raise CheckpointError(
-            f"could not load {directory}: {_reason(err)}. Check that the checkpoint was written "
-            "for this architecture (layers, hidden size, heads, vocabulary)"
-        ) from err
+    with safe_pickle.restricted_unpickling():  # no pickle of the checkpoint runs code
+        state = _load_state(directory, model, optimizer, vocab_size)
     inner = getattr(model, "module", model)
     # no_grad: with fp32 parameters the distributed optimizer copies its dp_reshardable state
     # into views of the (grad-requiring) parameters.
@@ -586,6 +451,52 @@ def load_checkpoint(
     return meta
 
 
+def _load_state(
+    directory: Path, model: Any, optimizer: Any, vocab_size: int | None
+) -> dict[str, Any]:
+    """The state dict of ``directory`` resharded onto ``model`` (and ``optimizer``)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    sharded = {"model": _model_state(model)}
+    _check_vocab_rows(directory, sharded["model"], vocab_size)
+    if optimizer is not None:
+        _init_empty_optimizer_state(optimizer)
+        sharded["optimizer"] = optimizer.sharded_state_dict(
+            sharded["model"], is_loading=True, metadata=_OPTIMIZER_METADATA
+        )
+    # a GPTModel checkpoint into a HybridModel: its keys retargeted (checkpoint/model_class.py)
+    saved = _from_rank0(
+        model_class.saved_layout(set(saved_tensors(directory))) if rank() == 0 else None
+    )
+    refusal = model_class.match(directory, sharded["model"], model, saved)
+    if refusal:
+        raise CheckpointError(refusal)
+    try:
+        with torch.no_grad():
+            state: dict[str, Any] = dist_checkpointing.load(
+                sharded,
+                str(directory),
+                # The access check is about writers: megatron derives replica ids from its
+                # global parallel state, which is the student's, so a model on another layout
+                # (the teacher's) fails it although every rank reads exactly what it needs.
+                validate_access_integrity=False,
+                # A tensor the model needs but the checkpoint lacks is an error up front.
+                strict=StrictHandling.RAISE_UNEXPECTED,
+            )
+    # torch's CheckpointException derives from BaseException, not Exception
+    except (Exception, CheckpointException) as err:
+        unsafe = _first_failure(err)
+        if isinstance(unsafe, safe_pickle.UnsafePickleError):
+            raise CheckpointError(f"cannot load {directory}: {unsafe}") from None
+        raise CheckpointError(
+            f"could not load {directory}: {_reason(err)}. Check that the checkpoint was written "
+            "for this architecture (layers, hidden size, heads, vocabulary)"
+        ) from err
+    return state
+
+
 def _not_a_resume_point(directory: Path, *, foreign: bool) -> str:
     """Why a step without our optimizer state cannot be resumed from, and what to do instead."""
     if foreign:
@@ -596,9 +507,18 @@ def _not_a_resume_point(directory: Path, *, foreign: bool) -> str:
             f"start from its weights with a fresh optimizer, set checkpoint.init={directory} "
             "instead of checkpoint.load"
         )
+    trained = training_steps(directory.parent)
+    newest = (
+        f". {directory.parent} also holds {step_dir(directory.parent, trained[-1])}, a complete "
+        f"training checkpoint: to resume from it, set checkpoint.load to it (or point "
+        f"{directory.parent / _LATEST} at it: echo {trained[-1]} > {directory.parent / _LATEST})"
+        if trained
+        else ""
+    )
     return (
         f"{directory} holds no optimizer state (a model-only checkpoint, e.g. converted from "
-        "Hugging Face); load it as initial weights, not as a resume point"
+        f"Hugging Face); load it as initial weights (checkpoint.init), not as a resume point"
+        f"{newest}"
     )
 
 
@@ -665,15 +585,23 @@ def _read_tensor(
     import torch.distributed.checkpoint as dcp
 
     out = torch.empty(shape, dtype=dtype)
-    dcp.load({key: out}, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    with safe_pickle.restricted_unpickling():
+        dcp.load({key: out}, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
     return out
+
+
+def _first_failure(err: BaseException) -> BaseException:
+    """The first rank's own error of torch's CheckpointException (else ``err`` itself)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first: BaseException = sorted(failures.items())[0][1][0]
+        return first
+    return err
 
 
 def _reason(err: BaseException) -> str:
     """One line on why a load failed: the first rank's own error for torch's
     CheckpointException (its text is every rank's traceback)."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        err = sorted(failures.items())[0][1][0]
+    err = _first_failure(err)
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -35,6 +35,7 @@ from megatron_gndpo.checkpoint.dist import (
     write_latest,
 )
 from megatron_gndpo.config.schema import CheckpointConfig
+from megatron_gndpo.errors import UserError
 
 _LATEST = "latest"
 _ASIDE_PREFIX = "previous-"
@@ -240,6 +241,31 @@ def set_aside(plan: StartPlan, resumed: Resumed, metrics: Path) -> Path | None:
     return target
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenizerStamp:
+    """The tokenizer a run trains with, saved in its checkpoints (``extra["tokenizer"]``) as a
+    part of :func:`run_state`: resuming with another vocabulary, where every id would mean
+    another token, is refused (a checkpoint saved before the stamp is not checked)."""
+
+    spec: str | None  # data.tokenizer
+    fingerprint: str  # Tokenizer.fingerprint(): the vocabulary's hash
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"spec": self.spec, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("fingerprint") == self.fingerprint:
+            return
+        saved = state.get("spec") or "builtin:char"
+        raise CheckpointError(
+            f"the checkpoint was trained with the tokenizer {saved} and this run's "
+            f"data.tokenizer ({self.spec or 'builtin:char'}) has another vocabulary: every token "
+            "id would mean something else. Resume with the checkpoint's data.tokenizer; to "
+            "move to this tokenizer deliberately, start a new run (another logging.run_dir) "
+            "with checkpoint.init pointing at the checkpoint"
+        )
+
+
 # The run's state saved beside the weights (a checkpoint's "extra"): every checkpoint holds these
 # parts; the others (the stability diagnostics, the outlier sampler) start afresh when a
 # checkpoint from before them, or from a run without them, lacks them.
@@ -251,8 +277,17 @@ def run_state(parts: Mapping[str, Any]) -> dict[str, Any]:
     return {name: part.state_dict() for name, part in parts.items() if part is not None}
 
 
-def restore_run_state(parts: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
-    """Load each part of :func:`run_state` back from a resumed checkpoint's ``extra``."""
+def restore_run_state(
+    parts: Mapping[str, Any], extra: Mapping[str, Any], directory: Path | None = None
+) -> None:
+    """Load each part of :func:`run_state` back from a resumed checkpoint's ``extra``, in the
+    order of ``parts``; a part that refuses (another tokenizer, changed data) is an error that
+    names the checkpoint ``directory``."""
     for name, part in parts.items():
         if part is not None and (name in extra or name in _ALWAYS_SAVED):
-            part.load_state_dict(extra[name])
+            try:
+                part.load_state_dict(extra[name])
+            except UserError as err:
+                if directory is None:
+                    raise
+                raise type(err)(f"cannot resume from {directory}: {err}") from None

@@ -47,7 +47,7 @@ from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, global_names, shard_f
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
-from megatron_gndpo.errors import MissingFileError
+from megatron_gndpo.errors import ConversionError, MissingFileError
 from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 
@@ -76,7 +76,7 @@ def _check_vlm_layout(model: ModelConfig, vision: VisionConfig, parallel: Parall
     check_layout(model, parallel)
     tp = parallel.tensor_parallel
     if vision.num_attention_heads % tp:
-        raise ValueError(
+        raise ConversionError(
             f"TP={tp} must divide the vision encoder's {vision.num_attention_heads} heads (the "
             "encoder shares the language model's tensor parallelism)"
         )
@@ -180,8 +180,8 @@ def _lm_family(
     text = (source or {}).get("text_config") or {}
     found = text.get("model_type") or model.family
     if found is None:
-        raise ValueError(
-            f"pass family (the language model's: one of {', '.join(FAMILIES)}): no source "
+        raise ConversionError(
+            f"pass --family (the language model's: one of {', '.join(FAMILIES)}): no source "
             f"config.json beside {where} tells it, and its model config sets no family"
         )
     return str(found)

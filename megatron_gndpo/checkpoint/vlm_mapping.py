@@ -49,6 +49,7 @@ import torch
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.config.schema import ModelConfig
 from megatron_gndpo.config.vision import IMAGENET_MEAN, IMAGENET_STD, VisionConfig
+from megatron_gndpo.errors import ConversionError
 
 MODEL_TYPE = "internvl"
 _ARCHITECTURE = "InternVLForConditionalGeneration"
@@ -83,14 +84,14 @@ PARTS: dict[str, tuple[str, str]] = {
 
 def _required(config: Mapping[str, Any], key: str, where: str = "") -> Any:
     if config.get(key) is None:
-        raise ValueError(f"the Hugging Face config has no {where}{key!r}; it is required")
+        raise ConversionError(f"the Hugging Face config has no {where}{key!r}; it is required")
     return config[key]
 
 
 def _square(value: Any, key: str) -> int:
     sides = list(value) if isinstance(value, (list, tuple)) else [value, value]
     if len(set(sides)) != 1:
-        raise ValueError(
+        raise ConversionError(
             f"vision_config.{key}={value}: only square images and patches are supported"
         )
     return int(sides[0])
@@ -146,11 +147,11 @@ def vlm_configs_from_hf(
             if model_type == "internvl_chat"
             else f"; VLM conversion supports {MODEL_TYPE!r} (transformers' InternVL)"
         )
-        raise ValueError(f"unsupported Hugging Face model_type {model_type!r}{hint}")
+        raise ConversionError(f"unsupported Hugging Face model_type {model_type!r}{hint}")
     vis = dict(_required(hf_config, "vision_config"))
     problems = _vision_problems(hf_config, vis)
     if problems:
-        raise ValueError(
+        raise ConversionError(
             "this InternVL checkpoint cannot be converted:\n  - " + "\n  - ".join(problems)
         )
     text = dict(_required(hf_config, "text_config"))
@@ -184,12 +185,12 @@ def vlm_configs_from_hf(
     )
     seq = hf_config.get("image_seq_length")
     if seq is not None and int(seq) != vision.tokens_per_tile:
-        raise ValueError(
+        raise ConversionError(
             f"image_seq_length={seq} but a {vision.image_size}px tile of {vision.patch_size}px "
             f"patches gives {vision.tokens_per_tile} tokens after pixel shuffle"
         )
     if not 0 <= vision.image_token_id < model.vocab_size:
-        raise ValueError(
+        raise ConversionError(
             f"image_token_id={vision.image_token_id} is outside the vocabulary "
             f"[0, {model.vocab_size})"
         )
@@ -229,7 +230,7 @@ def hf_config_from_vlm(model: ModelConfig, vision: VisionConfig, family: str) ->
     """
     problems = internvl_problems(model, vision)
     if problems:
-        raise ValueError(
+        raise ConversionError(
             "this VLM cannot be written as an InternVL checkpoint: " + "; ".join(problems)
         )
     text = hf_mapping.hf_config_from_model(model, family)
@@ -303,7 +304,9 @@ class VLMMapping:
         (tensor,) = tensors
         if self.kind == "positions":
             if tensor.dim() != 3 or tensor.shape[0] != 1:
-                raise ValueError(f"{self.hf[0]}: expected [1, n+1, h], got {tuple(tensor.shape)}")
+                raise ConversionError(
+                    f"{self.hf[0]}: expected [1, n+1, h], got {tuple(tensor.shape)}"
+                )
             return tensor[0]
         return tensor
 
@@ -394,7 +397,7 @@ def vlm_mapping_for(megatron_name: str, model: ModelConfig, vision: VisionConfig
     for mapping in iter_vision_mappings(vision):
         if mapping.megatron == megatron_name:
             return mapping
-    raise ValueError(
+    raise ConversionError(
         f"no Hugging Face mapping for megatron parameter {megatron_name!r}; the vision config "
         "(layers, normalization) may not match the checkpoint"
     )
@@ -418,14 +421,14 @@ def check_hf_names(
     source = f" in {where}" if where else ""
     missing = sorted(expected - names)
     if missing:
-        raise ValueError(
+        raise ConversionError(
             f"tensor {missing[0]!r} is missing{source} ({len(missing)} missing in all); the "
             "checkpoint does not match its config.json (layers, norms, tie_word_embeddings)"
         )
     ignorable = {_LM + "lm_head.weight"} if model.tie_embeddings else set()
     unexpected = sorted(n for n in names - expected - ignorable if not _IGNORED_HF.fullmatch(n))
     if unexpected:
-        raise ValueError(
+        raise ConversionError(
             f"tensor {unexpected[0]!r}{source} has no place in the megatron VLM "
             f"({len(unexpected)} such tensors); the architecture has features conversion does "
             "not support"
@@ -441,7 +444,7 @@ def _vit_qkv_to_megatron(tensors: Sequence[torch.Tensor], heads: int) -> torch.T
     rest = tensors[0].shape[1:]  # (h,) for weights, () for biases
     if any(t.shape != tensors[0].shape for t in tensors) or tensors[0].shape[0] % heads:
         shapes = [tuple(t.shape) for t in tensors]
-        raise ValueError(f"ViT q/k/v shapes {shapes} do not split into {heads} equal heads")
+        raise ConversionError(f"ViT q/k/v shapes {shapes} do not split into {heads} equal heads")
     grouped = torch.stack([t.reshape(heads, -1, *rest) for t in tensors], dim=1)
     return grouped.reshape(-1, *rest)  # [nh, 3, hd, (h)] flattened
 
@@ -493,13 +496,13 @@ def iter_megatron_to_hf(
     tied_copy = {_LM + "output_layer.weight"} if model.tie_embeddings else set()
     extra = sorted(names - {m.megatron for m in mappings} - tied_copy)
     if extra:
-        raise ValueError(
+        raise ConversionError(
             f"megatron parameter {extra[0]!r} has no Hugging Face mapping ({len(extra)} such); "
             "the model or vision config does not match the checkpoint"
         )
     for mapping in mappings:
         if mapping.megatron not in mcore_state:
-            raise ValueError(f"megatron state has no {mapping.megatron!r}")
+            raise ConversionError(f"megatron state has no {mapping.megatron!r}")
         if consume:
             assert isinstance(mcore_state, MutableMapping)
             tensor = mcore_state.pop(mapping.megatron)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megatron_gndpo.checkpoint.dist import CheckpointError, resolve
 from megatron_gndpo.config import Config, ConfigError, save_dir, teacher_sections
+from megatron_gndpo.fileio import is_stream, not_a_file
 
 _BUILTIN = "builtin:"
 _DATA_SUFFIXES = (".jsonl", ".parquet")
@@ -22,10 +23,16 @@ def _data_problem(key: str, spec: str | None) -> str | None:
     if spec is None or spec.startswith(_BUILTIN):
         return None  # unknown built-in names are reported by the loader, with the choices
     path = Path(spec)
+    if is_stream(path):  # a pipe: `data.train=<(zcat x.jsonl.gz)`, read as JSONL
+        return None
     if path.suffix not in _DATA_SUFFIXES:
+        why = not_a_file(path)
+        if why is not None and path.exists():
+            return f"{key}: {why}; name a .jsonl or .parquet file, or builtin:NAME"
         return f"{key}={spec}: use a .jsonl or .parquet file, or builtin:NAME"
-    if not path.is_file():
-        return f"{key}: prompt file {path} does not exist"
+    why = not_a_file(path)
+    if why is not None:
+        return f"{key}: prompt file {why}"
     return None
 
 

@@ -1,15 +1,18 @@
-"""megatron-core's (and vLLM's) known notices, shown at most once per process instead of on
-every model build (or weight sync).
+"""megatron-core's (and torch's, vLLM's) known notices, collected instead of printed.
 
 megatron-core 0.19 logs a few notices each time a model or its wrapper is built (a demo builds
-six models, so they came six times between the step lines), and warns at import about optional
-packages a CPU machine does not have (nine ``warnings.warn`` calls, two lines each, on every
-rank). They are expected, so a newcomer should not have to tell them from real problems:
-:func:`quiet_known_notices` lets each logged notice through once and drops repeats, and shows
-the known warnings once for the job (rank 0), one line each, the fallbacks for a missing
-Transformer Engine or Apex as one line in all. GPTModel's deprecation notice is replaced by one
-line of ours that names the class that runs and how to switch (:data:`GPT_DEPRECATION`).
-Nothing else is filtered, and nothing happens on import; entry points call it explicitly.
+six models), warns at import about optional packages a CPU machine does not have, and torch
+warns about deprecations megatron-core's calls hit: a ``train`` printed 8 such lines before its
+first step and ``convert`` up to 27 before ``wrote ...``. They are expected, so a newcomer
+should not have to tell them from real problems. :func:`quiet_known_notices` collects every
+known notice (each text once) instead of printing it: into the run's log file when the command
+has one (:func:`log_to`; ``train``: ``RUN_DIR/upstream_notices.log``), and says so in one line
+on the job's rank 0, the first time one comes. ``MEGATRON_GNDPO_NOTICES=show`` prints them
+instead, one line each, once. Two exceptions are printed all the same: Transformer Engine or
+Apex missing on a machine with a GPU (not expected there: the image has both), and anything not
+in the lists below, which is left alone. GPTModel's deprecation notice is collected too, and
+replaced on screen by one line of ours, once, that names the class that runs and how to switch
+(:data:`GPT_DEPRECATION`). Nothing happens on import; entry points call it.
 
 Where megatron-core asks for something we can pass, we pass it instead of filtering (the
 distributed optimizer's parameter layout: ``engine/optimizer.py``).
@@ -21,7 +24,11 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, TextIO
+
+NOTICES_FILE = "upstream_notices.log"
+SHOW_ENV = "MEGATRON_GNDPO_NOTICES"
 
 # megatron-core 0.19 logs "GPTModel IS DEPRECATED ... migration guide ..." on every GPTModel
 # build; this line says it instead, once: which class runs and how to switch.
@@ -73,45 +80,107 @@ FALLBACK_LINE = (
     "it uses torch's optimizers, norms and multi-tensor ops (expected on a CPU; the GPU image "
     "has both)"
 )
+GPU_FALLBACK_LINE = (
+    "megatron-gndpo: warning: megatron-core found no Transformer Engine or Apex on a machine with "
+    "a GPU: it falls back to slower torch kernels (the image built from ./Dockerfile has both)"
+)
 
 
 def _launcher_rank() -> str:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
 
 
-class _Once(logging.Filter):
-    """Passes the first record whose message starts with ``prefix`` on the launcher's rank 0,
-    drops the same message later and on the other ranks (they log the same); other records
-    pass. With ``instead``, the record that passes says that line instead."""
+def _show() -> bool:
+    return os.environ.get(SHOW_ENV, "").lower() == "show"
 
-    def __init__(self, prefix: str, instead: str | None = None) -> None:
+
+def _gpu_present() -> bool:
+    torch = sys.modules.get("torch")  # the warnings come from code that imported it
+    return bool(torch is not None and torch.cuda.is_available())
+
+
+class _Collector:
+    """Where the known notices go: each text once, into a file or memory, announced in one
+    line on the launcher's rank 0 (the other ranks get the same notices)."""
+
+    def __init__(self) -> None:
+        self.speaks = _launcher_rank() == "0"
+        self.seen: list[str] = []
+        self.path: Path | None = None
+        self.announced = False
+
+    def add(self, text: str, file: TextIO | None = None) -> None:
+        if text in self.seen:
+            return
+        self.seen.append(text)
+        if not self.speaks:
+            return
+        if _show():
+            print(text, file=file or sys.stderr, flush=True)
+            return
+        self._write([text])
+        if not self.announced:
+            self.announced = True
+            where = (
+                f"are collected in {self.path}"
+                if self.path is not None
+                else f"are not shown ({SHOW_ENV}=show prints them)"
+            )
+            print(
+                "megatron-gndpo: known upstream notices (megatron-core's and torch's "
+                f"deprecations and CPU fallbacks, expected here) {where}",
+                file=file or sys.stderr, flush=True,
+            )  # fmt: skip
+
+    def log_to(self, path: Path) -> None:
+        self.path = path
+        self._write(self.seen)  # what came before the file was known
+
+    def _write(self, texts: list[str]) -> None:
+        if self.path is None or not texts or not self.speaks:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as f:
+                f.writelines(f"{text}\n" for text in texts)
+        except OSError:  # the log is a courtesy: never the reason a command fails
+            self.path = None
+
+
+class _Collect(logging.Filter):
+    """Takes the records whose message starts with ``prefix`` into the collector (they are
+    not printed); other records pass. With ``instead``, the first such record on the
+    launcher's rank 0 passes saying that line instead."""
+
+    def __init__(self, prefix: str, collector: _Collector, instead: str | None = None) -> None:
         super().__init__()
         self.prefix = prefix
+        self.collector = collector
         self.instead = instead
-        self.seen: set[str] = set()
-        self.speaks = _launcher_rank() == "0"
+        self.said = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if not message.startswith(self.prefix):
             return True
-        if not self.speaks or message in self.seen:
+        self.collector.add(f"{record.name}: {message}")
+        if self.instead is None or self.said or not self.collector.speaks:
             return False
-        self.seen.add(message)
-        if self.instead is not None:
-            record.msg, record.args = self.instead, None
+        self.said = True
+        record.msg, record.args = self.instead, None
         return True
 
 
 class _KnownWarnings:
-    """A ``warnings.showwarning`` (the documented hook for how warnings are shown) that prints
-    the known upstream warnings in one line each, on the launcher's rank 0 only, the fallback
-    family once in all; every other warning goes to the hook it replaced."""
+    """A ``warnings.showwarning`` (the documented hook for how warnings are shown) that sends
+    the known upstream warnings to the collector (the TE/Apex fallback printed in one line on
+    a GPU machine, where it is not expected); every other warning goes to the hook it
+    replaced."""
 
-    def __init__(self, previous: Any) -> None:
+    def __init__(self, previous: Any, collector: _Collector) -> None:
         self.previous = previous
-        self.said: set[str] = set()
-        self.speaks = _launcher_rank() == "0"  # the same warnings come on every rank
+        self.collector = collector
+        self.said_fallback = False
 
     def __call__(
         self,
@@ -124,42 +193,59 @@ class _KnownWarnings:
     ) -> None:
         text = str(message)
         if text.startswith(FALLBACK_WARNINGS):
-            self._say("fallback", FALLBACK_LINE, file)
+            if _gpu_present() and not self.said_fallback and self.collector.speaks:
+                self.said_fallback = True
+                print(GPU_FALLBACK_LINE, file=file or sys.stderr, flush=True)
+            self.collector.add(FALLBACK_LINE, file)
         elif text.startswith(OTHER_WARNINGS):
             first = text.strip().split(". ")[0].rstrip(".")
-            self._say(text, f"known upstream notice: {first}", file)
+            self.collector.add(f"known upstream notice: {first}", file)
         else:
             self.previous(message, category, filename, lineno, file, line)
 
-    def _say(self, key: str, line: str, file: TextIO | None) -> None:
-        if self.speaks and key not in self.said:
-            self.said.add(key)
-            print(line, file=file or sys.stderr)
 
-
-_INSTALLED: list[tuple[logging.Logger, _Once]] = []
+_INSTALLED: list[tuple[logging.Logger, _Collect]] = []
 _SHOWWARNING: list[Any] = []  # the hook quiet_known_notices replaced
+_COLLECTOR: list[_Collector] = []
 
 
-def quiet_known_notices() -> None:
-    """Show each known megatron-core notice at most once in this process. Idempotent."""
+def quiet_known_notices() -> bool:
+    """Collect the known upstream notices of this process instead of printing them (see the
+    module docstring). Idempotent: True when this call installed it (then the caller may
+    :func:`restore`)."""
     if _INSTALLED:
-        return
+        return False
+    collector = _Collector()
+    _COLLECTOR.append(collector)
     for name, prefix in KNOWN_LOGGED:
         instead = GPT_DEPRECATION[1] if prefix == GPT_DEPRECATION[0] else None
-        logger, once = logging.getLogger(name), _Once(prefix, instead)
-        logger.addFilter(once)
-        _INSTALLED.append((logger, once))
+        logger, collect = logging.getLogger(name), _Collect(prefix, collector, instead)
+        logger.addFilter(collect)
+        _INSTALLED.append((logger, collect))
     for prefix in KNOWN_WARNINGS:
         warnings.filterwarnings("once", message=prefix)
     _SHOWWARNING.append(warnings.showwarning)
-    warnings.showwarning = _KnownWarnings(warnings.showwarning)
+    warnings.showwarning = _KnownWarnings(warnings.showwarning, collector)
+    return True
+
+
+def log_to(path: str | Path) -> None:
+    """Write the known notices (those so far, and the later ones) into ``path`` (appended),
+    and name it in the one line; after :func:`quiet_known_notices`."""
+    if _COLLECTOR:
+        _COLLECTOR[0].log_to(Path(path))
+
+
+def collected() -> list[str]:
+    """The known notices collected so far in this process (tests)."""
+    return list(_COLLECTOR[0].seen) if _COLLECTOR else []
 
 
 def restore() -> None:
-    """Undo :func:`quiet_known_notices` (tests)."""
+    """Undo :func:`quiet_known_notices` (a command that installed it, at its end; tests)."""
     while _INSTALLED:
-        logger, once = _INSTALLED.pop()
-        logger.removeFilter(once)
+        logger, collect = _INSTALLED.pop()
+        logger.removeFilter(collect)
     if _SHOWWARNING:
         warnings.showwarning = _SHOWWARNING.pop()
+    _COLLECTOR.clear()

@@ -2,6 +2,10 @@
 
     cfg = load_config("examples/tiny_cpu.yaml", ["algorithm.kl_clip=3.0", "trainer.steps=2"])
 
+Paths (the fields marked ``PATH`` in the schema) are expanded as a shell would: a leading
+``~`` or ``~user``, and ``$VAR`` / ``${VAR}``; a variable that is not set is an error, not a
+literal ``$VAR`` directory.
+
 Strict: an unknown key (with a did-you-mean), a value of the wrong type, a key set twice (in the
 file or among the overrides) and a section given a scalar are all :class:`ConfigError` naming the
 dotted key and the fix. Values are never coerced between kinds, with one exception: a float field
@@ -12,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -20,7 +26,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from megatron_gndpo.config.schema import Config
+from megatron_gndpo.config.schema import PATH, Config
 from megatron_gndpo.errors import UserError
 
 
@@ -54,9 +60,12 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    path = Path(os.path.expanduser(path))
+    if not path.is_file():  # a pipe (`--config <(...)`, /dev/stdin) is read like a file
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a directory; name a YAML file")
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
         # From the open file, not its text, so error marks name the file ("<unicode string>" else).
         with path.open(encoding="utf-8") as stream:
@@ -198,6 +207,33 @@ def _try_convert(value: Any, tp: Any, key: str) -> Any:
         return _NO_MATCH
 
 
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def expand_path(value: str, key: str) -> str:
+    """``value`` with ``~`` / ``~user`` and ``$VAR`` / ``${VAR}`` expanded, as a shell would;
+    :class:`ConfigError` naming ``key`` for an unknown user or an unset variable."""
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        user = expanded[1:].split("/", 1)[0]
+        raise ConfigError(f"{key}={value}: there is no user {user!r} to expand ~{user} for")
+
+    def variable(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in os.environ:
+            raise ConfigError(
+                f"{key}={value}: the environment variable {name} is not set; export it, or "
+                "write the path out"
+            )
+        return os.environ[name]
+
+    return _VARIABLE.sub(variable, expanded)
+
+
+def _is_path(annotation: Any) -> bool:
+    return get_origin(annotation) is typing.Annotated and PATH in annotation.__metadata__
+
+
 def build[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Build dataclass ``cls`` from a mapping, strictly (see the module docstring)."""
     hints = typing.get_type_hints(cls)
@@ -212,6 +248,10 @@ def build[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
             f"unknown key {prefix}{key}{hint} (keys of {section}: {', '.join(fields)})"
         )
     kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
+    marked = typing.get_type_hints(cls, include_extras=True)
+    for name, value in kwargs.items():
+        if isinstance(value, str) and _is_path(marked[name]):
+            kwargs[name] = expand_path(value, f"{prefix}{name}")
     try:
         return cls(**kwargs)
     except ValueError as err:  # a section that checks itself (VisionConfig)

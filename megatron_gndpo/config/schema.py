@@ -10,12 +10,15 @@ live in ``validate.py``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Annotated, Literal
 
 from megatron_gndpo.config.vision import VisionConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 ModelClass = Literal["gpt", "hybrid"]
+PATH = "path"
+"""Marks a field that holds a file-system path (``Annotated[str, PATH]``): the loader expands
+``~`` and ``$VAR`` / ``${VAR}`` in it, as a shell would (config/loader.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,11 +226,12 @@ class TeacherServerConfig:
     """Sequences per completions request."""
     concurrency: int = 4
     """Requests in flight at once, per querying rank (one rank per student replica queries)."""
-    timeout_s: float = 300.0
-    """Seconds one request may take before it is retried."""
-    retries: int = 3
+    timeout_s: float = 120.0
+    """Seconds one request may take before it is retried (each retry is said on the console)."""
+    retries: int = 2
     """Further attempts of a request that failed (connection error, timeout, HTTP 5xx), with
-    doubling back-off from 1 s; then the step stops with an error naming the URL."""
+    doubling back-off from 1 s; then the step stops with an error naming the URL. With the
+    defaults a server that never answers stops the run after about 6 minutes."""
     check_tolerance: float = 1e-3
     """Start-up self-test: the largest difference allowed between two scorings of a probe
     sequence (replicas must agree) and, with teacher.load set, between the server's and the
@@ -244,11 +248,11 @@ class TeacherConfig:
     """The teacher's architecture (its vocabulary must equal the student's)."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     """The teacher's TP/PP/CP layout over the same ranks; may differ from the student's."""
-    load: str | None = None
+    load: Annotated[str | None, PATH] = None
     """Megatron dist-checkpoint directory of the teacher; null builds it randomly (tests)."""
     temperature: float = 1.0
     """Temperature of the teacher's distribution when scoring (1.0 as in the paper)."""
-    tokenizer: str | None = None
+    tokenizer: Annotated[str | None, PATH] = None
     """The teacher's tokenizer when it ships its own; it must equal the student's (checked at
     start-up). null means data.tokenizer."""
     server: TeacherServerConfig | None = None
@@ -591,15 +595,15 @@ class TrainerConfig:
 class DataConfig:
     """Prompt data and tokenizer."""
 
-    train: str = "builtin:arithmetic"
+    train: Annotated[str, PATH] = "builtin:arithmetic"
     """Training prompts: a JSONL/Parquet path, or builtin:NAME for a built-in task."""
-    eval: str | None = None
+    eval: Annotated[str | None, PATH] = None
     """Held-out prompts for evaluation (same formats); null disables evaluation data."""
     prompt_key: str = "prompt"
     """Column holding the prompt text."""
     answer_key: str = "answer"
     """Column holding the reference answer (for verifiable rewards and evaluation)."""
-    tokenizer: str | None = None
+    tokenizer: Annotated[str | None, PATH] = None
     """SentencePiece model file or Hugging Face tokenizer directory; null for the built-in
     task's tokenizer."""
     vocab_size: int | None = None
@@ -609,7 +613,7 @@ class DataConfig:
     score the same support. null means model.vocab_size."""
     shuffle: bool = True
     """Shuffle prompts each epoch."""
-    outlier_train: str | None = None
+    outlier_train: Annotated[str | None, PATH] = None
     """Prompts the outlier steps (rollout.outlier_interval) draw instead of data.train, e.g.
     harder or out-of-distribution ones (same formats); null: they draw data.train."""
     image_key: str = "images"
@@ -627,11 +631,11 @@ class DataConfig:
 class CheckpointConfig:
     """Saving and resuming (megatron-core dist-checkpointing)."""
 
-    save: str | None = None
+    save: Annotated[str | None, PATH] = None
     """Directory for checkpoints; null means RUN_DIR/checkpoints."""
-    load: str | None = None
+    load: Annotated[str | None, PATH] = None
     """Checkpoint to resume from; null resumes from the save directory when it holds one."""
-    init: str | None = None
+    init: Annotated[str | None, PATH] = None
     """Model-only checkpoint (e.g. converted from Hugging Face) to initialise the student from
     when not resuming; null builds it randomly (tests, the demo)."""
     save_interval: int = 0
@@ -655,7 +659,7 @@ class CheckpointConfig:
 class LoggingConfig:
     """Where metrics and the resolved config go."""
 
-    run_dir: str = "runs/gndpo"
+    run_dir: Annotated[str, PATH] = "runs/gndpo"
     """Run directory: resolved config, metrics JSONL, plots."""
     log_interval: int = 1
     """Print metrics every this many steps."""

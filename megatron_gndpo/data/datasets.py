@@ -8,6 +8,7 @@ fix: a training run never starts on a silently shortened data set.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from megatron_gndpo.data.tasks import arithmetic, chains
 from megatron_gndpo.data.tokenizer import CharTokenizer, Tokenizer
 from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError
+from megatron_gndpo.fileio import is_stream, not_a_file
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -144,17 +146,19 @@ def load_prompts(
     if spec.startswith(BUILTIN_PREFIX):
         return _load_builtin(spec[len(BUILTIN_PREFIX) :], routed=source_key is not None)
     path = Path(spec)
-    if path.suffix not in (".jsonl", ".parquet"):
+    stream = is_stream(path)  # a pipe (`<(zcat x.jsonl.gz)`): read once, as JSONL
+    if path.suffix not in (".jsonl", ".parquet") and not stream:
         raise DataError(
             f"cannot read prompts from {spec!r}: use a .jsonl file (one JSON object per line), "
             f"a .parquet file, or builtin:NAME with NAME in {sorted(BUILTIN_DATASETS)}"
         )
-    if not path.is_file():
+    why = not_a_file(path)
+    if why is not None:
         raise MissingFileError(
-            f"prompt file {path} does not exist; fix data.train / data.eval, or use "
-            "builtin:arithmetic for the built-in task"
+            f"prompt file {why}; fix data.train / data.eval, or use builtin:arithmetic for the "
+            "built-in task"
         )
-    records = _jsonl_records(path) if path.suffix == ".jsonl" else _parquet_records(path)
+    records = _parquet_records(path) if path.suffix == ".parquet" else _jsonl_records(path)
     examples = [
         _example(
             record,
@@ -193,19 +197,47 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
         if not line.strip():
             continue
         where = f"{path}:{line_number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
-                "prompt file must be one JSON object"
-            ) from None
-        if not isinstance(record, dict):
-            raise DataError(
-                f"{where}: expected a JSON object, got {type(record).__name__}; each line of "
-                "a .jsonl prompt file must be one JSON object"
-            )
-        yield where, record
+        yield where, json_record(line, where)
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: an object that names a key twice is refused (json keeps
+    the last value without a word)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def json_record(line: str, where: str) -> dict[str, Any]:
+    """One JSONL line as a JSON object; a DataError naming ``where`` for invalid JSON, for
+    another kind of value, and for a key given twice in an object."""
+    try:
+        record = json.loads(line, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as dup:
+        raise DataError(
+            f"{where}: the key {dup.key!r} appears twice in the record (JSON keeps only the "
+            "last, silently); keep one of them"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
+            "prompt file must be one JSON object"
+        ) from None
+    if not isinstance(record, dict):
+        raise DataError(
+            f"{where}: expected a JSON object, got {type(record).__name__}; each line of "
+            "a .jsonl prompt file must be one JSON object"
+        )
+    return record
 
 
 def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -333,3 +365,30 @@ def check_characters(example: PromptExample, tokenizer: Tokenizer) -> None:
                 "them as <unk>); use a SentencePiece or Hugging Face tokenizer (data.tokenizer), "
                 "or remove those characters"
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint
+
+
+def _image_key(image: Any) -> str:
+    """What identifies one image source in a fingerprint: its path, or its bytes' hash."""
+    if isinstance(image, bytes | bytearray):
+        return "sha256:" + hashlib.sha256(image).hexdigest()
+    if hasattr(image, "tobytes"):  # an image decoded in memory (PIL)
+        return "sha256:" + hashlib.sha256(image.tobytes()).hexdigest()
+    return str(image)
+
+
+def prompt_fingerprint(prompts: Sequence[EncodedPrompt]) -> str:
+    """SHA-256 (hex) of a prompt set's content in order: each prompt's text, reference answer,
+    routing value and image sources (paths as written, in-memory images by their bytes).
+    Saved with the sampler's state: a resume on a file rewritten with as many records is
+    refused (data/sampler.py)."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        e = p.example
+        images = [] if p.images is None else [_image_key(i) for i in p.images.sources]
+        record = [e.prompt, e.answer, e.source, images]
+        digest.update(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+    return digest.hexdigest()

@@ -33,12 +33,14 @@ from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.datasets import (
     PromptExample,
     check_characters,
+    json_record,
     routing_value,
     utf8_lines,
 )
 from megatron_gndpo.data.tasks import visual
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError
+from megatron_gndpo.fileio import not_a_file
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -362,8 +364,9 @@ def load_multimodal_prompts(
             f".parquet file (image bytes) or one of "
             + ", ".join(f"builtin:{n}" for n in BUILTIN_VISUAL)
         )
-    if not path.is_file():
-        raise MissingFileError(f"prompt file {path} does not exist")
+    why = not_a_file(path)
+    if why is not None:
+        raise MissingFileError(f"prompt file {why}")
     records = _jsonl(path) if path.suffix == ".jsonl" else _parquet(path)
     examples = [
         _example(
@@ -387,13 +390,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
     for line_number, line in utf8_lines(path):
         if line.strip():
             where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object per line")
-            yield where, record
+            yield where, json_record(line, where)
 
 
 def _parquet(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:

@@ -33,7 +33,12 @@ class PromptSampler:
         dp_size: int,
         seed: int,
         shuffle: bool = True,
+        fingerprint: str | None = None,
+        source: str = "the prompt file",
     ) -> None:
+        """``fingerprint``: of the prompts' content (:func:`~megatron_gndpo.data.datasets.
+        prompt_fingerprint`), saved with the state and checked on load, so a file rewritten
+        with as many records is refused; ``source`` names the prompts in that message."""
         if num_examples < 1:
             raise ValueError(
                 f"PromptSampler needs at least one prompt, got num_examples={num_examples}"
@@ -55,6 +60,8 @@ class PromptSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.fingerprint = fingerprint
+        self.source = source
         self._epoch = 0
         self._position = 0
         self._order_cache: tuple[int, list[int]] | None = None
@@ -119,6 +126,7 @@ class PromptSampler:
             "seed": self.seed,
             "num_examples": self.num_examples,
             "shuffle": self.shuffle,
+            "fingerprint": self.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -139,6 +147,15 @@ class PromptSampler:
                     f"{key}={current!r}, so the data order would not continue; resume with the "
                     "same data set, trainer.seed and data.shuffle"
                 )
+        saved = state.get("fingerprint")  # absent: saved before fingerprints, nothing to check
+        if saved is not None and self.fingerprint is not None and saved != self.fingerprint:
+            raise DataError(
+                f"{self.source} holds {self.num_examples} prompts, as many as when the "
+                "checkpoint was saved, but their content differs (its fingerprint changed): the "
+                "run would continue its data order on other prompts. Restore the file the run "
+                "trained on; to train on the new one deliberately, start a new run (another "
+                "logging.run_dir) with checkpoint.init pointing at the checkpoint"
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.num_examples:
             raise DataError(

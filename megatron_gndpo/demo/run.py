@@ -245,8 +245,8 @@ def run_demo(
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown or not methods:
         raise UserError(
-            f"unknown demo method(s) {unknown or '(none given)'}; choose from "
-            f"{', '.join(ALL_METHODS)}"
+            f"unknown demo method(s) {unknown or '(none given)'}: --methods takes a "
+            f"comma-separated subset of {','.join(ALL_METHODS)}"
         )
     if student not in STUDENTS:
         raise UserError(f"unknown demo student {student!r}; choose from {', '.join(STUDENTS)}")
@@ -443,6 +443,7 @@ def _method_process(cfg: Config, send: Any) -> None:
     for name in _WORLD_VARIABLES:
         os.environ.pop(name, None)
     notices.quiet_known_notices()
+    notices.log_to(Path(cfg.logging.run_dir) / notices.NOTICES_FILE)  # the method's own log
     try:
         with demo_world():
             outcome: tuple[str, Any] = ("ok", run_method(cfg))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -53,6 +54,9 @@ class _Retryable(Exception):
 
 
 PROBE_LENGTH = 16
+# A log-prob computed in float32 can round a little above 0 for a token of probability ~1; a
+# reply above this is not a log-probability (another endpoint, logits, a broken server).
+LOGPROB_SLACK = 1e-4
 
 
 def probe_ids(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
@@ -83,6 +87,12 @@ class ServedTeacher:
         self._first = next(members for members in replicas if dist.get_rank() in members)[0]
         self.queries = dist.get_rank() == self._first
         self.served_model = server.served_model
+        if dist.get_rank() == 0:  # before the first request, which may wait for minutes
+            _say(
+                f"teacher {self.name}: served at {self.url}; each request may take up to "
+                f"{server.timeout_s:g} s and is retried {server.retries} time(s): a server "
+                f"that does not answer stops the run after about {_minutes(server)}"
+            )
         if self.queries and self.served_model is None:
             self.served_model = self._single_model()
 
@@ -130,12 +140,30 @@ class ServedTeacher:
             replies = pool.map(lambda chunk: self._score_rows([rows[i] for i in chunk], k), chunks)
             for chunk, reply in zip(chunks, replies, strict=True):
                 for i, (logprobs, top_ids, top_logprobs) in zip(chunk, reply, strict=True):
+                    self._check_reply(i, rows[i], logprobs, top_logprobs)
                     length = len(rows[i])
                     scores.logprobs[i, :length] = torch.tensor(logprobs)
                     if k:
                         assert scores.topk_ids is not None and scores.topk_logprobs is not None
                         scores.topk_ids[i, 1:length] = torch.tensor(top_ids, dtype=torch.long)
                         scores.topk_logprobs[i, 1:length] = torch.tensor(top_logprobs)
+
+    def _check_reply(
+        self, i: int, row: list[int], logprobs: list[float], top: list[list[float]]
+    ) -> None:
+        """Every log-prob of a reply is finite and <= 0 (within LOGPROB_SLACK); else the error
+        names the teacher, the row and its first bad position."""
+        values = [(t, lp) for t, lp in enumerate(logprobs)]
+        values += [(t + 1, lp) for t, ranked in enumerate(top) for lp in ranked]
+        for t, value in sorted(values, key=lambda tv: tv[0]):
+            if not math.isfinite(value) or value > LOGPROB_SLACK:
+                raise self._error(
+                    f"replied a log-prob of {value} at position {t} (token {row[t]}) of row {i} "
+                    f"of rank {dist.get_rank()}'s batch ({len(row)} tokens, starting "
+                    f"{row[:8]}): a log-prob must be finite and <= 0. Check the server (its "
+                    "logs, the model it serves; `vllm serve` returns prompt log-probs); the run "
+                    "stopped before these scores reached an update"
+                )
 
     def _score_rows(
         self, rows: list[list[int]], k: int
@@ -245,6 +273,11 @@ class ServedTeacher:
                         "server is up and reachable from this node (curl URL/v1/models), or "
                         "raise teacher.server.timeout_s / retries"
                     ) from None
+                _say(
+                    f"megatron-gndpo: warning: teacher {self.name} at {self.url}{path} (asked "
+                    f"by rank {dist.get_rank()}): {err}; retry {attempt + 1} of "
+                    f"{self.cfg.retries} in {delay:g} s"
+                )
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
@@ -260,6 +293,10 @@ class ServedTeacher:
             raise self._error(f"refused {path}: HTTP {err.code}: {detail}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
+            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+                raise _Retryable(
+                    f"Timeout: no answer within teacher.server.timeout_s={self.cfg.timeout_s:g} s"
+                ) from None
             raise _Retryable(f"{type(reason).__name__}: {reason}") from None
         try:
             return json.loads(raw)
@@ -281,6 +318,18 @@ class ServedTeacher:
         messages: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(messages, failure)
         raise TeacherServerError(next(m for m in messages if m))
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _minutes(server: TeacherServerConfig) -> str:
+    """The longest a request waits before the run stops: every attempt timing out, with the
+    doubling back-off (1 s, 2 s, ...) between them."""
+    attempts = server.retries + 1
+    seconds = attempts * server.timeout_s + (2**server.retries - 1)
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def unsupported_asks(request: ScoreRequest | None) -> list[str]:
@@ -328,7 +377,7 @@ def _row_scores(
         if row[t] not in entries:
             raise ValueError(f"position {t} lacks its token {row[t]}")
         value = float(entries[row[t]]["logprob"])
-        logprobs.append(value if math.isfinite(value) else -math.inf)
+        logprobs.append(value)  # checked by ServedTeacher._check_reply
         if k:
             ranked = sorted(
                 ((int(e["rank"]), token, float(e["logprob"])) for token, e in entries.items()),

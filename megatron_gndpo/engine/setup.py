@@ -20,7 +20,12 @@ from megatron_gndpo.checks import layout_of
 from megatron_gndpo.config import Config, ConfigError, TeacherConfig, save_dir, to_dict
 from megatron_gndpo.config.schema import teacher_sections
 from megatron_gndpo.data import PromptSampler, encode_prompts, load_prompts, load_tokenizer
-from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample, PromptImages
+from megatron_gndpo.data.datasets import (
+    EncodedPrompt,
+    PromptExample,
+    PromptImages,
+    prompt_fingerprint,
+)
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_gndpo.engine.served_teacher import ServedTeacher
@@ -346,11 +351,13 @@ def _vision_input(cfg: Config, student: Any) -> Any:
     )
 
 
-def _sampler(cfg: Config, num_prompts: int, groups: ParallelGroups) -> PromptSampler:
+def _sampler(
+    cfg: Config, prompts: list[EncodedPrompt], groups: ParallelGroups, source: str
+) -> PromptSampler:
     return PromptSampler(
-        num_prompts, prompts_per_step=cfg.rollout.prompts_per_step,
+        len(prompts), prompts_per_step=cfg.rollout.prompts_per_step,
         dp_rank=groups.coords["dp"], dp_size=groups.layout.dp, seed=cfg.trainer.seed,
-        shuffle=cfg.data.shuffle,
+        shuffle=cfg.data.shuffle, fingerprint=prompt_fingerprint(prompts), source=source,
     )  # fmt: skip
 
 
@@ -409,13 +416,15 @@ def build_components(cfg: Config) -> Components:
         prompts=prompts,
         eval_prompts=eval_prompts,
         skipped_prompts=skipped,
-        sampler=_sampler(cfg, len(prompts), student_groups),
+        sampler=_sampler(cfg, prompts, student_groups, f"data.train ({cfg.data.train})"),
         logger=build_logger(cfg.logging, enabled=logs_here, config_dict=to_dict(cfg)),
         # CUDA runs asynchronously: stage times are only true after a synchronise
         timer=StageTimer(sync=torch.cuda.synchronize if torch.cuda.is_available() else None),
         save_dir=save_dir(cfg),
         outlier_prompts=outlier_prompts,
-        outlier_sampler=_sampler(cfg, len(outlier_prompts), student_groups)
+        outlier_sampler=_sampler(
+            cfg, outlier_prompts, student_groups, f"data.outlier_train ({cfg.data.outlier_train})"
+        )
         if cfg.data.outlier_train is not None
         else None,
         routing=routing,

@@ -84,6 +84,17 @@ class TeacherSet:
     def model(self) -> Any:
         return self.only.model
 
+    def nonfinite(
+        self, logprobs_nS: torch.Tensor, mask_nS: torch.Tensor, routes_n: torch.Tensor
+    ) -> list[str]:
+        """The teachers whose log-probs are NaN or infinite on a response token of any rank
+        (one all-reduce over the world; every rank gets the same names)."""
+        bad_n = (~torch.isfinite(logprobs_nS.cpu()) & mask_nS.cpu()).any(dim=1)
+        flags = torch.zeros(len(self.names))
+        flags[routes_n.cpu()[bad_n].unique()] = 1.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [name for name, flag in zip(self.names, flags.tolist(), strict=True) if flag]
+
     def generate(
         self,
         prompts: list[list[int]],

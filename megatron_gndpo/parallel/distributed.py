@@ -287,6 +287,22 @@ def before_shutdown(callback: Callable[[], None]) -> None:
     _BEFORE_SHUTDOWN.append(callback)
 
 
+_ON_FORCED_EXIT: list[Callable[[], None]] = []
+
+
+def on_forced_exit(callback: Callable[[], None]) -> None:
+    """Run ``callback`` before the watchdog ends this process with ``os._exit`` (no ``finally``
+    runs then): what must not outlive the process, such as the run directory's lock."""
+    _ON_FORCED_EXIT.append(callback)
+
+
+def _forced_exit(code: int) -> None:
+    while _ON_FORCED_EXIT:
+        with contextlib.suppress(Exception):
+            _ON_FORCED_EXIT.pop()()
+    os._exit(code)
+
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -407,7 +423,7 @@ class Watchdog:
             silent: list[tuple[int, float]] = []
             for rank, value in zip(watched, values, strict=True):
                 if value in (_FAILED, _ABORTED):
-                    os._exit(2)  # that rank has said why; end this one too
+                    _forced_exit(2)  # that rank has said why; end this one too
                 if value == _DONE:
                     continue
                 seen, since = last[rank]
@@ -447,7 +463,7 @@ class Watchdog:
             with contextlib.suppress(Exception):
                 self._store.set(self._beat(0), str(_ABORTED))
                 time.sleep(2 * self.interval_s)
-        os._exit(2)
+        _forced_exit(2)
 
     def _kill_if_local(self, rank: int) -> None:
         """SIGKILL a silent rank on this host: a stopped process acts on no other signal, so
@@ -464,7 +480,7 @@ class Watchdog:
                 f"answered for {self.timeout_s:g} s (trainer.heartbeat_timeout_s): its host (rank "
                 "0, or the torchrun agent) is stopped, frozen or gone. Ending the job"
             )
-        os._exit(2)
+        _forced_exit(2)
 
 
 def report_error(message: str) -> None:

@@ -152,6 +152,31 @@ class ParallelLayout:
             result.append(sorted(members))
         return sorted(result)
 
+    def group_range(self, rank: int, dims: tuple[str, ...]) -> range:
+        """The group of ``rank`` spanning ``dims`` as a range, in time independent of the world
+        size (``plan`` at any scale); ``dims`` must be adjacent in their grid's order (tp, cp,
+        dp, pp: e.g. ``("cp", "dp")``), whose groups are arithmetic progressions."""
+        order, sizes = self._grid(dims)
+        positions = sorted(order.index(d) for d in dims)
+        if positions != list(range(positions[0], positions[0] + len(positions))):
+            raise ValueError(f"{dims} are not adjacent in {order}: use group_of")
+        stride = 1
+        for d in order[: positions[0]]:
+            stride *= sizes[d]
+        span = 1
+        for d in dims:
+            span *= sizes[d]
+        coords = self._coords(rank, order, sizes)
+        first = rank - sum(coords[d] * self._stride(order, sizes, d) for d in dims)
+        return range(first, first + span * stride, stride)
+
+    @staticmethod
+    def _stride(order: tuple[str, ...], sizes: dict[str, int], dim: str) -> int:
+        stride = 1
+        for d in order[: order.index(dim)]:
+            stride *= sizes[d]
+        return stride
+
     def group_of(self, rank: int, dims: tuple[str, ...]) -> list[int]:
         for members in self.groups(dims):
             if rank in members:

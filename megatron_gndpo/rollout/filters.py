@@ -160,3 +160,12 @@ def filter_metrics(
     for reason, count in zip((r for r in REASONS if r in reasons), by_reason, strict=True):
         out[f"filter/rows_dropped_frac/{reason}"] = count / max(rows, 1.0)
     return out
+
+
+def emptied_reasons(metrics: dict[str, float]) -> str:
+    """Why the filter emptied a step, from its metrics: each reason's share of the rows."""
+    prefix = "filter/rows_dropped_frac/"
+    shares = [
+        f"{k[len(prefix) :]} {v:.0%}" for k, v in sorted(metrics.items()) if k.startswith(prefix)
+    ]
+    return ", ".join(shares) or "no tokens left"

@@ -257,14 +257,33 @@ def save_inflight(directory: Path, remote: RemoteRollouts, drawn: dict[int, Any]
     if remote.leader and remote.inflight():
         out = directory / INFLIGHT_DIR
         out.mkdir(parents=True, exist_ok=True)
-        batches = {b: (result, drawn[b]) for b, result in remote.inflight().items()}
+        batches = {b: (_plain(result), drawn[b]) for b, result in remote.inflight().items()}
         torch.save(batches, out / f"dp{remote.replica}.pt")
+
+
+def _plain(result: Result) -> dict[str, Any]:
+    """A result as tensors, numbers, strings and containers only: what ``torch.load(...,
+    weights_only=True)`` reads back without running code (a checkpoint is not trusted)."""
+    out = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    out["rollout"] = {
+        f.name: getattr(result.rollout, f.name) for f in dataclasses.fields(result.rollout)
+    }
+    return out
 
 
 def load_inflight(directory: Path, replica: int) -> dict[int, tuple[Result, Any]]:
     """What :func:`save_inflight` wrote for ``replica``: by batch, (result, drawn prompts)."""
     path = directory / INFLIGHT_DIR / f"dp{replica}.pt"
-    return dict(torch.load(path, weights_only=False))
+    # weights_only: plain data; our two dataclasses admitted for files written before (they
+    # pickled them): constructing them runs no code of the file's choosing
+    with torch.serialization.safe_globals([Result, Rollout]):
+        saved = torch.load(path, weights_only=True)
+    out = {}
+    for batch, (fields, drawn) in saved.items():
+        if not isinstance(fields, Result):
+            fields = Result(**{**fields, "rollout": Rollout(**fields["rollout"])})
+        out[int(batch)] = (fields, (drawn[0], list(drawn[1])))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
