@@ -1,6 +1,6 @@
 """Installation for megatron_gndpo.
 
-    pip install -e ".[test]"          # development and CI (CPU, gloo)
+    pip install -e ".[test,peer]"     # development and CI (CPU, gloo; peer: TRL, the learning peer)
     pip install ".[te,vllm,modelopt]"  # inside an NGC PyTorch container on GPUs
 
 apex is not on PyPI: the NGC PyTorch container ships it. Nothing in this package requires it;
@@ -78,6 +78,11 @@ setup(
             "math-verify>=0.7",
             "torchvision>=0.28,<=0.29.1",
         ],
+        # the learning peer (benchmarks/learning_peer.py, tests/test_learning_peer.py): TRL's
+        # on-policy DistillationTrainer, pinned (1.16.0 adds datasets and pandas and upgrades
+        # nothing of the test extra; kept apart from it so the vLLM tier's pinned environment,
+        # which installs [test], does not take it)
+        "peer": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["megatron-gndpo=megatron_gndpo.cli:main"]},
     classifiers=[

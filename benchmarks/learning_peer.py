@@ -1,0 +1,426 @@
+"""An independent learning peer: TRL's on-policy distillation on the demo's models, beside ours.
+
+    python benchmarks/learning_peer.py --out runs/peer --cache-dir runs/demo/cache
+    python benchmarks/learning_peer.py --out runs/peer_quick --quick     # 1 seed, 40 steps
+
+The demo's teacher and its pruned student (``megatron-gndpo demo`` prepares and caches them) are
+exported to Hugging Face (``convert mcore-to-hf``) and the same student is distilled from the
+same teacher twice, on the same prompts, batch (16 prompts x 4 samples), lr (2e-4, constant,
+Adam, grad clip 1.0), steps and seeds:
+
+- **ours**: ``megatron-gndpo``'s trainer with OPD (``algorithm.estimator=opd``: per-token
+  score ``clamp(log p_T - log p_S, ±5)``, a policy-gradient step through GSPO's token form);
+- **trl**: TRL's ``DistillationTrainer`` (trl 1.16, its stable on-policy distillation: the
+  student samples, the loss is the full-vocabulary reverse KL(p_S || p_T) at each sampled
+  position, ``beta=1``), whose gradient is exactly the expectation over the sampled token of
+  OPD's per-token estimator (docs/demo/RESULTS.md derives it): the same objective, estimated
+  with less variance.
+
+Both are evaluated by the same measures every ``--eval-interval`` steps on the 128 held-out
+problems: greedy accuracy, the accuracy of 4 samples a problem at temperature 1, and the
+per-token reverse KL to the teacher on those samples. Ours evaluates inside its trainer
+(``trainer.eval_samples``); TRL's runs are evaluated here with transformers (``HFEvaluator``),
+whose step-0 numbers on the same exported student must equal ours (greedy: the same answers;
+checked). The output is ``OUT/curves.jsonl`` (one line a run) and ``OUT/peer.md``: the mean
+curves side by side with their seed spread and, at each evaluation, whether they differ beyond
+noise.
+
+What differs and cannot be made equal: the sampled tokens (each library draws its own), the
+order of the prompts (each its own shuffle of the same set), and TRL's grad-norm clip (over its
+own loss scale). One CPU process; the sizes of ``--quick`` run in ~5 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megatron_gndpo.data.tokenizer import QA_PREFIX, QA_SUFFIX, SentencePieceTokenizer  # noqa: E402
+from megatron_gndpo.rewards.verifiable import reward  # noqa: E402
+
+MEASURES = ("eval/accuracy", "eval/sampled_accuracy", "eval/reverse_kl")
+EVAL_SAMPLES = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# A transformers tokenizer that is the demo's SentencePiece model
+
+
+def hf_tokenizer(model_file: Path) -> Any:
+    """A ``PreTrainedTokenizer`` over the SentencePiece model, with a chat template that gives
+    the ids ``SentencePieceTokenizer.apply_chat_template`` gives (checked by the caller)."""
+    import sentencepiece as spm
+    from transformers import PreTrainedTokenizer
+
+    class SentencePieceHF(PreTrainedTokenizer):  # type: ignore[misc]
+        model_input_names = ["input_ids", "attention_mask"]
+
+        def __init__(self, **kwargs: Any) -> None:
+            self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
+            sp = self.sp
+            super().__init__(
+                bos_token=sp.id_to_piece(sp.bos_id()), eos_token=sp.id_to_piece(sp.eos_id()),
+                pad_token=sp.id_to_piece(sp.pad_id()), unk_token=sp.id_to_piece(sp.unk_id()),
+                padding_side="left", **kwargs,
+            )  # fmt: skip
+
+        @property
+        def vocab_size(self) -> int:
+            return int(self.sp.get_piece_size())
+
+        def get_vocab(self) -> dict[str, int]:
+            return {self.sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+        def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
+            return list(self.sp.encode(text, out_type=str))
+
+        def _convert_token_to_id(self, token: str) -> int:
+            return int(self.sp.piece_to_id(token))
+
+        def _convert_id_to_token(self, index: int) -> str:
+            return str(self.sp.id_to_piece(index))
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return str(self.sp.decode_pieces(tokens))
+
+    tok = SentencePieceHF()
+    prefix, suffix = json.dumps(QA_PREFIX), json.dumps(QA_SUFFIX)
+    tok.chat_template = (
+        "{{ bos_token }}{{ " + prefix + " }}{{ messages[0]['content'] }}{{ " + suffix + " }}"
+    )
+    return tok
+
+
+def check_same_ids(hf: Any, ours: SentencePieceTokenizer, prompts: Sequence[str]) -> None:
+    """The peer must see exactly the token ids our trainer sees."""
+    for prompt in prompts:
+        theirs = hf.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        )  # fmt: skip
+        if list(theirs) != ours.apply_chat_template(prompt):
+            raise SystemExit(f"the HF tokenizer's ids differ from ours on {prompt!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluation, with transformers
+
+
+def padding_ids(model: Any, vocab_size: int) -> list[int]:
+    """The exported model's rows past the tokenizer's ids (megatron pads the vocabulary): never
+    sampled, as our generator never samples them."""
+    return list(range(vocab_size, int(model.config.vocab_size)))
+
+
+class HFEvaluator:
+    """Greedy and sampled held-out accuracy and the per-token reverse KL to the teacher, as
+    ``Trainer.evaluate`` measures them, for transformers models."""
+
+    def __init__(self, tokenizer: SentencePieceTokenizer, problems: Sequence[Any],
+                 teacher: Any, max_new_tokens: int, seed: int) -> None:  # fmt: skip
+        self.tok, self.problems, self.teacher = tokenizer, list(problems), teacher
+        self.max_new_tokens, self.seed = max_new_tokens, seed
+        self.prompts = [tokenizer.apply_chat_template(p.prompt) for p in self.problems]
+
+    def _generate(self, model: Any, samples: int, greedy: bool) -> tuple[torch.Tensor, int]:
+        rows = [ids for ids in self.prompts for _ in range(samples)]
+        width = max(map(len, rows))
+        pad = self.tok.pad_id
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        torch.manual_seed(self.seed)  # the same draws at every evaluation of a run
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
+                do_sample=not greedy, temperature=1.0, top_k=0, top_p=1.0,
+                eos_token_id=self.tok.eos_id, pad_token_id=pad,
+                suppress_tokens=padding_ids(model, self.tok.vocab_size),
+            )  # fmt: skip
+        return out, width
+
+    def _answers(self, out: torch.Tensor, width: int, samples: int) -> list[float]:
+        scores = []
+        for i, row in enumerate(out[:, width:].tolist()):
+            ids = row[: row.index(self.tok.eos_id) + 1] if self.tok.eos_id in row else row
+            problem = self.problems[i // samples]
+            scores.append(float(reward(self.tok.decode(ids), str(problem.answer))))
+        return scores
+
+    def __call__(self, model: Any) -> dict[str, float]:
+        model.eval()
+        out, width = self._generate(model, 1, greedy=True)
+        greedy = statistics.fmean(self._answers(out, width, 1))
+        out, width = self._generate(model, EVAL_SAMPLES, greedy=False)
+        sampled = statistics.fmean(self._answers(out, width, EVAL_SAMPLES))
+        kl = self._reverse_kl(model, out, width)
+        model.train()
+        return {MEASURES[0]: greedy, MEASURES[1]: sampled, MEASURES[2]: kl}
+
+    def _reverse_kl(self, model: Any, out: torch.Tensor, width: int) -> float:
+        """Σ (log p_S - log p_T) over the sampled response tokens (up to EOS) / their count."""
+        response = out[:, width:]
+        is_eos = response == self.tok.eos_id
+        seen = is_eos.cumsum(1)
+        keep = (seen == 0) | (is_eos & (seen == 1))  # up to and including the first EOS
+        attention = torch.ones_like(out)
+        attention[:, :width] = (out[:, :width] != self.tok.pad_id).int()
+        positions = (attention.cumsum(1) - 1).clamp(min=0)
+
+        def logp(m: Any) -> torch.Tensor:
+            with torch.no_grad():
+                logits = m(input_ids=out, attention_mask=attention, position_ids=positions).logits
+            # the vocabulary padding takes no probability mass, as in our trainer
+            lp = logits[:, width - 1 : -1, : self.tok.vocab_size].float().log_softmax(-1)
+            return lp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
+
+        d = (logp(model) - logp(self.teacher))[keep]
+        return float(d.sum() / max(int(keep.sum()), 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The runs
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerSettings:
+    steps: int
+    seeds: tuple[int, ...]
+    eval_interval: int
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 4
+    lr: float = 2e-4
+
+
+def export_hf(prepared: Any, target: Path) -> Path:
+    """A prepared demo model as a Hugging Face (Llama) directory, once."""
+    from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf
+
+    if not (target / "config.json").is_file():
+        convert_mcore_to_hf(prepared.checkpoint, target, model=prepared.model, family="llama")
+    return target
+
+
+def export_models(cache_dir: Path, out: Path, quick: bool) -> tuple[Any, Any, Any, Path, Path]:
+    """The demo's teacher and pruned student (prepared or reused) and their HF exports."""
+    from megatron_gndpo.demo.run import demo_world, prepare_models, settings
+
+    with demo_world():
+        teacher, student, task = prepare_models(cache_dir, settings(quick))
+        teacher_dir = export_hf(teacher, out / "hf" / "teacher")
+        student_dir = export_hf(student, out / "hf" / "student")
+    return teacher, student, task, teacher_dir, student_dir
+
+
+def run_ours(cache_dir: Path, out: Path, teacher: Any, student: Any, task: Any,
+             s: PeerSettings, quick: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """Our trainer, OPD, on each seed: its evaluations (step 0 and every interval)."""
+    from megatron_gndpo.demo.run import demo_world, method_config, run_method, settings
+
+    runs = []
+    with demo_world():
+        for seed in s.seeds:
+            base = dataclasses.replace(
+                settings(quick, seed), steps=s.steps, eval_interval=s.eval_interval,
+                prompts_per_step=s.prompts_per_step, samples_per_prompt=s.samples_per_prompt,
+                lr=s.lr, eval_samples=EVAL_SAMPLES,
+            )  # fmt: skip
+            cfg = method_config(
+                "opd", out / "ours", cache_dir, teacher, student, task, base, f"opd_s{seed}"
+            )
+            started = time.perf_counter()
+            run = run_method(cfg)
+            curve = [{"step": h["step"], **{k: h[k] for k in MEASURES}}
+                     for h in run.history if MEASURES[0] in h]  # fmt: skip
+            runs.append({"who": "ours", "seed": seed, "curve": curve,
+                         "seconds": time.perf_counter() - started})  # fmt: skip
+    return runs
+
+
+def run_trl(teacher_dir: Path, student_dir: Path, task: Any, s: PeerSettings,
+            out: Path, max_new_tokens: int) -> list[dict[str, Any]]:  # fmt: skip
+    """TRL's DistillationTrainer on each seed, evaluated every interval by ``HFEvaluator``."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    from megatron_gndpo.data.tasks import chains
+
+    tok = task.tokenizer
+    hf_tok = hf_tokenizer(Path(tok._path))
+    prompts = [p.prompt for p in chains.split("train", task.difficulty)]
+    check_same_ids(hf_tok, tok, prompts[:64])
+    runs = []
+    for seed in s.seeds:
+        teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+        student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
+        evaluate = HFEvaluator(tok, task.eval, teacher, max_new_tokens, seed)
+        order = random.Random(seed)
+        needed = s.steps * s.prompts_per_step
+        drawn: list[str] = []
+        while len(drawn) < needed:  # epochs of the prompt set, each shuffled
+            epoch = list(prompts)
+            order.shuffle(epoch)
+            drawn += epoch
+        rows = [[{"role": "user", "content": p}] for p in drawn[:needed]
+                for _ in range(s.samples_per_prompt)]  # fmt: skip
+        curve = [{"step": 0, **evaluate(student)}]
+
+        class Evaluate(TrainerCallback):  # type: ignore[misc]
+            """This seed's evaluations every ``eval_interval`` steps, into its curve."""
+
+            def __init__(self, curve: list[dict[str, Any]], evaluate: HFEvaluator) -> None:
+                self.curve, self.evaluate = curve, evaluate
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if state.global_step % s.eval_interval == 0:
+                    self.curve.append({"step": state.global_step, **self.evaluate(kw["model"])})
+
+        args = DistillationConfig(
+            output_dir=str(out / "trl" / f"s{seed}"), max_steps=s.steps, learning_rate=s.lr,
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+            adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, seed=seed, data_seed=seed,
+            per_device_train_batch_size=s.prompts_per_step * s.samples_per_prompt,
+            gradient_accumulation_steps=1, beta=1.0, temperature=1.0, top_p=1.0, top_k=0,
+            max_completion_length=max_new_tokens, shuffle_dataset=False, disable_dropout=True,
+            generation_kwargs={"suppress_tokens": padding_ids(student, tok.vocab_size)},
+            use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
+            logging_steps=s.eval_interval, disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        trainer = DistillationTrainer(
+            model=student, teacher_model=teacher, args=args,
+            train_dataset=Dataset.from_dict({"prompt": rows}), processing_class=hf_tok,
+            callbacks=[Evaluate(curve, evaluate)],
+        )  # fmt: skip
+        started = time.perf_counter()
+        trainer.train()
+        runs.append({"who": "trl", "seed": seed, "curve": curve,
+                     "seconds": time.perf_counter() - started})  # fmt: skip
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison
+
+
+def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def compare(runs: Sequence[dict[str, Any]], problems: int) -> list[dict[str, Any]]:
+    """At each evaluated step and measure: both sides' mean and sd over seeds, and whether they
+    differ beyond noise (two standard errors of the difference of the means; an accuracy's
+    per-seed spread at least its binomial error over ``problems``)."""
+    rows = []
+    steps = sorted({c["step"] for r in runs for c in r["curve"]})
+    for step in steps:
+        row: dict[str, Any] = {"step": step}
+        for key in MEASURES:
+            sides = {}
+            for who in ("ours", "trl"):
+                values = [c[key] for r in runs if r["who"] == who for c in r["curve"]
+                          if c["step"] == step]  # fmt: skip
+                if values:
+                    sides[who] = (*_mean_sd(values), len(values))
+            if len(sides) < 2:
+                continue
+            (m1, s1, n1), (m2, s2, n2) = sides["ours"], sides["trl"]
+            if key != "eval/reverse_kl":  # an accuracy: at least its measurement's error
+                s1 = max(s1, math.sqrt(m1 * (1 - m1) / problems))
+                s2 = max(s2, math.sqrt(m2 * (1 - m2) / problems))
+            noise = 2.0 * math.sqrt(s1**2 / n1 + s2**2 / n2)
+            row[key] = {"ours": (m1, s1), "trl": (m2, s2), "noise": noise,
+                        "apart": abs(m1 - m2) > max(noise, 1.0 / problems)}  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: Sequence[dict[str, Any]], s: PeerSettings, seconds: dict[str, float]) -> str:
+    lines = [
+        f"Ours (OPD) vs TRL's DistillationTrainer, {s.steps} steps of {s.prompts_per_step} x "
+        f"{s.samples_per_prompt}, lr {s.lr:g}, seeds {', '.join(map(str, s.seeds))}; mean ± sd "
+        "over seeds; `*`: the two differ beyond noise.",
+        "",
+        "| step | greedy ours | greedy TRL | sampled ours | sampled TRL | reverse KL ours "
+        "| reverse KL TRL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = []
+        for key in MEASURES:
+            if key not in row:
+                cells += ["-", "-"]
+                continue
+            r, mark = row[key], "*" if row[key]["apart"] else ""
+            cells += [f"{r['ours'][0]:.3f} ± {r['ours'][1]:.3f}{mark}",
+                      f"{r['trl'][0]:.3f} ± {r['trl'][1]:.3f}{mark}"]  # fmt: skip
+        lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
+    apart = sum(1 for row in rows for k in MEASURES if k in row and row[k]["apart"])
+    total = sum(1 for row in rows for k in MEASURES if k in row)
+    lines += ["", f"Beyond noise at {apart} of {total} (step, measure) points. Wall time: "
+              + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + "."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/peer"))
+    parser.add_argument("--cache-dir", type=Path, default=Path("runs/demo/cache"))
+    parser.add_argument("--quick", action="store_true", help="the demo's --quick models, 1 seed")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--eval-interval", type=int, default=10)
+    parser.add_argument("--who", default="ours,trl", help="which sides to run")
+    args = parser.parse_args(argv)
+
+    from megatron_gndpo.compat import notices
+    from megatron_gndpo.demo import models
+    from megatron_gndpo.demo.run import SEED
+
+    notices.quiet_known_notices()
+    count = args.seeds if args.seeds is not None else (1 if args.quick else 3)
+    s = PeerSettings(
+        steps=args.steps or (40 if args.quick else 100),
+        seeds=tuple(range(SEED, SEED + count)), eval_interval=args.eval_interval,
+    )  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    teacher, student, task, teacher_dir, student_dir = export_models(
+        args.cache_dir, args.out, args.quick
+    )
+    runs: list[dict[str, Any]] = []
+    seconds = {}
+    who = args.who.split(",")
+    if "ours" in who:
+        started = time.perf_counter()
+        runs += run_ours(args.cache_dir, args.out, teacher, student, task, s, args.quick)
+        seconds["ours"] = time.perf_counter() - started
+    if "trl" in who:
+        started = time.perf_counter()
+        runs += run_trl(teacher_dir, student_dir, task, s, args.out,
+                        models.max_new_tokens(task.difficulty))  # fmt: skip
+        seconds["trl"] = time.perf_counter() - started
+    with (args.out / "curves.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in runs)
+    rows = compare(runs, len(task.eval))
+    text = markdown(rows, s, seconds)
+    (args.out / "peer.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
