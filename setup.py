@@ -1,6 +1,7 @@
 """Installation for megatron_gndpo.
 
     pip install -e ".[test,peer]"     # development and CI (CPU, gloo; peer: TRL, the learning peer)
+    pip install -e ".[real]"          # + the real-model tier (scripts/ci/fetch_real_models.sh)
     pip install ".[te,vllm,modelopt]"  # inside an NGC PyTorch container on GPUs
 
 apex is not on PyPI: the NGC PyTorch container ships it. Nothing in this package requires it;
@@ -55,6 +56,9 @@ setup(
         "tensorboard": ["tensorboard>=2.15"],
         "parquet": ["pyarrow>=15"],
         "math": ["math-verify>=0.7"],
+        # the real-model tier (scripts/ci/fetch_real_models.sh): transformers' GGUF reader
+        # needs both to turn the pinned GGUF into a Hugging Face directory
+        "real": ["gguf>=0.10", "accelerate>=1.0"],
         # transformers and safetensors: the conversion tests build tiny HF models in code;
         # nvidia-modelopt: the FP8 export test runs its PTQ on the CPU (installs in ~12 s, the
         # test file takes ~16 s, most of it importing modelopt)

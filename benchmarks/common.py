@@ -6,10 +6,15 @@ The peer baselines live in ``shared/bench/peer_step.py`` beside the checkout (or
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -125,3 +130,123 @@ def write_hf_model(model: Any, model_cfg: Any, out: Path) -> None:
               str(out / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
     config = hf_mapping.hf_config_from_model(model_cfg, "qwen2")
     (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The vLLM peer (benchmarks/vllm_peer.py in an interpreter with vLLM) and the host's description
+
+VLLM_PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
+
+
+class VLLMPeer:
+    """benchmarks/vllm_peer.py in its own interpreter, one request line at a time."""
+
+    def __init__(
+        self, python: str, hf_dir: Path, *, max_len: int, max_batch: int, threads: int, new: int
+    ) -> None:
+        self.new = new
+        env = os.environ | {
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "PYTHONPATH": "",  # its own packages only
+        }
+        command = [python, str(VLLM_PEER_SCRIPT), "--model", str(hf_dir), "--max-model-len",
+                   str(max_len), "--max-batch", str(max_batch)]  # fmt: skip
+        self.log = Path(tempfile.mkstemp(prefix="vllm_peer_", suffix=".log")[1])
+        with self.log.open("w") as log:  # vLLM's own output, for when it fails
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, env=env)  # fmt: skip
+        self.info = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@peer "):
+                return json.loads(line[len("@@peer ") :])  # type: ignore[no-any-return]
+        code = self.proc.wait()
+        tail = "\n".join(self.log.read_text().splitlines()[-15:])
+        raise RuntimeError(
+            f"the vLLM peer exited (code {code}) without answering; {self.log}:\n{tail}"
+        )
+
+    def generate(self, prompts: list[list[int]]) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "new": self.new}) + "\n")
+        self.proc.stdin.flush()
+        return int(self._read()["generated"])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def idle_fraction(seconds: float = 1.0) -> float:
+    """How idle all CPUs were over ``seconds`` (/proc/stat; 1.0 where it cannot be read)."""
+
+    def read() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    try:
+        idle0, total0 = read()
+        time.sleep(seconds)
+        idle1, total1 = read()
+    except (OSError, ValueError, IndexError):
+        return 1.0
+    return (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_for_idle(fraction: float, max_seconds: float) -> float:
+    """Wait until the CPUs were at least ``fraction`` idle over a second (at most
+    ``max_seconds``); return the last idle fraction seen."""
+    if fraction <= 0:
+        return float("nan")
+    deadline = time.monotonic() + max_seconds
+    idle = idle_fraction()
+    while idle < fraction and time.monotonic() < deadline:
+        idle = idle_fraction()
+    return idle
+
+
+def git(*command: str) -> str:
+    try:
+        return subprocess.check_output(["git", *command], text=True,
+                                       cwd=Path(__file__).parent).strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def gpu_name() -> str | None:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def version(package: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def host_info() -> dict[str, Any]:
+    """The machine and versions a result file names (CPU, cores, GPU, Python, torch,
+    transformers), with the load average now."""
+    return {
+        "cpu": cpu_name(), "cores": os.cpu_count(), "gpu": gpu_name(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": version("transformers"), "load_average": os.getloadavg(),
+    }  # fmt: skip

@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -68,7 +68,7 @@ def hf_tokenizer(model_file: Path) -> Any:
     from transformers import PreTrainedTokenizer
 
     class SentencePieceHF(PreTrainedTokenizer):  # type: ignore[misc]
-        model_input_names = ["input_ids", "attention_mask"]
+        model_input_names: ClassVar[list[str]] = ["input_ids", "attention_mask"]
 
         def __init__(self, **kwargs: Any) -> None:
             self.sp = spm.SentencePieceProcessor(model_file=str(model_file))

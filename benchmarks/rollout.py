@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,12 +37,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_shape_args, build_model, model_config, sync, table, write_hf_model
+from common import (
+    VLLMPeer,
+    add_shape_args,
+    build_model,
+    cpu_name,
+    git,
+    gpu_name,
+    model_config,
+    sync,
+    table,
+    version,
+    wait_for_idle,
+    write_hf_model,
+)
 
 from megatron_gndpo.rollout.base import SamplingParams
 from megatron_gndpo.rollout.builtin import MegatronGenerator
-
-PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
 
 
 def main() -> None:
@@ -109,7 +119,7 @@ def main() -> None:
         for b in batches:
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 steps.clear()
-                idle_before[name][b].append(_wait_for_idle(args.wait_idle, args.wait_max))
+                idle_before[name][b].append(wait_for_idle(args.wait_idle, args.wait_max))
                 sync()
                 start = time.perf_counter()
                 generated = engines[name](prompts[b])
@@ -165,10 +175,10 @@ def main() -> None:
     results = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "host": {"cpu": _cpu_name(), "cores": os.cpu_count(), "gpu": _gpu_name(),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "host": {"cpu": cpu_name(), "cores": os.cpu_count(), "gpu": gpu_name(),
                  "python": platform.python_version(), "torch": torch.__version__,
-                 "transformers": _version("transformers"), "vllm": peer.info if peer else None,
+                 "transformers": version("transformers"), "vllm": peer.info if peer else None,
                  "load_average_before": load_before, "load_average_after": load_after},
         "shape": vars(args),
         "tokens_per_s": samples,
@@ -232,52 +242,7 @@ def _transformers(hf_dir: Path, args: Any, gpu: bool) -> Callable[[list[list[int
     return run
 
 
-class _VLLMPeer:
-    """benchmarks/vllm_peer.py in its own interpreter, one request line at a time."""
-
-    def __init__(
-        self, python: str, hf_dir: Path, *, max_len: int, max_batch: int, threads: int, new: int
-    ) -> None:
-        self.new = new
-        env = os.environ | {
-            "OMP_NUM_THREADS": str(threads),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "PYTHONPATH": "",  # its own packages only
-        }
-        command = [python, str(PEER_SCRIPT), "--model", str(hf_dir), "--max-model-len",
-                   str(max_len), "--max-batch", str(max_batch)]  # fmt: skip
-        self.log = Path(tempfile.mkstemp(prefix="vllm_peer_", suffix=".log")[1])
-        with self.log.open("w") as log:  # vLLM's own output, for when it fails
-            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, env=env)  # fmt: skip
-        self.info = self._read()
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@peer "):
-                return json.loads(line[len("@@peer ") :])  # type: ignore[no-any-return]
-        code = self.proc.wait()
-        tail = "\n".join(self.log.read_text().splitlines()[-15:])
-        raise RuntimeError(
-            f"the vLLM peer exited (code {code}) without answering; {self.log}:\n{tail}"
-        )
-
-    def generate(self, prompts: list[list[int]]) -> int:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "new": self.new}) + "\n")
-        self.proc.stdin.flush()
-        return int(self._read()["generated"])
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
-
-def _start_vllm(args: Any, hf_dir: Path, max_len: int, max_batch: int) -> _VLLMPeer | None:
+def _start_vllm(args: Any, hf_dir: Path, max_len: int, max_batch: int) -> VLLMPeer | None:
     python = args.vllm_python
     if python is None:
         import importlib.util
@@ -286,69 +251,10 @@ def _start_vllm(args: Any, hf_dir: Path, max_len: int, max_batch: int) -> _VLLMP
             print("vLLM peer skipped: no vLLM here; pass --vllm-python /path/to/venv/bin/python")
             return None
         python = sys.executable
-    peer = _VLLMPeer(python, hf_dir, max_len=max_len, max_batch=max_batch, threads=args.threads,
+    peer = VLLMPeer(python, hf_dir, max_len=max_len, max_batch=max_batch, threads=args.threads,
                      new=args.new)  # fmt: skip
     print(f"vLLM peer ready: {peer.info}", flush=True)
     return peer
-
-
-def _idle_fraction(seconds: float = 1.0) -> float:
-    """How idle all CPUs were over ``seconds`` (/proc/stat; 1.0 where it cannot be read)."""
-
-    def read() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
-
-    try:
-        idle0, total0 = read()
-        time.sleep(seconds)
-        idle1, total1 = read()
-    except (OSError, ValueError, IndexError):
-        return 1.0
-    return (idle1 - idle0) / max(total1 - total0, 1)
-
-
-def _wait_for_idle(fraction: float, max_seconds: float) -> float:
-    """Wait until the CPUs were at least ``fraction`` idle over a second (at most
-    ``max_seconds``); return the last idle fraction seen."""
-    if fraction <= 0:
-        return float("nan")
-    deadline = time.monotonic() + max_seconds
-    idle = _idle_fraction()
-    while idle < fraction and time.monotonic() < deadline:
-        idle = _idle_fraction()
-    return idle
-
-
-def _git(*command: str) -> str:
-    try:
-        return subprocess.check_output(["git", *command], text=True,
-                                       cwd=Path(__file__).parent).strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _gpu_name() -> str | None:
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-
-
-def _version(package: str) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

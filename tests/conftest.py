@@ -9,8 +9,13 @@ With ``MEGATRON_GNDPO_NO_SKIPS=1`` (CI sets it once every test dependency is ins
 setup.py's ``test`` extra, and shellcheck from Debian) a test skipped because a package or tool
 is missing fails instead, naming what to install: otherwise a missing install step hides behind
 a green run. Skips for hardware or engines CI does not have (tests marked ``gpu``, ``vllm``,
-``slurm``) and skips because something *is* installed stay skips. ``pytest -ra`` lists every skip
-in the summary either way.
+``slurm``) and skips because something *is* installed stay skips. A test marked ``real`` skipped
+because the real-model tier was not fetched (``tests/real.py``) fails too, whatever its other
+markers: CI fetches it. ``pytest -ra`` lists every skip in the summary either way.
+
+Measurements the ``real`` tests take (log-prob differences, timings) are printed in a section of
+the terminal summary, ``real-model measurements`` (the ``real_report`` fixture), so CI's log
+shows them on a passing run too.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests import real
 
 STRICT_ENV = "MEGATRON_GNDPO_NO_SKIPS"
 # How skips for an absent package read: pytest.importorskip's reason, and this project's
@@ -47,9 +54,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, A
     report = outcome.get_result()
     if not (report.skipped and _strict()):
         return
+    reason = _reason(report)
+    if item.get_closest_marker("real") and real.ABSENT in reason:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{reason.removeprefix('Skipped: ')}; and {STRICT_ENV} is set: the real-model tier "
+            "is part of this run (.ci/run fetches it)"
+        )
+        return
     if any(item.get_closest_marker(tier) for tier in _OTHER_TIERS):
         return
-    reason = _reason(report)
     if _MISSING.search(reason):
         report.outcome = "failed"
         report.longrepr = (
@@ -68,3 +82,20 @@ def one_thread() -> Generator[None, None, None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+_REAL_REPORT = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture(scope="session")
+def real_report(request: pytest.FixtureRequest) -> list[str]:
+    """Lines a ``real`` test measured (one line each); printed in the terminal summary."""
+    return request.config.stash.setdefault(_REAL_REPORT, [])
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    lines = config.stash.get(_REAL_REPORT, [])
+    if lines:
+        terminalreporter.section("real-model measurements")
+        for line in lines:
+            terminalreporter.write_line(line)
