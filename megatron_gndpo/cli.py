@@ -500,12 +500,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.methods
                     or args.multimodal
                     or args.seed is not None
+                    or args.seeds is not None
+                    or args.student != "pruned"
                     or args.engine != "builtin"
                 )
             ):
                 parser.error(
-                    "demo --stability runs its own methods and seeds on the text task with the "
-                    "built-in generator: leave out --methods, --multimodal, --seed and --engine"
+                    "demo --stability runs its own methods, seeds and student on the text task "
+                    "with the built-in generator: leave out --methods, --multimodal, --seed, "
+                    "--seeds, --student and --engine"
                 )
         else:
             args.overrides = [*args.overrides, *extra]

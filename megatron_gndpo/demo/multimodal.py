@@ -1,6 +1,6 @@
 """The multimodal demo's task, VLM teacher and VLM student: trained by SFT, cached on disk.
 
-    teacher, student, task = prepare_multimodal(cache_dir, quick=True)
+    teacher, student, task = prepare_multimodal(cache_dir, quick=True)   # student: pruned
     # task.train_prompts / task.eval_prompts -> data.prompts / eval prompts (JSONL + PNGs)
     # task.tokenizer_path -> data.tokenizer;  teacher.vision / student.vision -> VisionConfig
     # teacher.checkpoint -> teacher.load;     student.checkpoint -> checkpoint.init
@@ -242,6 +242,18 @@ def teacher_recipe(quick: bool = False) -> VisionRecipe:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class PrunedVisionRecipe:
+    """The default VLM student: the teacher with ``num_layers`` of its language model's layers,
+    chosen by the KL of their removal on ``calibration`` worked solutions (``prune/``); the
+    frozen encoder and the projector are the teacher's."""
+
+    name: str = "vlm_student_pruned"
+    num_layers: int = 2
+    importance: str = "kl"
+    calibration: int = 32
+
+
 def student_recipe() -> VisionRecipe:
     """2 language layers, hidden 64, fine-tuned briefly: it writes the format, misreads digits."""
     return VisionRecipe(
@@ -281,13 +293,15 @@ def prepare_multimodal(
     quick: bool = False,
     *,
     teacher: VisionRecipe | None = None,
-    student: VisionRecipe | None = None,
+    student: VisionRecipe | PrunedVisionRecipe | None = None,
     encoder: EncoderRecipe | None = None,
     on_step: Callable[[str, int, dict[str, float]], None] | None = None,
 ) -> tuple[PreparedVLM, PreparedVLM, VisualTask]:
     """The task, the shared pretrained encoder, then the teacher (:func:`teacher_recipe`) and
-    the student (:func:`student_recipe`) on it, each trained or reused; returns ``(teacher,
-    student, task)``. ``teacher``/``student``/``encoder`` replace the default recipes (tests);
+    the student on it, each made or reused; returns ``(teacher, student, task)``. The student
+    is pruned from the teacher (:class:`PrunedVisionRecipe`, the default) or fine-tuned on its
+    own (a :class:`VisionRecipe`, e.g. :func:`student_recipe`: the weak-student regime).
+    ``teacher``/``student``/``encoder`` replace the default recipes (tests);
     ``on_step(name, step, metrics)`` runs after every SFT step. Initialises (and then shuts down)
     a one-process world when none exists; the megatron parallel state it builds is destroyed
     before it returns."""
@@ -313,13 +327,18 @@ def prepare_multimodal(
             )  # fmt: skip
             task = dataclasses.replace(task, encoder=pretrained)
             prepared = []
-            for recipe in (teacher or teacher_recipe(quick), student or student_recipe()):
+            student = student or PrunedVisionRecipe()
+            sft = [teacher or teacher_recipe(quick)]
+            sft += [student] if isinstance(student, VisionRecipe) else []
+            for recipe in sft:
                 step_hook = None
                 if on_step is not None:
                     step_hook = lambda step, m, name=recipe.name: on_step(name, step, m)
                 prepared.append(
                     prepare_vlm(cache_dir, recipe, groups, task, pretrained, on_step=step_hook)
                 )
+            if isinstance(student, PrunedVisionRecipe):
+                prepared.append(prepare_pruned_vlm(cache_dir, prepared[0], task, groups, student))
         finally:
             parallel_state.destroy_model_parallel()
     finally:
@@ -386,6 +405,71 @@ def prepare_vlm(
     # written last: its presence marks a complete cache entry
     (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")
     return _prepared(directory, recipe, meta, cached=False)
+
+
+def prepare_pruned_vlm(
+    cache_dir: str | Path,
+    teacher: PreparedVLM,
+    task: VisualTask,
+    groups: ParallelGroups,
+    recipe: PrunedVisionRecipe | None = None,
+) -> PreparedVLM:
+    """The VLM student pruned from ``teacher`` (:class:`PrunedVisionRecipe`), measured and
+    saved; or reused from the cache (keyed by the teacher's own key). One process."""
+    from megatron_gndpo.models.vlm import build_vlm
+    from megatron_gndpo.prune.importance import calibration_batches, select_layers
+    from megatron_gndpo.prune.run import load_pruned
+    from megatron_gndpo.prune.student import pruned_state
+
+    recipe = recipe or PrunedVisionRecipe()
+    directory = Path(cache_dir) / recipe.name
+    teacher_key = json.loads((teacher.checkpoint.parent / _META).read_text())["key"]
+    payload = {"version": _CACHE_VERSION, "recipe": dataclasses.asdict(recipe),
+               "teacher": teacher_key}  # fmt: skip
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    model = dataclasses.replace(teacher.model, num_layers=recipe.num_layers)
+    named = VisionRecipe(recipe.name, model, teacher.vision, _optimizer(1e-3, 0), 0, 1, 1, 0)
+    cached = _load_meta(directory, key)
+    if cached is not None:
+        return _prepared(directory, named, cached, cached=True)
+
+    started = time.perf_counter()
+    net = load_prepared(teacher, groups)
+    tokenizer, layout = task.tokenizer, ImageLayout.of(teacher.vision)
+    rows = encode_sft_multimodal(
+        tokenizer, layout,
+        ((MultimodalExample(p.prompt, p.answer, (p.image,), i), p.solution)
+         for i, p in enumerate(task.sft[: recipe.calibration])),
+    )  # fmt: skip
+    batches = calibration_batches(
+        [(r.tokens, r.prompt_length) for r in rows], pad_id=tokenizer.pad_id, batch_size=8,
+        images=[r.pixels for r in rows],
+    )  # fmt: skip
+    choice = select_layers(
+        net, batches, num_layers=recipe.num_layers, vocab_size=tokenizer.vocab_size,
+        importance=recipe.importance,  # type: ignore[arg-type]
+    )  # fmt: skip
+    parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)
+    student = build_vlm(model, teacher.vision, parallel, groups)
+    load_pruned(student, pruned_state(net.state_dict(), choice.keep, swiglu=model.swiglu))
+    student.eval()
+    prune_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    accuracy = greedy_accuracy_multimodal(
+        student, groups, tokenizer,
+        [encode_multimodal(e, tokenizer, layout) for e in task.eval_examples()],
+        max_new_tokens=task.max_response_length,
+    )  # fmt: skip
+    eval_seconds = time.perf_counter() - started
+    shutil.rmtree(directory, ignore_errors=True)
+    save_checkpoint(directory / _CHECKPOINT, 0, student)
+    meta = {
+        "key": key, "recipe": dataclasses.asdict(recipe), "teacher": teacher.name,
+        "keep_layers": list(choice.keep), "calibration_kl": choice.kl, "accuracy": accuracy,
+        "sft_seconds": prune_seconds, "eval_seconds": eval_seconds, "losses": [],
+    }  # fmt: skip
+    (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")  # last: complete
+    return _prepared(directory, named, meta, cached=False)
 
 
 def greedy_accuracy_multimodal(

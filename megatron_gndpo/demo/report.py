@@ -426,9 +426,16 @@ def _stability_sentence(numbers: dict[str, Any], names: tuple[str, ...]) -> str:
             "`megatron-gndpo demo --stability` measures stability with the clip above the norms."
         )
     shares = " and ".join(f"{f:.0%} of {_display(n)}'s steps" for n, f in fracs.items())
+    if max(fracs.values()) >= 0.5:
+        effect = (
+            "where it was active the update was rescaled to that norm, so the pre-clip norms "
+            "reached the update only on the other steps"
+        )
+    else:
+        effect = "most updates took the pre-clip gradient as it was"
     return (
-        f"{where} was active on {shares}: most updates took the pre-clip gradient as it was. "
-        "Stability under outlier batches is `megatron-gndpo demo --stability`'s question."
+        f"{where} was active on {shares}: {effect}. Stability under outlier batches is "
+        "`megatron-gndpo demo --stability`'s question."
     )
 
 

@@ -348,7 +348,7 @@ def prepare_models(
 
 
 def _prepare_multimodal(cache_dir: Path, s: Settings) -> tuple[Any, Any, Any]:
-    from megatron_gndpo.demo.multimodal import prepare_multimodal
+    from megatron_gndpo.demo import multimodal as mm
 
     _say(f"preparing the visual task, the encoder and the VLMs in {cache_dir}")
     bars: dict[str, Any] = {}
@@ -361,12 +361,15 @@ def _prepare_multimodal(cache_dir: Path, s: Settings) -> tuple[Any, Any, Any]:
         bars[name].update(1)
 
     try:
-        teacher, student, task = prepare_multimodal(cache_dir, s.quick, on_step=on_step)
+        recipe = mm.student_recipe() if s.student == "sft" else None  # None: pruned
+        teacher, student, task = mm.prepare_multimodal(
+            cache_dir, s.quick, student=recipe, on_step=on_step
+        )
     finally:
         for bar in bars.values():
             bar.close()
     for model in (teacher, student):
-        how = "reused from the cache" if model.cached else f"trained {model.sft_seconds:.0f} s"
+        how = "reused from the cache" if model.cached else f"made in {model.sft_seconds:.0f} s"
         _say(f"{model.name}: held-out greedy accuracy {model.accuracy:.3f} ({how})")
     return teacher, student, task
 

@@ -127,17 +127,23 @@ class StabilityStudy:
 def run_stability(
     run_dir: str | Path, cache_dir: str | Path | None = None, *, quick: bool = False,
     settings: StabilitySettings | None = None,
+    prepared_models: tuple[Any, Any, Any] | None = None,
 ) -> StabilityStudy:  # fmt: skip
     """Prepare (or reuse) the teacher and the near-teacher student, run every variant on every
     seed, write the report; return its numbers. ``settings``: other than
-    :func:`stability_settings` (e.g. the temperature as the outlier source)."""
+    :func:`stability_settings` (e.g. the temperature as the outlier source);
+    ``prepared_models``: (teacher, student, task) instead of the study's own (tests)."""
     run_dir = Path(run_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else run_dir / "cache"
     started = time.perf_counter()
     with demo_world():
         st = settings or stability_settings(quick)
-        student = models.student_recipe() if st.quick else models.near_student_recipe()
-        teacher, start, task = prepare_models(cache_dir, st.run_settings(st.seeds[0]), student)
+        if prepared_models is not None:
+            teacher, start, task = prepared_models
+        else:
+            student = models.student_recipe() if st.quick else models.near_student_recipe()
+            run = st.run_settings(st.seeds[0])
+            teacher, start, task = prepare_models(cache_dir, run, student)
         outlier_prompts = write_outlier_prompts(run_dir, st.outlier_difficulty)
         prepare_seconds = time.perf_counter() - started
         runs = {}
