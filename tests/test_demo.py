@@ -211,7 +211,7 @@ def test_demo_prunes_the_student_and_writes_a_finite_report(tmp_path: Path) -> N
 
 def _tiny_multimodal(rank: int, world: int, run_dir: str, cache: str) -> dict[str, Any]:
     """The multimodal demo's pipeline on tiny VLMs: the encoder pretrained 5 steps, the teacher
-    fine-tuned 3, the student pruned from it, GNDPO and OPD for 2 steps."""
+    fine-tuned 3, the student pruned from it (3 of its 4 layers), GNDPO and OPD for 2 steps."""
     import dataclasses
 
     from megatron_gndpo.compat import cpu
@@ -240,7 +240,7 @@ def test_demo_multimodal_prunes_the_vlm_student_and_writes_a_finite_report(
     run_dir = tmp_path / "mm"
     out = run_distributed(_tiny_multimodal, 1, (str(run_dir), str(tmp_path / "cache")),
                           timeout_s=600)[0]  # fmt: skip
-    assert out["name"] == "vlm_student_pruned" and out["student"]["num_layers"] == 2
+    assert out["name"] == "vlm_student_pruned" and out["student"]["num_layers"] == 3
     summary = (run_dir / "summary.md").read_text()
     assert "on the visual (images) task" in summary and "Taught the student (" in summary
     assert "nan" not in summary.split("| model |", 1)[1].split("\n\n", 1)[0]
