@@ -4,17 +4,21 @@
     python benchmarks/learning_peer.py --out runs/peer_quick --quick     # 1 seed, 40 steps
 
 The demo's teacher and its pruned student (``megatron-gndpo demo`` prepares and caches them) are
-exported to Hugging Face (``convert mcore-to-hf``) and the same student is distilled from the
-same teacher twice, on the same prompts, batch (16 prompts x 4 samples), lr (2e-4, constant,
-Adam, grad clip 1.0), steps and seeds:
+exported to Hugging Face (``convert mcore-to-hf``, the vocabulary cut to the tokenizer's ids)
+and the same student is distilled from the same teacher by each run, on the same prompts, batch
+(16 prompts x 4 samples), lr (2e-4, constant, Adam, grad clip 1.0), steps and seeds:
 
 - **ours**: ``megatron-gndpo``'s trainer with OPD (``algorithm.estimator=opd``: per-token
   score ``clamp(log p_T - log p_S, ±5)``, a policy-gradient step through GSPO's token form);
-- **trl**: TRL's ``DistillationTrainer`` (trl 1.16, its stable on-policy distillation: the
-  student samples, the loss is the full-vocabulary reverse KL(p_S || p_T) at each sampled
-  position, ``beta=1``), whose gradient is exactly the expectation over the sampled token of
-  OPD's per-token estimator (docs/demo/RESULTS.md derives it): the same objective, estimated
-  with less variance.
+- **trl-iwopd**: TRL's ``IWOPDTrainer`` at ``iw_opd_gamma=0`` (trl 1.16, experimental): the
+  same sampled-token estimator written by another team, the like-for-like peer of **ours**;
+- **trl**: TRL's ``DistillationTrainer`` (its stable on-policy distillation: the student
+  samples, the loss is the full-vocabulary reverse KL(p_S || p_T) at each sampled position,
+  ``beta=1``), whose gradient is exactly the expectation over the sampled token of OPD's
+  per-token estimator (docs/demo/RESULTS.md derives it): the same objective, estimated with
+  less variance;
+- **ours-vopd**: our vOPD over the full vocabulary (``vopd_top_k=0``), our estimator that uses
+  the full distribution, beside **trl**.
 
 Both are evaluated by the same measures every ``--eval-interval`` steps on the 128 held-out
 problems: greedy accuracy, the accuracy of 4 samples a problem at temperature 1, and the
@@ -54,6 +58,9 @@ from megatron_gndpo.data.tokenizer import QA_PREFIX, QA_SUFFIX, SentencePieceTok
 from megatron_gndpo.rewards.verifiable import reward  # noqa: E402
 
 MEASURES = ("eval/accuracy", "eval/sampled_accuracy", "eval/reverse_kl")
+# The least spread a reverse-KL evaluation is given (a share of its value): the same student
+# evaluated by both sides (their own 512 samples) differed by 0.6-5% at step 0.
+KL_FLOOR = 0.05
 EVAL_SAMPLES = 4
 
 
@@ -121,12 +128,6 @@ def check_same_ids(hf: Any, ours: SentencePieceTokenizer, prompts: Sequence[str]
 # The evaluation, with transformers
 
 
-def padding_ids(model: Any, vocab_size: int) -> list[int]:
-    """The exported model's rows past the tokenizer's ids (megatron pads the vocabulary): never
-    sampled, as our generator never samples them."""
-    return list(range(vocab_size, int(model.config.vocab_size)))
-
-
 class HFEvaluator:
     """Greedy and sampled held-out accuracy and the per-token reverse KL to the teacher, as
     ``Trainer.evaluate`` measures them, for transformers models."""
@@ -149,7 +150,6 @@ class HFEvaluator:
                 input_ids=input_ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
                 do_sample=not greedy, temperature=1.0, top_k=0, top_p=1.0,
                 eos_token_id=self.tok.eos_id, pad_token_id=pad,
-                suppress_tokens=padding_ids(model, self.tok.vocab_size),
             )  # fmt: skip
         return out, width
 
@@ -184,8 +184,7 @@ class HFEvaluator:
         def logp(m: Any) -> torch.Tensor:
             with torch.no_grad():
                 logits = m(input_ids=out, attention_mask=attention, position_ids=positions).logits
-            # the vocabulary padding takes no probability mass, as in our trainer
-            lp = logits[:, width - 1 : -1, : self.tok.vocab_size].float().log_softmax(-1)
+            lp = logits[:, width - 1 : -1].float().log_softmax(-1)
             return lp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
 
         d = (logp(model) - logp(self.teacher))[keep]
@@ -206,12 +205,20 @@ class PeerSettings:
     lr: float = 2e-4
 
 
-def export_hf(prepared: Any, target: Path) -> Path:
-    """A prepared demo model as a Hugging Face (Llama) directory, once."""
+def export_hf(prepared: Any, target: Path, vocab_size: int) -> Path:
+    """A prepared demo model as a Hugging Face (Llama) directory, once, its vocabulary cut to
+    the tokenizer's ``vocab_size`` ids: megatron pads the embedding (to a multiple of 64), and
+    our samplers never draw the padding rows, so neither may the peer's."""
+    from transformers import AutoModelForCausalLM
+
     from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf
 
     if not (target / "config.json").is_file():
-        convert_mcore_to_hf(prepared.checkpoint, target, model=prepared.model, family="llama")
+        padded = target.with_name(target.name + "_padded")
+        convert_mcore_to_hf(prepared.checkpoint, padded, model=prepared.model, family="llama")
+        model = AutoModelForCausalLM.from_pretrained(padded, dtype=torch.float32)
+        model.resize_token_embeddings(vocab_size)
+        model.save_pretrained(target)
     return target
 
 
@@ -221,14 +228,21 @@ def export_models(cache_dir: Path, out: Path, quick: bool) -> tuple[Any, Any, An
 
     with demo_world():
         teacher, student, task = prepare_models(cache_dir, settings(quick))
-        teacher_dir = export_hf(teacher, out / "hf" / "teacher")
-        student_dir = export_hf(student, out / "hf" / "student")
+        vocab = task.tokenizer.vocab_size
+        teacher_dir = export_hf(teacher, out / "hf" / "teacher", vocab)
+        student_dir = export_hf(student, out / "hf" / "student", vocab)
     return teacher, student, task, teacher_dir, student_dir
 
 
+# Our runs: the estimator each trains with (vOPD over the full vocabulary: its advantage is the
+# sampled score plus the exact per-position KL, the analytic side TRL's loss takes whole).
+OURS = {"ours": ("opd", {}), "ours-vopd": ("vopd", {"vopd_top_k": 0})}
+
+
 def run_ours(cache_dir: Path, out: Path, teacher: Any, student: Any, task: Any,
-             s: PeerSettings, quick: bool) -> list[dict[str, Any]]:  # fmt: skip
-    """Our trainer, OPD, on each seed: its evaluations (step 0 and every interval)."""
+             s: PeerSettings, quick: bool, who: str = "ours") -> list[dict[str, Any]]:  # fmt: skip
+    """Our trainer with ``OURS[who]`` on each seed: its evaluations (step 0 and every
+    interval)."""
     from megatron_gndpo.demo.run import demo_world, method_config, run_method, settings
 
     runs = []
@@ -239,24 +253,112 @@ def run_ours(cache_dir: Path, out: Path, teacher: Any, student: Any, task: Any,
                 prompts_per_step=s.prompts_per_step, samples_per_prompt=s.samples_per_prompt,
                 lr=s.lr, eval_samples=EVAL_SAMPLES,
             )  # fmt: skip
+            method, changes = OURS[who]
             cfg = method_config(
-                "opd", out / "ours", cache_dir, teacher, student, task, base, f"opd_s{seed}"
+                method, out / who, cache_dir, teacher, student, task, base, f"{method}_s{seed}"
             )
+            cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, **changes))
             started = time.perf_counter()
             run = run_method(cfg)
             curve = [{"step": h["step"], **{k: h[k] for k in MEASURES}}
                      for h in run.history if MEASURES[0] in h]  # fmt: skip
-            runs.append({"who": "ours", "seed": seed, "curve": curve,
+            runs.append({"who": who, "seed": seed, "curve": curve,
                          "seconds": time.perf_counter() - started})  # fmt: skip
     return runs
 
 
-def run_trl(teacher_dir: Path, student_dir: Path, task: Any, s: PeerSettings,
-            out: Path, max_new_tokens: int) -> list[dict[str, Any]]:  # fmt: skip
-    """TRL's DistillationTrainer on each seed, evaluated every interval by ``HFEvaluator``."""
+def _drawn_prompts(prompts: Sequence[str], s: PeerSettings, seed: int) -> list[str]:
+    """The prompts of every step, in order: epochs of the prompt set, each shuffled by seed."""
+    order = random.Random(seed)
+    needed = s.steps * s.prompts_per_step
+    drawn: list[str] = []
+    while len(drawn) < needed:
+        epoch = list(prompts)
+        order.shuffle(epoch)
+        drawn += epoch
+    return drawn[:needed]
+
+
+def _common_args(s: PeerSettings, seed: int, out: Path) -> dict[str, Any]:
+    """What every TRL trainer here takes alike: our optimizer, batch, steps and seed."""
+    return dict(
+        output_dir=str(out), max_steps=s.steps, learning_rate=s.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, seed=seed, data_seed=seed,
+        per_device_train_batch_size=s.prompts_per_step * s.samples_per_prompt,
+        gradient_accumulation_steps=1, temperature=1.0, top_p=1.0, top_k=0,
+        disable_dropout=True, use_cpu=True, bf16=False, fp16=False, report_to="none",
+        save_strategy="no", logging_steps=s.eval_interval, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+
+
+def _distillation_trainer(student: Any, teacher: Any, hf_tok: Any, prompts: list[str],
+                          s: PeerSettings, common: dict[str, Any], length: int,
+                          callback: Any) -> Any:  # fmt: skip
+    """trl.DistillationTrainer: one completion per row, so each prompt is given as
+    ``samples_per_prompt`` consecutive rows (16 prompts x 4 rows = one batch of 64)."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
+
+    rows = [[{"role": "user", "content": p}] for p in prompts
+            for _ in range(s.samples_per_prompt)]  # fmt: skip
+    args = DistillationConfig(
+        **common, beta=1.0, max_completion_length=length, shuffle_dataset=False
+    )
+    return DistillationTrainer(
+        model=student, teacher_model=teacher, args=args,
+        train_dataset=Dataset.from_dict({"prompt": rows}), processing_class=hf_tok,
+        callbacks=[callback],
+    )  # fmt: skip
+
+
+def _iwopd_trainer(student: Any, teacher: Any, hf_tok: Any, prompts: list[str],
+                   s: PeerSettings, common: dict[str, Any], length: int,
+                   callback: Any) -> Any:  # fmt: skip
+    """trl.experimental.iw_opd.IWOPDTrainer at ``iw_opd_gamma=0``: A = log p_T - log p_S of
+    each sampled token, loss -log p_S * A averaged over the tokens: our OPD's estimator (no
+    clamp; ours clamps at ±5, which these runs hardly reach). Two things around it, both
+    documented: (1) it reloads the teacher's tokenizer by path (AutoTokenizer) to check it
+    equals the student's, and the demo's SentencePiece tokenizer has no HF files, so it is
+    handed the same object; (2) trl 1.16 divides its loss by transformers' count of label
+    tokens in the prompt-only rows, which is 0 (loss -inf, gradients NaN), so the loss gets the
+    trainer's own token mean instead (exact with one process and no accumulation)."""
+    from unittest import mock
+
+    from datasets import Dataset
+    from trl.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
+    from trl.experimental.iw_opd import iw_opd_trainer as iw_module
+
+    class TokenMean(IWOPDTrainer):  # type: ignore[misc]
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:  # fmt: skip
+            return super().compute_loss(model, inputs, return_outputs, None)
+
+    args = IWOPDConfig(
+        **common, distillation_objective="iw_opd", iw_opd_gamma=0.0, lmbda=1.0,
+        num_generations=s.samples_per_prompt, max_completion_length=length, max_length=256,
+    )  # fmt: skip
+    teacher.config._name_or_path = "demo-teacher"  # only read to reload its tokenizer
+    same = mock.Mock(from_pretrained=mock.Mock(return_value=hf_tok))
+    with mock.patch.object(iw_module, "AutoTokenizer", same):
+        return TokenMean(
+            model=student, teacher_model=teacher, args=args,
+            train_dataset=Dataset.from_dict(
+                {"messages": [[{"role": "user", "content": p}] for p in prompts]}
+            ),
+            processing_class=hf_tok, callbacks=[callback],
+        )  # fmt: skip
+
+
+PEERS = {"trl": _distillation_trainer, "trl-iwopd": _iwopd_trainer}
+
+
+def run_trl(teacher_dir: Path, student_dir: Path, task: Any, s: PeerSettings,
+            out: Path, max_new_tokens: int, peer: str = "trl") -> list[dict[str, Any]]:  # fmt: skip
+    """TRL's trainer ``peer`` (``PEERS``) on each seed, evaluated every interval by
+    ``HFEvaluator``."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
 
     from megatron_gndpo.data.tasks import chains
 
@@ -269,15 +371,6 @@ def run_trl(teacher_dir: Path, student_dir: Path, task: Any, s: PeerSettings,
         teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
         student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
         evaluate = HFEvaluator(tok, task.eval, teacher, max_new_tokens, seed)
-        order = random.Random(seed)
-        needed = s.steps * s.prompts_per_step
-        drawn: list[str] = []
-        while len(drawn) < needed:  # epochs of the prompt set, each shuffled
-            epoch = list(prompts)
-            order.shuffle(epoch)
-            drawn += epoch
-        rows = [[{"role": "user", "content": p}] for p in drawn[:needed]
-                for _ in range(s.samples_per_prompt)]  # fmt: skip
         curve = [{"step": 0, **evaluate(student)}]
 
         class Evaluate(TrainerCallback):  # type: ignore[misc]
@@ -290,25 +383,12 @@ def run_trl(teacher_dir: Path, student_dir: Path, task: Any, s: PeerSettings,
                 if state.global_step % s.eval_interval == 0:
                     self.curve.append({"step": state.global_step, **self.evaluate(kw["model"])})
 
-        args = DistillationConfig(
-            output_dir=str(out / "trl" / f"s{seed}"), max_steps=s.steps, learning_rate=s.lr,
-            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-            adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, seed=seed, data_seed=seed,
-            per_device_train_batch_size=s.prompts_per_step * s.samples_per_prompt,
-            gradient_accumulation_steps=1, beta=1.0, temperature=1.0, top_p=1.0, top_k=0,
-            max_completion_length=max_new_tokens, shuffle_dataset=False, disable_dropout=True,
-            generation_kwargs={"suppress_tokens": padding_ids(student, tok.vocab_size)},
-            use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
-            logging_steps=s.eval_interval, disable_tqdm=True, dataloader_num_workers=0,
-        )  # fmt: skip
-        trainer = DistillationTrainer(
-            model=student, teacher_model=teacher, args=args,
-            train_dataset=Dataset.from_dict({"prompt": rows}), processing_class=hf_tok,
-            callbacks=[Evaluate(curve, evaluate)],
-        )  # fmt: skip
+        common = _common_args(s, seed, out / peer / f"s{seed}")
+        trainer = PEERS[peer](student, teacher, hf_tok, _drawn_prompts(prompts, s, seed), s,
+                              common, max_new_tokens, Evaluate(curve, evaluate))  # fmt: skip
         started = time.perf_counter()
         trainer.train()
-        runs.append({"who": "trl", "seed": seed, "curve": curve,
+        runs.append({"who": peer, "seed": seed, "curve": curve,
                      "seconds": time.perf_counter() - started})  # fmt: skip
     return runs
 
@@ -321,7 +401,9 @@ def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def compare(runs: Sequence[dict[str, Any]], problems: int) -> list[dict[str, Any]]:
+def compare(
+    runs: Sequence[dict[str, Any]], problems: int, peer: str = "trl", ours: str = "ours"
+) -> list[dict[str, Any]]:
     """At each evaluated step and measure: both sides' mean and sd over seeds, and whether they
     differ beyond noise (two standard errors of the difference of the means; an accuracy's
     per-seed spread at least its binomial error over ``problems``)."""
@@ -331,32 +413,47 @@ def compare(runs: Sequence[dict[str, Any]], problems: int) -> list[dict[str, Any
         row: dict[str, Any] = {"step": step}
         for key in MEASURES:
             sides = {}
-            for who in ("ours", "trl"):
+            for who in (ours, peer):
                 values = [c[key] for r in runs if r["who"] == who for c in r["curve"]
                           if c["step"] == step]  # fmt: skip
                 if values:
                     sides[who] = (*_mean_sd(values), len(values))
             if len(sides) < 2:
                 continue
-            (m1, s1, n1), (m2, s2, n2) = sides["ours"], sides["trl"]
+            (m1, s1, n1), (m2, s2, n2) = sides[ours], sides[peer]
             if key != "eval/reverse_kl":  # an accuracy: at least its measurement's error
                 s1 = max(s1, math.sqrt(m1 * (1 - m1) / problems))
                 s2 = max(s2, math.sqrt(m2 * (1 - m2) / problems))
+            else:  # one evaluation's 512 samples: measured 3-8% apart between evaluators
+                s1, s2 = max(s1, KL_FLOOR * m1), max(s2, KL_FLOOR * m2)
             noise = 2.0 * math.sqrt(s1**2 / n1 + s2**2 / n2)
-            row[key] = {"ours": (m1, s1), "trl": (m2, s2), "noise": noise,
+            row[key] = {"ours": (m1, s1), "peer": (m2, s2), "noise": noise,
                         "apart": abs(m1 - m2) > max(noise, 1.0 / problems)}  # fmt: skip
         rows.append(row)
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]], s: PeerSettings, seconds: dict[str, float]) -> str:
+PEER_NAMES = {
+    "trl": "TRL's DistillationTrainer (full-vocabulary reverse KL)",
+    "trl-iwopd": "TRL's IW-OPD at gamma 0 (the sampled-token estimator, OPD's own)",
+}
+
+
+OUR_NAMES = {"ours": "Ours (OPD)", "ours-vopd": "Ours (vOPD, full vocabulary)"}
+# The pairs compared: each peer with the run of ours that estimates the same thing, and
+# TRL's full-vocabulary loss with our full-vocabulary vOPD.
+PAIRS = (("ours", "trl-iwopd"), ("ours", "trl"), ("ours-vopd", "trl"))
+
+
+def markdown(rows: Sequence[dict[str, Any]], s: PeerSettings, seconds: dict[str, float],
+             peer: str = "trl", ours: str = "ours") -> str:  # fmt: skip
     lines = [
-        f"Ours (OPD) vs TRL's DistillationTrainer, {s.steps} steps of {s.prompts_per_step} x "
+        f"{OUR_NAMES[ours]} vs {PEER_NAMES[peer]}, {s.steps} steps of {s.prompts_per_step} x "
         f"{s.samples_per_prompt}, lr {s.lr:g}, seeds {', '.join(map(str, s.seeds))}; mean ± sd "
         "over seeds; `*`: the two differ beyond noise.",
         "",
-        "| step | greedy ours | greedy TRL | sampled ours | sampled TRL | reverse KL ours "
-        "| reverse KL TRL |",
+        "| step | greedy ours | greedy peer | sampled ours | sampled peer | reverse KL ours "
+        "| reverse KL peer |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -367,7 +464,7 @@ def markdown(rows: Sequence[dict[str, Any]], s: PeerSettings, seconds: dict[str,
                 continue
             r, mark = row[key], "*" if row[key]["apart"] else ""
             cells += [f"{r['ours'][0]:.3f} ± {r['ours'][1]:.3f}{mark}",
-                      f"{r['trl'][0]:.3f} ± {r['trl'][1]:.3f}{mark}"]  # fmt: skip
+                      f"{r['peer'][0]:.3f} ± {r['peer'][1]:.3f}{mark}"]  # fmt: skip
         lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
     apart = sum(1 for row in rows for k in MEASURES if k in row and row[k]["apart"])
     total = sum(1 for row in rows for k in MEASURES if k in row)
@@ -384,7 +481,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--eval-interval", type=int, default=10)
-    parser.add_argument("--who", default="ours,trl", help="which sides to run")
+    parser.add_argument(
+        "--who", default="ours,trl-iwopd,trl,ours-vopd",
+        help="which runs: ours, ours-vopd and the peers trl, trl-iwopd",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     from megatron_gndpo.compat import notices
@@ -401,22 +501,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     teacher, student, task, teacher_dir, student_dir = export_models(
         args.cache_dir, args.out, args.quick
     )
-    runs: list[dict[str, Any]] = []
-    seconds = {}
     who = args.who.split(",")
-    if "ours" in who:
+    curves = args.out / "curves.jsonl"
+    runs = [json.loads(x) for x in curves.read_text().splitlines()] if curves.is_file() else []
+    runs = [r for r in runs if r["who"] not in who]  # the runs asked for are run again
+    seconds = {}
+    for side in who:
         started = time.perf_counter()
-        runs += run_ours(args.cache_dir, args.out, teacher, student, task, s, args.quick)
-        seconds["ours"] = time.perf_counter() - started
-    if "trl" in who:
-        started = time.perf_counter()
-        runs += run_trl(teacher_dir, student_dir, task, s, args.out,
-                        models.max_new_tokens(task.difficulty))  # fmt: skip
-        seconds["trl"] = time.perf_counter() - started
-    with (args.out / "curves.jsonl").open("w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in runs)
-    rows = compare(runs, len(task.eval))
-    text = markdown(rows, s, seconds)
+        if side in OURS:
+            runs += run_ours(args.cache_dir, args.out, teacher, student, task, s, args.quick, side)
+        else:
+            runs += run_trl(teacher_dir, student_dir, task, s, args.out,
+                            models.max_new_tokens(task.difficulty), side)  # fmt: skip
+        seconds[side] = time.perf_counter() - started
+        curves.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    parts = []
+    for ours, peer in PAIRS:
+        if any(r["who"] == peer for r in runs) and any(r["who"] == ours for r in runs):
+            rows = compare(runs, len(task.eval), peer, ours)
+            parts.append(markdown(rows, s, seconds, peer, ours))
+    text = "\n".join(parts)
     (args.out / "peer.md").write_text(text)
     print(text)
     return 0

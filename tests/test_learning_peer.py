@@ -39,8 +39,9 @@ def _short_peer(rank: int, world: int, root: str) -> dict[str, Any]:
     recipe = dataclasses.replace(models.teacher_recipe(quick=True), name="tiny_teacher", steps=40)
     teacher = models.prepare(cache, recipe, groups, task)
     student = models.prepare_pruned(cache, teacher, task, groups)
-    teacher_dir = peer.export_hf(teacher, out / "hf" / "teacher")
-    student_dir = peer.export_hf(student, out / "hf" / "student")
+    vocab = task.tokenizer.vocab_size
+    teacher_dir = peer.export_hf(teacher, out / "hf" / "teacher", vocab)
+    student_dir = peer.export_hf(student, out / "hf" / "student", vocab)
     parallel_state.destroy_model_parallel()
     s = peer.PeerSettings(steps=3, seeds=(7,), eval_interval=3, prompts_per_step=8)
     length = models.max_new_tokens(task.difficulty)
