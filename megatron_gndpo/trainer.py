@@ -3,6 +3,10 @@
     prompts -> rollout -> rewards (-> filter) -> teacher log-probs -> student old log-probs
             -> advantages (+ off-policy correction) -> clipped update -> weight sync -> checkpoint
 
+(A teacher with its own tokenizer scores its own tokens of the responses: the rows are built
+before its pass and its span scores put on the student's tokens after the student's,
+engine/cross_tokenizer.py.)
+
 Every rank runs the same step; collectives inside each stage use the groups of the model that
 stage runs on. All randomness of a step derives from (seed, step, data-parallel rank), so a run
 resumed from a checkpoint continues exactly as the uninterrupted one.
