@@ -377,6 +377,25 @@ def test_re_encoding_a_canonical_response_rebuilds_the_students_own_row(sp: Any)
         assert torch.equal(a.teacher_span[:, :n], b.teacher_span[:, :n])
 
 
+def test_each_row_goes_to_its_own_teachers_tokens(sp: Any) -> None:
+    """Several teachers (``teachers:``), one on the student's tokenizer and one on its own: each
+    row is built for the teacher it is routed to, padded with that teacher's padding id."""
+    char = CharTokenizer()
+    solution = TEXTS["chain"]
+    rollout = _rollout(char, "3 + 5 = ?", [[*char.encode(solution), char.eos_id]] * 2, [True] * 2)
+    teachers = [TeacherTokenizer(char, same=True, max_length=512),
+                TeacherTokenizer(sp, same=False, max_length=512)]  # fmt: skip
+    rows = CrossTokenizer(char, teachers).rows(
+        rollout, [_prompt("3 + 5 = ?")], torch.tensor([0, 1])
+    )
+    n = int(rollout.lengths[0])
+    assert torch.equal(rows.tokens[0, :n], rollout.tokens[0, :n])
+    own = [*sp.apply_chat_template("3 + 5 = ?"), *sp.encode(solution), sp.eos_id]
+    assert rows.tokens[1, : rows.lengths[1]].tolist() == own
+    assert (rows.tokens[1, rows.lengths[1] :] == sp.pad_id).all()
+    assert int(rows.student_span[1].max()) + 1 == len(sp.encode(solution)) + 1  # + the EOS
+
+
 # ---------------------------------------------------------------------------- configuration
 
 
