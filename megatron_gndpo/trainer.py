@@ -3,6 +3,10 @@
     prompts -> rollout -> rewards (-> filter) -> teacher log-probs -> student old log-probs
             -> advantages (+ off-policy correction) -> clipped update -> weight sync -> checkpoint
 
+(A teacher with its own tokenizer scores its own tokens of the responses: the rows are built
+before its pass and its span scores put on the student's tokens after the student's,
+engine/cross_tokenizer.py.)
+
 Every rank runs the same step; collectives inside each stage use the groups of the model that
 stage runs on. All randomness of a step derives from (seed, step, data-parallel rank), so a run
 resumed from a checkpoint continues exactly as the uninterrupted one.
@@ -42,6 +46,7 @@ from megatron_gndpo.checkpoint.resume import (
 )
 from megatron_gndpo.config import Config, save_dir
 from megatron_gndpo.data.datasets import tiles_of
+from megatron_gndpo.engine.cross_tokenizer import teacher_input
 from megatron_gndpo.engine.routing import RoutingPass, mismatch_metrics
 from megatron_gndpo.engine.scoring import (
     ScoreRequest,
@@ -181,8 +186,10 @@ class Trainer:
             self._skipped(f"algorithm.filter dropped every row ({emptied_reasons(metrics)})")
         else:
             routes = c.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
-            teacher, student = self._score(rollout, routes)  # timed inside: the method's order
-            bad = c.teacher.nonfinite(teacher.logprobs, rollout.response_mask, routes)
+            # timed inside, in the method's order; scored: the tokens the teacher scored
+            teacher, student, scored, metrics_x = self._score(rollout, routes, prompts)
+            metrics |= metrics_x
+            bad = c.teacher.nonfinite(teacher.logprobs, scored, routes)
             if bad:  # before any use
                 metrics |= {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}  # all ranks
                 self._skipped(
@@ -191,7 +198,9 @@ class Trainer:
                 )
             else:
                 with timer.time("advantages"):
-                    targets, found = self._targets(rollout, teacher, student, rewards, routes)
+                    targets, found = self._targets(
+                        rollout, teacher, student, rewards, routes, scored
+                    )
                     weights, corrected = self._correction(rollout, student.logprobs)
                 with timer.time("update"):
                     updated = self._update(rollout, student.logprobs, targets, weights)
@@ -340,12 +349,19 @@ class Trainer:
             vision_language=model.vision is not None,
         )  # fmt: skip
 
-    def _score(self, rollout: Rollout, routes: torch.Tensor) -> tuple[Scores, Scores]:
+    def _score(
+        self, rollout: Rollout, routes: torch.Tensor, prompts: list[Any]
+    ) -> tuple[Scores, Scores, torch.Tensor, dict[str, float]]:
         """Teacher and student (rollout-weight) scores of the rollout, row ``i`` by teacher
         ``routes[i]``; the method says what each scores besides the sampled tokens, and which
-        goes first (vOPD: the student)."""
-        method, timer = self.method, self.c.timer
+        goes first (vOPD: the student). Also the ``[n, S]`` tokens the teacher scored and, for
+        a teacher with its own tokenizer (engine/cross_tokenizer.py: its rows before its pass,
+        its span scores on the student's tokens after the student's), the alignment's
+        metrics."""
+        c, method, timer = self.c, self.method, self.c.timer
         student = None
+        with timer.time("cross_tokenizer"):  # the teacher's own rows (or the student's)
+            rows, tokens, lengths = teacher_input(c.cross, rollout, prompts, routes)
         if method.student_first:
             with timer.time("old_logprobs"):
                 student = self._student_scores(rollout, method.student_request(None))
@@ -354,15 +370,20 @@ class Trainer:
             request = method.teacher_request(student, step_seed)
             if request is not None and request.full_kl:  # the student's output shard meets it
                 request = dataclasses.replace(request, kl_weight=self._student_output_weight())
-            teacher = self.c.teacher.score_batch(
-                rollout.tokens, rollout.lengths, request, images=rollout.images,
-                routes=routes,
-            )  # fmt: skip
+            teacher = c.teacher.score_batch(
+                tokens, lengths, request, images=rollout.images, routes=routes
+            )
         if student is None:
             with timer.time("old_logprobs"):
                 student = self._student_scores(rollout, method.student_request(teacher))
         student.hidden = None  # [n, S, H]: used by the teacher's pass only
-        return teacher, student
+        if c.cross is None or rows is None:
+            return teacher, student, rollout.response_mask, {}
+        with timer.time("cross_tokenizer"):
+            teacher, scored, metrics = c.cross.on_student(
+                teacher, rows, student.logprobs, rollout.response_mask, c.student_groups.dp_cp
+            )
+        return teacher, student, scored, metrics
 
     def _skipped(self, why: str) -> None:
         """Say on the console that the step now ending trains nothing, and why."""
@@ -433,12 +454,16 @@ class Trainer:
         student: Scores,
         rewards: torch.Tensor | None,
         routes: torch.Tensor,
+        scored: torch.Tensor | None = None,
     ) -> tuple[Targets, dict[str, float]]:
+        """The method's targets and metrics; ``scored [n, S]``: the response tokens the teacher
+        scored (None: all of them, as unless it has its own tokenizer)."""
         mask = rollout.response_mask
+        scored = mask if scored is None else scored
         group = self.c.student_groups.dp_cp
         metrics = score_metrics(
-            teacher.logprobs, student.logprobs, mask.float(), kl_clip=self.cfg.algorithm.kl_clip,
-            group=group,
+            teacher.logprobs, student.logprobs, scored.float(),
+            kl_clip=self.cfg.algorithm.kl_clip, group=group,
         )  # fmt: skip
         teachers = self.c.teacher
         several = len(teachers) > 1
@@ -450,11 +475,12 @@ class Trainer:
                 teacher_written=rollout.teacher_written,
                 stat_groups=routes if per_teacher else None,
                 num_stat_groups=len(teachers) if per_teacher else 1,
+                scored_mask=None if self.c.cross is None else scored,
             )
         )  # fmt: skip
         if several:
             metrics |= teacher_metrics(
-                teacher.logprobs, student.logprobs, mask, routes, teachers.names,
+                teacher.logprobs, student.logprobs, scored, routes, teachers.names,
                 kl_clip=self.cfg.algorithm.kl_clip, group=group,
             )  # fmt: skip
             weights = torch.tensor(teachers.weights, dtype=targets.advantages.dtype)
@@ -604,16 +630,20 @@ class Trainer:
         rollout = self._generate(mine, [list(p.ids) for p in mine], params, seeds)
         rewards = self._rewards(rollout, mine)
         routing = self._routing  # this step's, for its metrics: the evaluation's is not
+        routes, cross, group = self.c.routes(mine, rollout.prompt_index), self.c.cross, groups.dp_cp
+        rows, tokens, lengths = teacher_input(cross, rollout, mine, routes)
         teacher = self.c.teacher.score_batch(
-            rollout.tokens, rollout.lengths, None, images=rollout.images,
-            routes=self.c.routes(mine, rollout.prompt_index),
-        )  # fmt: skip
+            tokens, lengths, None, images=rollout.images, routes=routes
+        )
         student = self._student_scores(rollout, ScoreRequest())
         self._routing = routing
-        return sampled_eval_metrics(
-            teacher.logprobs, student.logprobs, rollout.response_mask, rewards,
-            group=self.c.student_groups.dp_cp,
-        )  # fmt: skip
+        mask, spans = rollout.response_mask, {}
+        if cross is not None and rows is not None:  # the span scores on the student's tokens
+            teacher, mask, found = cross.on_student(teacher, rows, student.logprobs, mask, group)
+            spans = {f"eval/{k}": found[k] for k in ("xtok/span_kl", "xtok/kl_per_token")}
+        return spans | sampled_eval_metrics(
+            teacher.logprobs, student.logprobs, mask, rewards, group=group
+        )
 
     # ----------------------------------------------------------------------------------------
     def _run_state(self) -> dict[str, Any]:

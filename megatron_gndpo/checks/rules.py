@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
 from megatron_gndpo.algorithms.offpolicy import bounds_problem
+from megatron_gndpo.checks.cross_tokenizer import cross_tokenizer_problems
 from megatron_gndpo.checks.moe import moe_problems, routing_replay_problems
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import (
@@ -383,13 +384,14 @@ def _other_problems(cfg: Config) -> list[str]:
             "student has no embedding row for some token ids; check the tokenizer"
         )
     for key, section in teacher_sections(cfg):
-        if vocab > section.model.vocab_size:
+        if vocab > section.model.vocab_size and not section.cross_tokenizer:
             p.append(
                 f"{key}.model.vocab_size ({section.model.vocab_size}) is smaller than the "
                 f"vocabulary the student samples from ({vocab}): the teacher scores the "
                 "student's token ids, so both must share a tokenizer. Use a teacher of the "
-                "student's family, or, if the tokenizer really has fewer ids than the student's "
-                "embedding, set data.vocab_size to its size"
+                "student's family (or one with its own tokenizer: cross_tokenizer=true), or, if "
+                "the tokenizer really has fewer ids than the student's embedding, set "
+                "data.vocab_size to its size"
             )
     return p
 
@@ -635,6 +637,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     problems += _vision_problems(cfg)
     problems += _teachers_problems(cfg)
     problems += _served_problems(cfg)
+    problems += cross_tokenizer_problems(cfg, _method(cfg))
     if problems:
         lines = "\n".join(f"  - {msg}" for msg in problems)
         raise ConfigError(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")

@@ -245,7 +245,8 @@ class TeacherConfig:
     model: ModelConfig = dataclasses.field(
         default_factory=lambda: ModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512)
     )
-    """The teacher's architecture (its vocabulary must equal the student's)."""
+    """The teacher's architecture (its vocabulary must cover its tokenizer's: the student's, or
+    with cross_tokenizer its own)."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     """The teacher's TP/PP/CP layout over the same ranks; may differ from the student's."""
     load: Annotated[str | None, PATH] = None
@@ -253,8 +254,15 @@ class TeacherConfig:
     temperature: float = 1.0
     """Temperature of the teacher's distribution when scoring (1.0 as in the paper)."""
     tokenizer: Annotated[str | None, PATH] = None
-    """The teacher's tokenizer when it ships its own; it must equal the student's (checked at
-    start-up). null means data.tokenizer."""
+    """The teacher's tokenizer when it ships its own (same forms as data.tokenizer); null means
+    data.tokenizer. Without cross_tokenizer it must equal the student's (checked at start-up)."""
+    cross_tokenizer: bool = False
+    """Score the student's responses in the teacher's own tokenizer, which may then differ from
+    the student's: each response is decoded, re-encoded after the prompt in the teacher's chat
+    template, aligned to the student's tokens by character offsets, and each aligned span's
+    teacher log-prob is shared by its student tokens (docs/methods/cross_tokenizer.md).
+    Estimators gndpo, opd, grpo, reinforce_pp and mix (with gndpo or opd); a colocated text
+    teacher. false: the teacher scores the student's token ids."""
     server: TeacherServerConfig | None = None
     """A teacher served by vLLM instead of built on the job's ranks (docs/TEACHERS.md): its
     model section still gives the vocabulary; load, when set, is only the start-up self-test's

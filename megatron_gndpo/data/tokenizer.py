@@ -299,6 +299,15 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """:meth:`encode`'s ids and each one's ``(start, end)`` character offsets in ``text``
+        (cross-tokenizer alignment, data/alignment.py); None for a slow tokenizer, which has no
+        offset mapping."""
+        if not getattr(self._tok, "is_fast", False):
+            return None
+        found = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(found["input_ids"]), [(int(a), int(b)) for a, b in found["offset_mapping"]]
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
 

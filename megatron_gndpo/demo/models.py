@@ -31,7 +31,7 @@ from megatron_gndpo.checkpoint.dist import latest_step, save_checkpoint
 from megatron_gndpo.config import to_dict
 from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_gndpo.data.tasks import chains
-from megatron_gndpo.data.tokenizer import SentencePieceTokenizer
+from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.demo.evaluate import greedy_accuracy
 from megatron_gndpo.demo.tokenizer import task_corpus, train_tokenizer
 from megatron_gndpo.engine.sft import encode_sft, sft_train
@@ -58,7 +58,7 @@ class DemoTask:
     """The problems and the tokenizer both models share."""
 
     difficulty: int
-    tokenizer: SentencePieceTokenizer
+    tokenizer: Tokenizer  # the demo's SentencePiece (benchmarks/cross_tokenizer.py: also char)
     sft: list[chains.Problem]  # supervised data (no held-out prompt)
     eval: list[chains.Problem]  # held-out problems (builtin:chains_eval)
 
@@ -237,8 +237,13 @@ def prepare(
     task: DemoTask,
     *,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    new_tokens: int | None = None,
 ) -> PreparedModel:
-    """Fine-tune ``recipe`` on the worked solutions, measure it, save it; or reuse the cache."""
+    """Fine-tune ``recipe`` on the worked solutions, measure it, save it; or reuse the cache.
+
+    ``new_tokens``: the held-out evaluation's generation budget; None: :func:`max_new_tokens`,
+    sized for the demo tokenizer (a character-level model needs about three times more).
+    """
     directory = Path(cache_dir) / recipe.name
     key = _cache_key(recipe, task)
     cached = _load_meta(directory, key)
@@ -259,7 +264,7 @@ def prepare(
     started = time.perf_counter()
     accuracy = greedy_accuracy(
         trained.model, groups, tokenizer, task.eval,
-        max_new_tokens=max_new_tokens(task.difficulty),
+        max_new_tokens=new_tokens or max_new_tokens(task.difficulty),
     )  # fmt: skip
     eval_seconds = time.perf_counter() - started
 

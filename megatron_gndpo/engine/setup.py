@@ -27,6 +27,7 @@ from megatron_gndpo.data.datasets import (
     prompt_fingerprint,
 )
 from megatron_gndpo.data.tokenizer import Tokenizer
+from megatron_gndpo.engine.cross_tokenizer import CrossTokenizer, TeacherTokenizer
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_gndpo.engine.served_teacher import ServedTeacher
 from megatron_gndpo.engine.teacher import TeacherScorer
@@ -67,6 +68,9 @@ class Components:
     outlier_prompts: list[EncodedPrompt] = dataclasses.field(default_factory=list)
     outlier_sampler: PromptSampler | None = None
     routing: Routing | None = None  # several teachers: which one scores each prompt
+    # a teacher scores in its own tokenizer (teacher.cross_tokenizer): the stage between the
+    # rollout and its pass; None: every teacher scores the student's ids
+    cross: CrossTokenizer | None = None
 
     def routes(self, prompts: list[EncodedPrompt], prompt_index: torch.Tensor) -> torch.Tensor:
         """Teacher index ``[n]`` of each rollout row (row ``i``: ``prompts[prompt_index[i]]``)."""
@@ -85,7 +89,9 @@ def scoring_vocab(cfg: Config, tokenizer: Tokenizer) -> int:
             "raise data.vocab_size or leave it null"
         )
     models = [("model", cfg.model)]
-    models += [(f"{key}.model", t.model) for key, t in teacher_sections(cfg)]
+    # a teacher with its own tokenizer is checked against it (teacher_tokenizers)
+    sections = [(key, t) for key, t in teacher_sections(cfg) if not t.cross_tokenizer]
+    models += [(f"{key}.model", t.model) for key, t in sections]
     for name, model in models:
         if model.vocab_size < vocab:
             raise ConfigError(
@@ -115,8 +121,38 @@ def check_same_tokenizer(
         raise ConfigError(
             f"{key}.tokenizer ({section.tokenizer}) differs from the student's "
             f"({cfg.data.tokenizer or 'builtin:char'}): the teacher scores the student's token "
-            "ids, so both must share one vocabulary; pick a teacher of the student's family"
+            f"ids, so both must share one vocabulary; set {key}.cross_tokenizer=true to score "
+            "the student's text in the teacher's own tokens (gndpo, opd, mix; "
+            "docs/methods/cross_tokenizer.md), or pick a teacher of the student's family"
         )
+
+
+def teacher_tokenizers(
+    cfg: Config, student: Tokenizer
+) -> tuple[list[Tokenizer], CrossTokenizer | None]:
+    """Each teacher's tokenizer, in the teachers' order, and the cross-tokenizer stage when a
+    teacher scores in its own (``cross_tokenizer``; None when none does).
+
+    A teacher without ``cross_tokenizer`` must use the student's tokenizer; one with it must
+    have a vocabulary its tokenizer's ids fit in.
+    """
+    tokenizers, stages, cross = [], [], False
+    for key, section in teacher_sections(cfg):
+        own = student if section.tokenizer is None else load_tokenizer(section.tokenizer)
+        if not section.cross_tokenizer:
+            check_same_tokenizer(student, own, cfg, key)
+        elif section.model.vocab_size < own.vocab_size:
+            raise ConfigError(
+                f"{key}.model.vocab_size ({section.model.vocab_size}) is smaller than its "
+                f"tokenizer's vocabulary ({own.vocab_size}, {key}.tokenizer): it cannot score "
+                "every token id; use a model built for this tokenizer"
+            )
+        cross = cross or section.cross_tokenizer
+        tokenizers.append(own)
+        same = own.fingerprint() == student.fingerprint()
+        limit = section.model.max_position_embeddings
+        stages.append(TeacherTokenizer(own, same=same, max_length=limit))
+    return tokenizers, CrossTokenizer(student, stages) if cross else None
 
 
 def _scheduler(optimizer: Any, cfg: Config) -> Any:
@@ -243,20 +279,24 @@ def _check_routes(routing: Routing | None, *prompt_sets: list[EncodedPrompt]) ->
 def _teachers(
     cfg: Config,
     student_groups: ParallelGroups,
-    tokenizer: Tokenizer,
+    tokenizers: list[Tokenizer],
     vocab: int,
     never: tuple[int, ...],
 ) -> tuple[TeacherSet, ParallelGroups]:
     """Every teacher on its own groups, with its weights loaded; the first one's groups.
 
-    Each teacher's random initialisation is seeded on its own (seed + 1 + its position), so
-    the first teacher of a list is built as the one teacher of a ``teacher`` section is.
+    ``tokenizers[j]``: teacher j's (:func:`teacher_tokenizers`); a teacher scoring in its own
+    tokenizer (``cross_tokenizer``) restricts its distribution to that tokenizer's ids, the
+    others to the student's ``vocab``. Each teacher's random initialisation is seeded on its
+    own (seed + 1 + its position), so the first teacher of a list is built as the one teacher
+    of a ``teacher`` section is.
     """
     world, t = dist.get_world_size(), cfg.trainer
     scorers: list[Any] = []
     first_groups = None
     for j, (_, section) in enumerate(teacher_sections(cfg)):
-        name = getattr(section, "name", "teacher")
+        name, tokenizer = getattr(section, "name", "teacher"), tokenizers[j]
+        own_vocab = tokenizer.vocab_size if section.cross_tokenizer else vocab
         groups = build_groups(layout_of(section.parallel, world), name=f"teacher:{name}")
         if first_groups is None:
             first_groups = groups
@@ -272,7 +312,9 @@ def _teachers(
                 section.load, model, verify=cfg.checkpoint.verify,
                 vocab_size=section.model.vocab_size,
             )  # fmt: skip
-        head = TokenLogProbs(vocab_size=vocab, temperature=section.temperature, excluded_ids=never)
+        head = TokenLogProbs(
+            vocab_size=own_vocab, temperature=section.temperature, excluded_ids=never
+        )
         scorer = TeacherScorer(
             model, groups, student_groups, head=head, token_budget=t.scoring_token_budget,
             pack=t.pack_sequences,
@@ -288,7 +330,8 @@ def _teachers(
     assert first_groups is not None
     names = [getattr(s, "name", "teacher") for _, s in teacher_sections(cfg)]
     weights = [getattr(s, "weight", 1.0) for _, s in teacher_sections(cfg)]
-    return TeacherSet(scorers, names, weights=weights, pad_id=tokenizer.pad_id), first_groups
+    pads = [t.pad_id for t in tokenizers]
+    return TeacherSet(scorers, names, weights=weights, pad_ids=pads), first_groups
 
 
 def _generator(
@@ -367,9 +410,7 @@ def build_components(cfg: Config) -> Components:
     student_groups = build_student_groups(layout_of(cfg.parallel, world), seed=cfg.trainer.seed)
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    for key, section in teacher_sections(cfg):
-        if section.tokenizer is not None:
-            check_same_tokenizer(tokenizer, load_tokenizer(section.tokenizer), cfg, key)
+    own_tokenizers, cross = teacher_tokenizers(cfg, tokenizer)
     vocab = scoring_vocab(cfg, tokenizer)
     check_top_k(cfg, vocab)
     # The data before the models: a malformed prompt file fails in seconds, not after a build.
@@ -397,7 +438,7 @@ def build_components(cfg: Config) -> Components:
     # A VLM's image placeholder is never sampled: neither model gives it probability mass, so
     # the student trains the distribution it samples from (and the teacher scores that support)
     never = never_sampled(cfg)
-    teachers, teacher_groups = _teachers(cfg, student_groups, tokenizer, vocab, never)
+    teachers, teacher_groups = _teachers(cfg, student_groups, own_tokenizers, vocab, never)
     head = TokenLogProbs(vocab_size=vocab, excluded_ids=never)
     logs_here = dist.get_rank() == 0
     return Components(
@@ -428,4 +469,5 @@ def build_components(cfg: Config) -> Components:
         if cfg.data.outlier_train is not None
         else None,
         routing=routing,
+        cross=cross,
     )

@@ -61,14 +61,15 @@ class TeacherSet:
         names: Sequence[str],
         *,
         weights: Sequence[float] | None = None,
-        pad_id: int = 0,
+        pad_ids: Sequence[int] | None = None,
     ) -> None:
         if len(scorers) != len(names) or not scorers:
             raise ValueError(f"{len(scorers)} teachers for {len(names)} names")
         self.scorers = list(scorers)
         self.names = tuple(names)
         self.weights = tuple(weights) if weights is not None else (1.0,) * len(scorers)
-        self.pad_id = pad_id
+        # each teacher's padding id (its own tokenizer's with teacher.cross_tokenizer)
+        self.pad_ids = tuple(pad_ids) if pad_ids is not None else (0,) * len(scorers)
 
     def __len__(self) -> int:
         return len(self.scorers)
@@ -128,7 +129,7 @@ class TeacherSet:
             m = _rows_per_rank(int(counts[j]), scorer)
             if m == 0:  # no rank has a row for this teacher this step
                 continue
-            sub_tokens, sub_lengths = self._padded(tokens_nS, lengths_n, rows, m)
+            sub_tokens, sub_lengths = self._padded(tokens_nS, lengths_n, rows, m, j)
             sub_request = None if request is None else _rows_of_request(request, rows, m)
             sub_images = None
             if images is not None:
@@ -142,11 +143,11 @@ class TeacherSet:
         return out
 
     def _padded(
-        self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor, rows: torch.Tensor, m: int
+        self, tokens_nS: torch.Tensor, lengths_n: torch.Tensor, rows: torch.Tensor, m: int, j: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows`` of the batch, then one-token pad rows up to ``m``."""
+        """``rows`` of the batch, then one-token pad rows (teacher ``j``'s padding) up to ``m``."""
         width = tokens_nS.shape[1]
-        tokens = tokens_nS.new_full((m, width), self.pad_id)
+        tokens = tokens_nS.new_full((m, width), self.pad_ids[j])
         lengths = lengths_n.new_ones(m)
         tokens[: len(rows)] = tokens_nS[rows.to(tokens_nS.device)]
         lengths[: len(rows)] = lengths_n[rows.to(lengths_n.device)]

@@ -54,6 +54,16 @@ class StepBatch:
     # None: one group, the whole step batch
     stat_groups: torch.Tensor | None = None
     num_stat_groups: int = 1
+    # [n, S] bool: the response tokens the teacher scored; None: all of them. A teacher with
+    # its own tokenizer scores none of a span its text does not reproduce
+    # (docs/methods/cross_tokenizer.md)
+    scored_mask: torch.Tensor | None = None
+
+    @property
+    def distill_mask(self) -> torch.Tensor:
+        """``[n, S]`` bool: the tokens a distillation score exists for (the teacher scored
+        them): ``scored_mask``, else the response."""
+        return self.response_mask if self.scored_mask is None else self.scored_mask
 
 
 class Method(Protocol):
@@ -85,6 +95,13 @@ class Method(Protocol):
     @property
     def uses_reward(self) -> bool:
         """Whether the advantages come (at least in part) from the verifiable reward."""
+        ...
+
+    @property
+    def scores_spans(self) -> bool:
+        """Whether the method reads the teacher only through its log-probs of the sampled
+        tokens, on :attr:`StepBatch.distill_mask`: then a teacher with another tokenizer can
+        stand in with its span scores (``teacher.cross_tokenizer``)."""
         ...
 
     def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:
@@ -150,6 +167,10 @@ class BaseMethod:
 
     @property
     def uses_reward(self) -> bool:
+        return False
+
+    @property
+    def scores_spans(self) -> bool:
         return False
 
     def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:

@@ -28,7 +28,16 @@ class DistillMethod(BaseMethod):
         return Targets(advantages, entropy_coef=self.entropy_coef), metrics
 
 
-class GNDPO(DistillMethod):
+class SampledTokenDistill(DistillMethod):
+    """A distillation method that reads the teacher's log-probs of the sampled tokens only, on
+    the tokens the teacher scored (so a teacher with its own tokenizer may score spans)."""
+
+    @property
+    def scores_spans(self) -> bool:
+        return True
+
+
+class GNDPO(SampledTokenDistill):
     """The clamped score whitened by the global batch mean and std (ALGORITHMS.md §2)."""
 
     name: ClassVar[str] = "gndpo"
@@ -39,7 +48,7 @@ class GNDPO(DistillMethod):
 
     def distill(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.cfg
-        lt, lo, mask = batch.teacher.logprobs, batch.student.logprobs, batch.response_mask.float()
+        lt, lo, mask = batch.teacher.logprobs, batch.student.logprobs, batch.distill_mask.float()
         halves = {"subtract_mean": a.gndpo_subtract_mean, "divide_std": a.gndpo_divide_std}
         if batch.stat_groups is not None:  # several teachers, each with its own statistics
             advantages = adv.gndpo_advantages_by_group(
@@ -62,14 +71,14 @@ class GNDPO(DistillMethod):
         return []
 
 
-class OPD(DistillMethod):
+class OPD(SampledTokenDistill):
     """The clamped score itself, masked (the baseline)."""
 
     name: ClassVar[str] = "opd"
 
     def distill(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, float]]:
         advantages = adv.opd_advantages(
-            batch.teacher.logprobs, batch.student.logprobs, batch.response_mask.float(),
+            batch.teacher.logprobs, batch.student.logprobs, batch.distill_mask.float(),
             kl_clip=self.cfg.kl_clip,
         )  # fmt: skip
         return advantages, {}

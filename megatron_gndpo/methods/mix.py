@@ -51,6 +51,10 @@ class Mix(BaseMethod):
         return True
 
     @property
+    def scores_spans(self) -> bool:
+        return self.distill is not None and self.distill.scores_spans
+
+    @property
     def uses_gndpo_switches(self) -> bool:
         return self.distill is not None and self.distill.uses_gndpo_switches
 

@@ -23,6 +23,10 @@ class OutcomeMethod(BaseMethod):
     def uses_reward(self) -> bool:
         return True
 
+    @property
+    def scores_spans(self) -> bool:
+        return True  # the teacher only feeds the score/* metrics
+
     def outcome(self, batch: StepBatch, rewards: torch.Tensor) -> torch.Tensor:
         """Float32 ``[n, S]`` advantages of ``rewards [n]``, 0 off the response."""
         raise NotImplementedError
