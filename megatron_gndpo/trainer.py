@@ -24,11 +24,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo import seeding
+from megatron_gndpo import evaluation, seeding
 from megatron_gndpo.algorithms.metrics import (
     StabilityMonitor,
     advantage_metrics,
-    sampled_eval_metrics,
     score_metrics,
     teacher_metrics,
 )
@@ -594,56 +593,9 @@ class Trainer:
         )  # fmt: skip
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out prompts (sharded over data-parallel ranks); with
-        ``trainer.eval_samples`` k, also k samples per prompt at temperature 1 (the same seeds
-        at every evaluation): their accuracy and the per-token reverse KL to the teacher."""
-        groups = self.c.student_groups
-        mine = self.c.eval_prompts[groups.coords["dp"] :: groups.layout.dp]
-        greedy = SamplingParams(
-            max_new_tokens=self.cfg.rollout.max_response_length, temperature=0.0,
-            stop_token_ids=self.params.stop_token_ids,
-        )  # fmt: skip
-        correct = torch.zeros(2, dtype=torch.float64)
-        if mine:
-            rollout = self._rollout(mine, greedy)
-            rewards = self._rewards(rollout, mine)
-            if rewards is not None:
-                correct += torch.tensor([float(rewards.sum()), float(len(rewards))])
-        dist.all_reduce(correct, group=groups.dp_cp)
-        out = {"eval/accuracy": float(correct[0] / correct[1].clamp(min=1.0))}
-        # every replica must hold a prompt: the teacher's scoring spans all ranks
-        if self.cfg.trainer.eval_samples and len(self.c.eval_prompts) >= groups.layout.dp:
-            out |= self._evaluate_samples(mine, self.cfg.trainer.eval_samples)
-        return out
-
-    def _evaluate_samples(self, mine: list[Any], k: int) -> dict[str, float]:
-        """:func:`sampled_eval_metrics` of ``k`` samples of each of this rank's held-out
-        prompts ``mine`` (each holds some); every rank calls it. A prompt's seeds follow its
-        place in the held-out set, so they do not depend on the data-parallel size."""
-        groups = self.c.student_groups
-        places = range(groups.coords["dp"], len(self.c.eval_prompts), groups.layout.dp)
-        params = dataclasses.replace(
-            self.params, temperature=1.0, samples_per_prompt=k,
-            max_new_tokens=self.cfg.rollout.max_response_length,
-        )  # fmt: skip
-        seeds = [seeding.eval_seeds(self.cfg.trainer.seed, i, 1)[0] for i in places]
-        rollout = self._generate(mine, [list(p.ids) for p in mine], params, seeds)
-        rewards = self._rewards(rollout, mine)
-        routing = self._routing  # this step's, for its metrics: the evaluation's is not
-        routes, cross, group = self.c.routes(mine, rollout.prompt_index), self.c.cross, groups.dp_cp
-        rows, tokens, lengths = teacher_input(cross, rollout, mine, routes)
-        teacher = self.c.teacher.score_batch(
-            tokens, lengths, None, images=rollout.images, routes=routes
-        )
-        student = self._student_scores(rollout, ScoreRequest())
-        self._routing = routing
-        mask, spans = rollout.response_mask, {}
-        if cross is not None and rows is not None:  # the span scores on the student's tokens
-            teacher, mask, found = cross.on_student(teacher, rows, student.logprobs, mask, group)
-            spans = {f"eval/{k}": found[k] for k in ("xtok/span_kl", "xtok/kl_per_token")}
-        return spans | sampled_eval_metrics(
-            teacher.logprobs, student.logprobs, mask, rewards, group=group
-        )
+        """The held-out evaluation (megatron_gndpo/evaluation.py): greedy accuracy, and with
+        ``trainer.eval_samples`` the sampled accuracy and the reverse KL to the teacher."""
+        return evaluation.evaluate(self)
 
     # ----------------------------------------------------------------------------------------
     def _run_state(self) -> dict[str, Any]:

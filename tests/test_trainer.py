@@ -429,14 +429,14 @@ def _offpolicy_steps(rank: int, world: int, root: str) -> dict[str, object]:
         start = snapshot(trainer.c.student)
         score = trainer._score
 
-        def scored(rollout, routes, shift=shift, score=score):  # type: ignore[no-untyped-def]
-            teacher, student = score(rollout, routes)
+        def scored(rollout, routes, prompts, shift=shift, score=score):  # type: ignore[no-untyped-def]
+            teacher, student, mask, found = score(rollout, routes, prompts)
             if shift is not None:
                 push = torch.zeros_like(student.logprobs)
                 push[:, ::2] = shift
                 logprobs = student.logprobs + push
                 rollout.sampler_logprobs = torch.where(rollout.sampled_mask, logprobs, 0.0)
-            return teacher, student
+            return teacher, student, mask, found
 
         trainer._score = scored  # type: ignore[method-assign]
         metrics = trainer.step()

@@ -309,10 +309,14 @@ def _check_engine(engine: str, multimodal: bool) -> None:
 
 
 def prepare_models(
-    cache_dir: Path, s: Settings, student: models.Recipe | None = None
+    cache_dir: Path,
+    s: Settings,
+    student: models.Recipe | None = None,
+    prune: models.PruneRecipe | None = None,
 ) -> tuple[models.PreparedModel, models.PreparedModel, models.DemoTask]:
     """The teacher and the student: fine-tuned by ``student`` when given, else made as
-    ``s.student`` says (pruned from the teacher, or :func:`models.student_recipe`'s SFT)."""
+    ``s.student`` says (pruned from the teacher by ``prune``, default
+    :func:`models.pruned_recipe`; or :func:`models.student_recipe`'s SFT)."""
     from megatron.core import parallel_state
 
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
@@ -335,7 +339,7 @@ def prepare_models(
             _say(f"{model.name}: held-out greedy accuracy {model.accuracy:.3f} ({how})")
             prepared.append(model)
         if student is None:
-            model = models.prepare_pruned(cache_dir, prepared[0], task, groups)
+            model = models.prepare_pruned(cache_dir, prepared[0], task, groups, prune)
             how = "reused from the cache" if model.cached else f"pruned {model.sft_seconds:.0f} s"
             _say(
                 f"{model.name}: the teacher's layers {models.keep_layers(model)}, held-out "
