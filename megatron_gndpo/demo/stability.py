@@ -144,9 +144,7 @@ def run_stability(
             teacher, start, task = prepared_models
         else:
             run = st.run_settings(st.seeds[0])  # its student: pruned, one layer dropped
-            teacher, start, task = prepare_models(
-                cache_dir, run, prune=models.near_pruned_recipe()
-            )
+            teacher, start, task = prepare_models(cache_dir, run, prune=models.near_pruned_recipe())
         outlier_prompts = write_outlier_prompts(run_dir, st.outlier_difficulty)
         prepare_seconds = time.perf_counter() - started
         runs = {}
