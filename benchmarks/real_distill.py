@@ -1,0 +1,605 @@
+"""Compress SmolLM2-135M-Instruct into a 10-layer student on a CPU: GNDPO vs OPD vs sequence KD.
+
+    megatron-gndpo convert hf-to-mcore --out runs/smollm2/teacher \\
+        --hf-dir ~/.cache/megatron_gndpo/real/smollm2-135m-instruct
+    megatron-gndpo prune --teacher runs/smollm2/teacher --out runs/smollm2/student_10l \\
+        --num-layers 10 --importance cosine --calib-data examples/data/short_answers_train.jsonl
+    python benchmarks/real_distill.py --out runs/smollm2/distill --seeds 2 --steps 24
+    python benchmarks/real_distill.py --out runs/smollm2/starts --methods none \\
+        --starts cosine=runs/smollm2/student_10l,third=runs/smollm2/student_third
+
+Every method starts from the same pruned student (``checkpoint.init`` of the example config
+``examples/smollm2_135m_to_10l.yaml``, or ``--student``) and trains as many steps of 16
+sequences (8 prompts x 2) with the same optimizer, on the same training questions and seeds:
+
+- ``gndpo``, ``opd``: the trainer on that config with ``algorithm.estimator`` gndpo / opd: the
+  student samples its answers, the teacher scores every sampled token.
+- ``kd``: sequence-level knowledge distillation (Kim & Rush 2016): the teacher's greedy answers
+  to the training questions (its mode, as their beam search approximates it), written once, are
+  the data of supervised fine-tuning (``engine/sft.py``), 16 sequences a step;
+- ``kd_sampled``: the same with the teacher's samples at temperature 1 (2 per question, drawn
+  once) instead: the distribution OPD matches, but SmolLM2-135M's samples are mostly wrong.
+
+All of them are measured by one :class:`Evaluator` at step 0 and every ``--eval-interval`` steps
+on the 64 held-out questions (``examples/data/short_answers_eval.jsonl``):
+
+- ``agreement``: the student's greedy answer equals the teacher's greedy answer (lower case,
+  punctuation and spacing aside);
+- ``task``: the student's greedy answer is right (:func:`task_score`);
+- ``reverse_kl``: the per-token KL(student || teacher) on 2 samples per question at temperature
+  1, the same seeds at every evaluation (the trainer's ``eval/reverse_kl``);
+- ``greedy_eos`` / ``sampled_eos``: the share of answers that end with ``<|im_end|>`` within the
+  length limit, and their mean lengths (``greedy_length`` / ``sampled_length``, in tokens).
+
+``--starts NAME=DIR,...`` measures pruned students without training them (``--methods none``):
+how the choice of layers compares before any distillation. The output: ``OUT/curves.jsonl``
+(one line a run), ``OUT/teacher.json`` (the teacher's own answers and scores, and the KD data),
+``OUT/summary.md`` and ``OUT/curves.png``. One CPU process (gloo, world size 1). Every answer,
+the teacher's included, is cut at the example's ``rollout.max_response_length`` (24 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+EXAMPLE = ROOT / "examples" / "smollm2_135m_to_10l.yaml"
+EVAL_DATA = ROOT / "examples" / "data" / "short_answers_eval.jsonl"
+METHODS = ("gndpo", "opd", "kd", "kd_sampled")
+MEASURES = ("reverse_kl", "agreement", "task", "greedy_eos", "sampled_eos", "greedy_length",
+            "sampled_length")  # fmt: skip
+EVAL_SAMPLES = 2  # samples per held-out question for the reverse KL (128 in all)
+KD_SAMPLES = 2  # teacher answers per training question: the rows a trainer step samples
+SEED = 1234
+
+
+# ---------------------------------------------------------------------------------------------
+# The questions and how answers are scored
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    prompt: str
+    reference: str
+    task: str
+
+
+def load_questions(path: str | Path) -> list[Question]:
+    """``{"prompt", "reference", "task"}`` lines (examples/data/make_short_answers.py)."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [Question(**{k: r[k] for k in ("prompt", "reference", "task")})
+                for r in map(json.loads, f) if r]  # fmt: skip
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words of ``text``; punctuation, quotes and spacing dropped."""
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
+
+
+def task_score(task: str, response: str, reference: str) -> float:
+    """1.0 when ``response`` answers the question: the sentence itself for ``repeat`` (case and
+    punctuation aside), otherwise the reference as a whole word or phrase anywhere in it."""
+    said, wanted = words(response), words(reference)
+    if task == "repeat":
+        return float(said == wanted)
+    n = len(wanted)
+    return float(any(said[i : i + n] == wanted for i in range(len(said) - n + 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring a model
+
+
+@dataclasses.dataclass(frozen=True)
+class Answers:
+    """Decoded responses (stop token left out), whether each ended with it, and lengths."""
+
+    texts: list[str]
+    finished: list[bool]
+    lengths: list[int]  # response tokens, the stop token included when present
+
+
+def _answers(rollout: Any, tokenizer: Any) -> Answers:
+    texts, lengths = [], []
+    for i, end in enumerate(rollout.lengths.tolist()):
+        ids = rollout.tokens[i, int(rollout.prompt_lengths[i]) : end].tolist()
+        lengths.append(len(ids))
+        texts.append(tokenizer.decode([t for t in ids if t != tokenizer.eos_id]))
+    return Answers(texts, [bool(f) for f in rollout.finished.tolist()], lengths)
+
+
+def generator_for(net: Any, groups: Any, tokenizer: Any) -> Any:
+    """The built-in KV-cached generator on ``net`` (any megatron GPTModel and its groups)."""
+    from megatron_gndpo.rollout.builtin import MegatronGenerator
+
+    return MegatronGenerator(
+        net, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+        max_sequence_length=int(net.max_sequence_length),
+    )  # fmt: skip
+
+
+def sampling(max_new_tokens: int, eos_id: int, temperature: float, k: int = 1) -> Any:
+    from megatron_gndpo.rollout.base import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=(eos_id,),
+        samples_per_prompt=k,
+    )  # fmt: skip
+
+
+def greedy_answers(generator: Any, ids: Sequence[Sequence[int]], tokenizer: Any,
+                   max_new_tokens: int) -> Answers:  # fmt: skip
+    """The generator's model's greedy answer to each prompt (``ids``, chat-templated)."""
+    params = sampling(max_new_tokens, tokenizer.eos_id, 0.0)
+    return _answers(generator.generate(ids, params, seeds=[0] * len(ids)), tokenizer)
+
+
+# Scores ``[B, S]`` teacher log-probs of rows (tokens, lengths): a TeacherSet or TeacherScorer.
+TeacherLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Evaluator:
+    """The held-out measures of the module docstring, the same for every method and start."""
+
+    def __init__(self, tokenizer: Any, questions: Sequence[Question], teacher: Answers,
+                 max_new_tokens: int, token_budget: int) -> None:  # fmt: skip
+        from megatron_gndpo import seeding
+
+        self.tok, self.questions, self.teacher = tokenizer, list(questions), teacher
+        self.max_new_tokens, self.token_budget = max_new_tokens, token_budget
+        self.ids = [tokenizer.apply_chat_template(q.prompt) for q in self.questions]
+        self.seeds = seeding.eval_seeds(SEED, 0, len(self.ids))  # the same at every evaluation
+
+    def __call__(self, net: Any, groups: Any, generator: Any,
+                 teacher: TeacherLogprobs) -> dict[str, float]:  # fmt: skip
+        greedy = greedy_answers(generator, self.ids, self.tok, self.max_new_tokens)
+        mine, theirs = [" ".join(words(t)) for t in greedy.texts], self.teacher.texts
+        params = sampling(self.max_new_tokens, self.tok.eos_id, 1.0, EVAL_SAMPLES)
+        rollout = generator.generate(self.ids, params, seeds=self.seeds)
+        sampled = _answers(rollout, self.tok)
+        return {
+            "agreement": statistics.fmean(
+                float(a == " ".join(words(b))) for a, b in zip(mine, theirs, strict=True)
+            ),
+            "task": statistics.fmean(
+                task_score(q.task, t, q.reference)
+                for q, t in zip(self.questions, greedy.texts, strict=True)
+            ),
+            "reverse_kl": self.reverse_kl(net, groups, rollout, teacher),
+            "greedy_eos": statistics.fmean(map(float, greedy.finished)),
+            "sampled_eos": statistics.fmean(map(float, sampled.finished)),
+            "greedy_length": statistics.fmean(greedy.lengths),
+            "sampled_length": statistics.fmean(sampled.lengths),
+        }
+
+    def reverse_kl(self, net: Any, groups: Any, rollout: Any, teacher: TeacherLogprobs) -> float:
+        """``Σ (log p_S - log p_T) / tokens`` over the sampled response tokens (the trainer's
+        ``eval/reverse_kl``, algorithms/metrics.py)."""
+        from megatron_gndpo.algorithms.metrics import sampled_eval_metrics
+        from megatron_gndpo.engine.scoring import score_tokens
+        from megatron_gndpo.models.logprob_head import TokenLogProbs
+
+        student = score_tokens(
+            net, groups, rollout.tokens, rollout.lengths,
+            head=TokenLogProbs(vocab_size=self.tok.vocab_size), token_budget=self.token_budget,
+        )  # fmt: skip
+        assert student is not None  # one stage
+        found = sampled_eval_metrics(
+            teacher(rollout.tokens, rollout.lengths), student, rollout.response_mask, None
+        )
+        return found["eval/reverse_kl"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The world, the models and the runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    teacher: Path
+    student: Path
+    tokenizer: Path
+    out: Path
+    steps: int
+    eval_interval: int
+    seeds: tuple[int, ...]
+    overrides: tuple[str, ...]  # dotted overrides of the example config, for every method
+
+
+def run_config(s: Settings, method: str, seed: int) -> Any:
+    """The example config at ``s``'s paths, for ``method`` (gndpo/opd) or KD's optimizer."""
+    from megatron_gndpo.config.loader import load_config
+
+    ours = [
+        f"checkpoint.init={s.student}", f"teacher.load={s.teacher}",
+        f"data.tokenizer={s.tokenizer}", f"trainer.steps={s.steps}", f"trainer.seed={seed}",
+        f"algorithm.estimator={method if method in ('gndpo', 'opd') else 'gndpo'}",
+        f"logging.run_dir={s.out / f'{method}_s{seed}'}", "trainer.eval_interval=0",
+        "checkpoint.save_interval=0", "data.eval=null",
+    ]  # fmt: skip
+    given = {o.split("=", 1)[0] for o in s.overrides}  # the user's own value wins
+    return load_config(EXAMPLE, [o for o in ours if o.split("=", 1)[0] not in given]
+                       + list(s.overrides))  # fmt: skip
+
+
+def load_model(checkpoint: Path, groups: Any, *, frozen: bool) -> Any:
+    """A converted or pruned checkpoint's model at TP=1/PP=1, architecture from beside it."""
+    from megatron_gndpo.checkpoint.convert import read_model_config
+    from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.models.build import build_model, build_teacher
+
+    build = build_teacher if frozen else build_model
+    net = build(read_model_config(checkpoint, resolve(checkpoint)), ParallelConfig(), groups)
+    load_checkpoint(resolve(checkpoint), net)
+    return net
+
+
+def teacher_scorer(teacher: Any, groups: Any, vocab: int, budget: int) -> TeacherLogprobs:
+    from megatron_gndpo.engine.scoring import score_tokens
+    from megatron_gndpo.models.logprob_head import TokenLogProbs
+
+    head = TokenLogProbs(vocab_size=vocab)
+
+    def score(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = score_tokens(teacher, groups, tokens, lengths, head=head, token_budget=budget)
+        assert out is not None  # one stage
+        return out
+
+    return score
+
+
+class World:
+    """One run's megatron state: the student's groups (global), torn down on exit."""
+
+    def __init__(self, seed: int) -> None:
+        from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+
+        self.groups = build_student_groups(ParallelLayout(1), seed=seed)
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def kd_data(rollout: Any, tokenizer: Any, questions: Sequence[Question]) -> dict[str, Any]:
+    """The teacher's answers of ``rollout`` as SFT sequences (prompt ids + response ids, its
+    ``<|im_end|>`` included when it wrote one), with how good they are."""
+    starts = rollout.prompt_lengths.tolist()
+    answers = _answers(rollout, tokenizer)
+    asked = [questions[int(i)] for i in rollout.prompt_index.tolist()]
+    return {
+        "sequences": [{"tokens": rollout.tokens[i, :n].tolist(), "prompt_length": int(starts[i])}
+                      for i, n in enumerate(rollout.lengths.tolist())],
+        "task": statistics.fmean(
+            task_score(q.task, t, q.reference) for q, t in zip(asked, answers.texts, strict=True)
+        ),
+        "eos": statistics.fmean(map(float, answers.finished)),
+        "length": statistics.fmean(answers.lengths),
+    }  # fmt: skip
+
+
+def prepare(s: Settings, tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
+    """Once (cached in ``OUT/teacher.json``): the teacher's greedy answers to the held-out
+    questions and their scores, and KD's data: its greedy answers to the training questions
+    (``kd``) and ``KD_SAMPLES`` samples of each at temperature 1 (``kd_sampled``)."""
+    from megatron_gndpo import seeding
+
+    path = s.out / "teacher.json"
+    if path.is_file():
+        return dict(json.loads(path.read_text()))
+    started = time.perf_counter()
+    questions = load_questions(EVAL_DATA)
+    train = load_questions(run_config(s, "kd", SEED).data.train)
+    train_ids = [tokenizer.apply_chat_template(q.prompt) for q in train]
+    with World(SEED) as world:
+        teacher = load_model(s.teacher, world.groups, frozen=True)
+        generator = generator_for(teacher, world.groups, tokenizer)
+        ids = [tokenizer.apply_chat_template(q.prompt) for q in questions]
+        answers = greedy_answers(generator, ids, tokenizer, max_new_tokens)
+        greedy = generator.generate(
+            train_ids, sampling(max_new_tokens, tokenizer.eos_id, 0.0), seeds=[0] * len(train)
+        )
+        sampled = generator.generate(
+            train_ids, sampling(max_new_tokens, tokenizer.eos_id, 1.0, KD_SAMPLES),
+            seeds=seeding.prompt_seeds(SEED, 0, 0, len(train)),
+        )  # fmt: skip
+    by_task: dict[str, list[float]] = {}
+    for q, t in zip(questions, answers.texts, strict=True):
+        by_task.setdefault(q.task, []).append(task_score(q.task, t, q.reference))
+    found = {
+        "answers": dataclasses.asdict(answers),
+        "task": statistics.fmean(x for v in by_task.values() for x in v),
+        "task_by_kind": {k: statistics.fmean(v) for k, v in by_task.items()},
+        "greedy_eos": statistics.fmean(map(float, answers.finished)),
+        "greedy_length": statistics.fmean(answers.lengths),
+        "kd": kd_data(greedy, tokenizer, train),
+        "kd_sampled": kd_data(sampled, tokenizer, train),
+        "seconds": time.perf_counter() - started,
+    }
+    path.write_text(json.dumps(found) + "\n")
+    return found
+
+
+def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator) -> dict[str, Any]:
+    """GNDPO or OPD through the trainer; evaluated at step 0 and every ``s.eval_interval``."""
+    from megatron_gndpo.checks import validate
+    from megatron_gndpo.trainer import Trainer
+
+    cfg = run_config(s, method, seed)
+    validate(cfg, 1)
+    shutil.rmtree(cfg.logging.run_dir, ignore_errors=True)  # a fresh run, never a resume
+    started = time.perf_counter()
+    curve, trained = [], []
+    try:
+        trainer = Trainer(cfg)
+        c = trainer.c
+        generator = generator_for(c.student, c.student_groups, c.tokenizer)
+
+        def teacher(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return c.teacher.score_batch(tokens, lengths).logprobs
+
+        def measure(step: int) -> None:
+            curve.append({"step": step, **evaluate(c.student, c.student_groups, generator,
+                                                   teacher)})  # fmt: skip
+            _say(method, seed, curve[-1])
+
+        measure(0)
+        for step in range(1, s.steps + 1):
+            metrics = trainer.step()
+            trained.append(metrics["tokens/step"])  # the response tokens sampled and trained on
+            if step % s.eval_interval == 0 or step == s.steps:
+                measure(step)
+        c.logger.close()
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    return {"method": method, "seed": seed, "curve": curve,
+            "seconds": time.perf_counter() - started,
+            "response_tokens_per_step": statistics.fmean(trained)}  # fmt: skip
+
+
+def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[dict[str, Any]],
+           tokenizer: Any) -> dict[str, Any]:  # fmt: skip
+    """Sequence-level KD: SFT of the student on the teacher's answers ``data`` (engine/sft.py),
+    as many sequences a step as a trainer step samples, the trainer's optimizer; evaluated like
+    the trainer's runs."""
+    from megatron_gndpo.checkpoint.convert import read_model_config
+    from megatron_gndpo.checkpoint.dist import resolve
+    from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.engine.scoring import sequence_multiple
+    from megatron_gndpo.engine.sft import SFTSequence, build_sft_model, micro_batch, run_sft
+
+    cfg = run_config(s, method, seed)
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    sequences = [SFTSequence(tuple(d["tokens"]), d["prompt_length"]) for d in data]
+    started = time.perf_counter()
+    curve = []
+    with World(seed) as world:
+        m = build_sft_model(
+            read_model_config(s.student, resolve(s.student)), ParallelConfig(), world.groups,
+            cfg.optimizer, vocab_size=tokenizer.vocab_size, steps=s.steps, seed=seed,
+            init=resolve(s.student),
+        )  # fmt: skip
+        budget = cfg.trainer.scoring_token_budget
+        teacher = teacher_scorer(load_model(s.teacher, world.groups, frozen=True), world.groups,
+                                 tokenizer.vocab_size, budget)  # fmt: skip
+        generator = generator_for(m.model, world.groups, tokenizer)
+
+        def measure(step: int, metrics: dict[str, float] | None = None) -> None:
+            if step == 0 or step % s.eval_interval == 0 or step == s.steps:
+                curve.append({"step": step, **evaluate(m.model, world.groups, generator, teacher)})
+                _say(method, seed, curve[-1])
+
+        measure(0)
+        multiple = sequence_multiple(m.model)
+        run_sft(
+            m, sequences, lambda batch: micro_batch(batch, tokenizer.pad_id, multiple),
+            steps=s.steps, batch_size=rows, micro_batch_size=cfg.trainer.micro_batch_size,
+            seed=seed, on_step=measure,
+        )  # fmt: skip
+    per_sequence = statistics.fmean(len(q.tokens) - q.prompt_length for q in sequences)
+    return {"method": method, "seed": seed, "curve": curve,
+            "seconds": time.perf_counter() - started,
+            "response_tokens_per_step": per_sequence * rows}  # fmt: skip
+
+
+def measure_starts(s: Settings, starts: dict[str, Path], evaluate: Evaluator,
+                   tokenizer: Any, budget: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Each pruned student of ``starts`` measured as it is (step 0 of a run from it)."""
+    out = []
+    with World(SEED) as world:
+        teacher = teacher_scorer(load_model(s.teacher, world.groups, frozen=True), world.groups,
+                                 tokenizer.vocab_size, budget)  # fmt: skip
+        for name, path in starts.items():
+            started = time.perf_counter()
+            net = load_model(path, world.groups, frozen=True)
+            found = evaluate(net, world.groups, generator_for(net, world.groups, tokenizer),
+                             teacher)  # fmt: skip
+            prune = path / "prune.json"
+            layers = json.loads(prune.read_text())["keep_layers"] if prune.is_file() else None
+            out.append({"start": name, "dir": str(path), "keep_layers": layers, **found,
+                        "seconds": time.perf_counter() - started})  # fmt: skip
+            _say(name, SEED, found)
+            del net
+    return out
+
+
+def _say(name: str, seed: int, found: dict[str, Any]) -> None:
+    shown = " ".join(f"{k} {v:.3f}" for k, v in found.items() if isinstance(v, float))
+    print(f"[{name} s{seed}] {shown}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+
+
+def mean_curves(runs: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
+    """Per method, per evaluated step: each measure's mean over seeds (and ``KEY_sd``)."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for method in dict.fromkeys(r["method"] for r in runs):
+        mine = [r for r in runs if r["method"] == method]
+        steps = sorted({c["step"] for r in mine for c in r["curve"]})
+        out[method] = {}
+        for step in steps:
+            at = [c for r in mine for c in r["curve"] if c["step"] == step]
+            row: dict[str, float] = {}
+            for key in MEASURES:
+                values = [c[key] for c in at]
+                row[key] = statistics.fmean(values)
+                row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            out[method][step] = row
+    return out
+
+
+def markdown(runs: Sequence[dict[str, Any]], teacher: dict[str, Any]) -> str:
+    curves = mean_curves(runs)
+    lines = [
+        f"Teacher (SmolLM2-135M-Instruct, 30 layers), greedy on the held-out questions: task "
+        f"{teacher['task']:.3f} ("
+        + ", ".join(f"{k} {v:.2f}" for k, v in teacher["task_by_kind"].items())
+        + f"), EOS {teacher['greedy_eos']:.2f}, length {teacher['greedy_length']:.1f}. KD data "
+        + "; ".join(
+            f"{m}: task {teacher[m]['task']:.3f}, EOS {teacher[m]['eos']:.2f}, length "
+            f"{teacher[m]['length']:.1f}"
+            for m in ("kd", "kd_sampled")
+        )
+        + " (on the training questions).",
+        "",
+        "| method | step | reverse KL | agreement | task | greedy EOS | sampled EOS | greedy len "
+        "| sampled len |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, steps in curves.items():
+        for step, r in steps.items():
+            cells = [f"{r[k]:.3f} ± {r[k + '_sd']:.3f}" if k != "greedy_length" and
+                     k != "sampled_length" else f"{r[k]:.1f}" for k in MEASURES]  # fmt: skip
+            lines.append(f"| {method} | {step} | " + " | ".join(cells) + " |")
+    tokens = {m: statistics.fmean(r["response_tokens_per_step"] for r in runs if r["method"] == m)
+              for m in curves}  # fmt: skip
+    lines += ["", "Mean ± sd over seeds " + ", ".join(
+        f"{m}: {sorted({r['seed'] for r in runs if r['method'] == m})}" for m in curves
+    ) + ". Wall time per run: " + ", ".join(
+        f"{r['method']} s{r['seed']} {r['seconds']:.0f} s" for r in runs
+    ) + ". Response tokens trained on per step: " + ", ".join(
+        f"{m} {n:.0f}" for m, n in tokens.items()
+    ) + "."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: Sequence[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a CPU box
+    import matplotlib.pyplot as plt
+
+    panels = (("reverse_kl", "held-out reverse KL (nats/token)"),
+              ("agreement", "greedy answer = teacher's"), ("task", "task score (greedy)"),
+              ("greedy_eos", "greedy answers ending in <|im_end|>"))  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    colours = {"gndpo": "tab:blue", "opd": "tab:orange", "kd": "tab:green",
+               "kd_sampled": "tab:olive"}  # fmt: skip
+    curves = mean_curves(runs)
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for r in runs:
+            ax.plot([c["step"] for c in r["curve"]], [c[key] for c in r["curve"]],
+                    color=colours.get(r["method"]), alpha=0.25, lw=1)  # fmt: skip
+        for method, steps in curves.items():
+            ax.plot(list(steps), [v[key] for v in steps.values()], color=colours.get(method),
+                    lw=2, marker="o", ms=3, label=method)  # fmt: skip
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/smollm2/distill"))
+    parser.add_argument("--teacher", type=Path, default=None, help="default: the example's")
+    parser.add_argument("--student", type=Path, default=None, help="default: the example's")
+    parser.add_argument("--methods", default="gndpo,opd,kd,kd_sampled",
+                        help="or none (with --starts)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--eval-interval", type=int, default=6)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--starts", default="", help="NAME=DIR,... pruned students to measure")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the example config")
+    args = parser.parse_args(argv)
+
+    from megatron_gndpo.compat import notices
+    from megatron_gndpo.config.loader import load_config
+    from megatron_gndpo.data.tokenizer import load_tokenizer
+    from megatron_gndpo.demo.run import demo_world
+
+    notices.quiet_known_notices()
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    example = load_config(EXAMPLE, list(args.overrides))
+    s = Settings(
+        teacher=args.teacher or Path(str(example.teacher.load)),
+        student=args.student or Path(str(example.checkpoint.init)),
+        tokenizer=Path(str(example.data.tokenizer)), out=args.out, steps=args.steps,
+        eval_interval=args.eval_interval, seeds=tuple(range(SEED, SEED + args.seeds)),
+        overrides=tuple(args.overrides),
+    )  # fmt: skip
+    s.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(str(s.tokenizer))
+    max_new, budget = example.rollout.max_response_length, example.trainer.scoring_token_budget
+    methods = [m for m in args.methods.split(",") if m and m != "none"]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)} or none")
+    with demo_world():
+        teacher = prepare(s, tokenizer, max_new)
+        answers = Answers(**teacher["answers"])
+        evaluate = Evaluator(tokenizer, load_questions(EVAL_DATA), answers, max_new, budget)
+        if args.starts:
+            pairs = (x.split("=", 1) for x in args.starts.split(","))
+            starts = {name: Path(path) for name, path in pairs}
+            found = measure_starts(s, starts, evaluate, tokenizer, budget)
+            (s.out / "starts.json").write_text(json.dumps(found, indent=2) + "\n")
+        runs = []
+        for seed in s.seeds:  # seed by seed: a cut-short study still compares the methods
+            for method in methods:
+                if method.startswith("kd"):
+                    data = teacher[method]["sequences"]
+                    run = run_kd(s, method, seed, evaluate, data, tokenizer)
+                else:
+                    run = run_trainer(s, method, seed, evaluate)
+                runs.append(run)
+                with (s.out / "curves.jsonl").open("a") as f:
+                    f.write(json.dumps(run) + "\n")
+    if runs:
+        (s.out / "summary.md").write_text(markdown(runs, teacher))
+        plot(runs, s.out / "curves.png")
+        print((s.out / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
