@@ -540,7 +540,11 @@ def plot(runs: Sequence[dict[str, Any]], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/smollm2/distill"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/smollm2/distill"),
+        help="results directory; a (method, seed) already in OUT/curves.jsonl is kept, not run "
+        "again (delete the file for a fresh study)",
+    )  # fmt: skip
     parser.add_argument("--teacher", type=Path, default=None, help="default: the example's")
     parser.add_argument("--student", type=Path, default=None, help="default: the example's")
     parser.add_argument("--methods", default="gndpo,opd,kd,kd_sampled",
@@ -583,16 +587,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             starts = {name: Path(path) for name, path in pairs}
             found = measure_starts(s, starts, evaluate, tokenizer, budget)
             (s.out / "starts.json").write_text(json.dumps(found, indent=2) + "\n")
-        runs = []
+        curves = s.out / "curves.jsonl"  # the runs already made are kept, not run again
+        runs = [json.loads(x) for x in curves.read_text().splitlines()] if curves.is_file() else []
         for seed in s.seeds:  # seed by seed: a cut-short study still compares the methods
             for method in methods:
+                if any(r["method"] == method and r["seed"] == seed for r in runs):
+                    print(f"[{method} s{seed}] kept from {curves}")
+                    continue
                 if method.startswith("kd"):
                     data = teacher[method]["sequences"]
                     run = run_kd(s, method, seed, evaluate, data, tokenizer)
                 else:
                     run = run_trainer(s, method, seed, evaluate)
                 runs.append(run)
-                with (s.out / "curves.jsonl").open("a") as f:
+                with curves.open("a") as f:
                     f.write(json.dumps(run) + "\n")
     if runs:
         (s.out / "summary.md").write_text(markdown(runs, teacher))
