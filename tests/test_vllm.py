@@ -552,7 +552,9 @@ def test_demo_on_vllm(tmp_path: Path) -> None:
     numbers = json.loads((run_dir / "summary.json").read_text())
     assert numbers["engine"] == "vllm" and set(numbers["methods"]) == {"gndpo"}
     assert "rollouts sampled by a real vLLM" in (run_dir / "summary.md").read_text()
-    assert (run_dir / "cache" / "student_vllm").is_dir()  # 2 heads of 32, cached apart
+    # the student pruned from the teacher has its heads of 32: no narrower student is made
+    assert (run_dir / "cache" / "student_pruned").is_dir()
+    assert not (run_dir / "cache" / "student_vllm").exists()
     for name, m in numbers["methods"].items():
         assert m["start_accuracy"] == numbers["student_start_accuracy"], name
         assert 0.0 <= m["final_accuracy"] <= 1.0, name
