@@ -289,6 +289,14 @@ def prepare(
     return _prepared(directory, recipe.name, recipe.model, meta, cached=False)
 
 
+def pruned_cache_key(teacher_dir: Path, recipe: Any, version: int) -> str:
+    """The cache key of a student pruned by ``recipe`` (a dataclass) from the cached teacher
+    in ``teacher_dir``: the recipe, the teacher's own key and the caller's cache version."""
+    teacher_key = json.loads((teacher_dir / _META).read_text())["key"]
+    payload = {"version": version, "recipe": dataclasses.asdict(recipe), "teacher": teacher_key}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
 def prepare_pruned(
     cache_dir: str | Path,
     teacher: PreparedModel,
@@ -302,10 +310,7 @@ def prepare_pruned(
 
     recipe = recipe or pruned_recipe()
     directory = Path(cache_dir) / recipe.name
-    teacher_key = json.loads((teacher.checkpoint.parent / _META).read_text())["key"]
-    payload = {"version": _CACHE_VERSION, "recipe": dataclasses.asdict(recipe),
-               "teacher": teacher_key}  # fmt: skip
-    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    key = pruned_cache_key(teacher.checkpoint.parent, recipe, _CACHE_VERSION)
     model = dataclasses.replace(teacher.model, num_layers=recipe.num_layers)
     if recipe.ffn_hidden_size is not None:
         model = dataclasses.replace(model, ffn_hidden_size=recipe.ffn_hidden_size)

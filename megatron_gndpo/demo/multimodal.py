@@ -48,6 +48,7 @@ from megatron_gndpo.data.images import (
 from megatron_gndpo.data.tasks import visual
 from megatron_gndpo.data.tokenizer import SentencePieceTokenizer, Tokenizer
 from megatron_gndpo.demo.encoder import EncoderRecipe, PretrainedEncoder, pretrain_encoder
+from megatron_gndpo.demo.models import pruned_cache_key
 from megatron_gndpo.demo.tokenizer import MODEL_FILE, task_corpus, train_tokenizer
 from megatron_gndpo.engine.sft_vlm import encode_sft_multimodal, vlm_sft_train
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -428,10 +429,7 @@ def prepare_pruned_vlm(
 
     recipe = recipe or PrunedVisionRecipe()
     directory = Path(cache_dir) / recipe.name
-    teacher_key = json.loads((teacher.checkpoint.parent / _META).read_text())["key"]
-    payload = {"version": _CACHE_VERSION, "recipe": dataclasses.asdict(recipe),
-               "teacher": teacher_key}  # fmt: skip
-    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    key = pruned_cache_key(teacher.checkpoint.parent, recipe, _CACHE_VERSION)
     model = dataclasses.replace(teacher.model, num_layers=recipe.num_layers)
     named = VisionRecipe(recipe.name, model, teacher.vision, _optimizer(1e-3, 0), 0, 1, 1, 0)
     cached = _load_meta(directory, key)
