@@ -3,10 +3,11 @@
     megatron-gndpo convert hf-to-mcore --out runs/smollm2/teacher \\
         --hf-dir ~/.cache/megatron_gndpo/real/smollm2-135m-instruct
     megatron-gndpo prune --teacher runs/smollm2/teacher --out runs/smollm2/student_10l \\
-        --num-layers 10 --importance cosine --calib-data examples/data/short_answers_train.jsonl
+        --num-layers 10 --importance kl --calib-data examples/data/short_answers_train.jsonl \\
+        --calib-new-tokens 32 --calib-samples 8
     python benchmarks/real_distill.py --out runs/smollm2/distill --seeds 2 --steps 24
     python benchmarks/real_distill.py --out runs/smollm2/starts --methods none \\
-        --starts cosine=runs/smollm2/student_10l,third=runs/smollm2/student_third
+        --starts kl=runs/smollm2/student_10l,third=runs/smollm2/student_third
 
 Every method starts from the same pruned student (``checkpoint.init`` of the example config
 ``examples/smollm2_135m_to_10l.yaml``, or ``--student``) and trains as many steps of 16
@@ -18,7 +19,10 @@ sequences (8 prompts x 2) with the same optimizer, on the same training question
   to the training questions (its mode, as their beam search approximates it), written once, are
   the data of supervised fine-tuning (``engine/sft.py``), 16 sequences a step;
 - ``kd_sampled``: the same with the teacher's samples at temperature 1 (2 per question, drawn
-  once) instead: the distribution OPD matches, but SmolLM2-135M's samples are mostly wrong.
+  once) instead: the distribution OPD matches, but SmolLM2-135M's samples are mostly wrong;
+- ``kd_gndpo``: ``kd`` for the first ``--kd-steps`` steps, then GNDPO from that model for the
+  rest (the same steps and sequences in all): KD teaches the answers' form (they end), on-policy
+  distillation the rest, as Minitron-style recipes follow distillation with a second stage.
 
 All of them are measured by one :class:`Evaluator` at step 0 and every ``--eval-interval`` steps
 on the 64 held-out questions (``examples/data/short_answers_eval.jsonl``):
@@ -60,7 +64,7 @@ if str(ROOT) not in sys.path:
 
 EXAMPLE = ROOT / "examples" / "smollm2_135m_to_10l.yaml"
 EVAL_DATA = ROOT / "examples" / "data" / "short_answers_eval.jsonl"
-METHODS = ("gndpo", "opd", "kd", "kd_sampled")
+METHODS = ("gndpo", "opd", "kd", "kd_sampled", "kd_gndpo")
 MEASURES = ("reverse_kl", "agreement", "task", "greedy_eos", "sampled_eos", "greedy_length",
             "sampled_length")  # fmt: skip
 EVAL_SAMPLES = 2  # samples per held-out question for the reverse KL (128 in all)
@@ -218,6 +222,7 @@ class Settings:
     steps: int
     eval_interval: int
     seeds: tuple[int, ...]
+    kd_steps: int  # kd_gndpo's KD part
     overrides: tuple[str, ...]  # dotted overrides of the example config, for every method
 
 
@@ -340,8 +345,12 @@ def prepare(s: Settings, tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
     return found
 
 
-def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator) -> dict[str, Any]:
-    """GNDPO or OPD through the trainer; evaluated at step 0 and every ``s.eval_interval``."""
+def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
+                offset: int = 0) -> dict[str, Any]:  # fmt: skip
+    """GNDPO or OPD through the trainer; evaluated at step 0 and every ``s.eval_interval``.
+
+    ``offset``: steps already made from ``s.student`` (kd_gndpo's KD part, measured there): the
+    curve counts from it and the start is not measured again."""
     from megatron_gndpo.checks import validate
     from megatron_gndpo.trainer import Trainer
 
@@ -363,11 +372,12 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator) -> dic
                                                    teacher)})  # fmt: skip
             _say(method, seed, curve[-1])
 
-        measure(0)
-        for step in range(1, s.steps + 1):
+        if not offset:
+            measure(0)
+        for step in range(offset + 1, offset + s.steps + 1):
             metrics = trainer.step()
             trained.append(metrics["tokens/step"])  # the response tokens sampled and trained on
-            if step % s.eval_interval == 0 or step == s.steps:
+            if step % s.eval_interval == 0 or step == offset + s.steps:
                 measure(step)
         c.logger.close()
     finally:
@@ -380,12 +390,13 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator) -> dic
 
 
 def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[dict[str, Any]],
-           tokenizer: Any) -> dict[str, Any]:  # fmt: skip
+           tokenizer: Any, save: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Sequence-level KD: SFT of the student on the teacher's answers ``data`` (engine/sft.py),
     as many sequences a step as a trainer step samples, the trainer's optimizer; evaluated like
-    the trainer's runs."""
+    the trainer's runs. ``save``: a checkpoint root the trained student is written to (a model
+    the trainer's ``checkpoint.init`` loads)."""
     from megatron_gndpo.checkpoint.convert import read_model_config
-    from megatron_gndpo.checkpoint.dist import resolve
+    from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.engine.scoring import sequence_multiple
     from megatron_gndpo.engine.sft import SFTSequence, build_sft_model, micro_batch, run_sft
@@ -395,9 +406,10 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
     sequences = [SFTSequence(tuple(d["tokens"]), d["prompt_length"]) for d in data]
     started = time.perf_counter()
     curve = []
+    model_cfg = read_model_config(s.student, resolve(s.student))
     with World(seed) as world:
         m = build_sft_model(
-            read_model_config(s.student, resolve(s.student)), ParallelConfig(), world.groups,
+            model_cfg, ParallelConfig(), world.groups,
             cfg.optimizer, vocab_size=tokenizer.vocab_size, steps=s.steps, seed=seed,
             init=resolve(s.student),
         )  # fmt: skip
@@ -418,10 +430,32 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
             steps=s.steps, batch_size=rows, micro_batch_size=cfg.trainer.micro_batch_size,
             seed=seed, on_step=measure,
         )  # fmt: skip
+        if save is not None:
+            shutil.rmtree(save, ignore_errors=True)
+            save_checkpoint(save, s.steps, m.model, model_config=model_cfg,
+                            tokenizer=str(s.tokenizer))  # fmt: skip
     per_sequence = statistics.fmean(len(q.tokens) - q.prompt_length for q in sequences)
     return {"method": method, "seed": seed, "curve": curve,
             "seconds": time.perf_counter() - started,
             "response_tokens_per_step": per_sequence * rows}  # fmt: skip
+
+
+def run_kd_gndpo(s: Settings, seed: int, evaluate: Evaluator, data: list[dict[str, Any]],
+                 tokenizer: Any) -> dict[str, Any]:  # fmt: skip
+    """``kd`` for ``s.kd_steps`` steps, then GNDPO for the rest from the model KD wrote."""
+    if not 0 < s.kd_steps < s.steps:
+        raise ValueError(f"kd_gndpo needs 0 < --kd-steps < --steps; got {s.kd_steps}, {s.steps}")
+    method, saved = "kd_gndpo", s.out / f"kd_gndpo_s{seed}_kd"
+    kd = run_kd(dataclasses.replace(s, steps=s.kd_steps), method, seed, evaluate, data,
+                tokenizer, save=saved)  # fmt: skip
+    rest = dataclasses.replace(s, student=saved, steps=s.steps - s.kd_steps)
+    on = run_trainer(rest, method, seed, evaluate, offset=s.kd_steps)
+    shutil.rmtree(saved, ignore_errors=True)
+    tokens = (kd["response_tokens_per_step"] * s.kd_steps
+              + on["response_tokens_per_step"] * rest.steps) / s.steps  # fmt: skip
+    return {"method": method, "seed": seed, "curve": kd["curve"] + on["curve"],
+            "seconds": kd["seconds"] + on["seconds"], "response_tokens_per_step": tokens,
+            "kd_steps": s.kd_steps}  # fmt: skip
 
 
 def measure_starts(s: Settings, starts: dict[str, Path], evaluate: Evaluator,
@@ -518,7 +552,7 @@ def plot(runs: Sequence[dict[str, Any]], path: Path) -> None:
               ("greedy_eos", "greedy answers ending in <|im_end|>"))  # fmt: skip
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     colours = {"gndpo": "tab:blue", "opd": "tab:orange", "kd": "tab:green",
-               "kd_sampled": "tab:olive"}  # fmt: skip
+               "kd_sampled": "tab:olive", "kd_gndpo": "tab:purple"}  # fmt: skip
     curves = mean_curves(runs)
     for ax, (key, title) in zip(axes, panels, strict=True):
         for r in runs:
@@ -552,6 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--eval-interval", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--kd-steps", type=int, default=None,
+                        help="kd_gndpo's KD steps (default: a quarter of --steps)")  # fmt: skip
     parser.add_argument("--starts", default="", help="NAME=DIR,... pruned students to measure")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the example config")
     args = parser.parse_args(argv)
@@ -570,6 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer=Path(str(example.data.tokenizer)), out=args.out, steps=args.steps,
         eval_interval=args.eval_interval, seeds=tuple(range(SEED, SEED + args.seeds)),
         overrides=tuple(args.overrides),
+        kd_steps=args.kd_steps if args.kd_steps is not None else max(args.steps // 4, 1),
     )  # fmt: skip
     s.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(str(s.tokenizer))
@@ -594,7 +631,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if any(r["method"] == method and r["seed"] == seed for r in runs):
                     print(f"[{method} s{seed}] kept from {curves}")
                     continue
-                if method.startswith("kd"):
+                if method == "kd_gndpo":
+                    run = run_kd_gndpo(s, seed, evaluate, teacher["kd"]["sequences"], tokenizer)
+                elif method.startswith("kd"):
                     data = teacher[method]["sequences"]
                     run = run_kd(s, method, seed, evaluate, data, tokenizer)
                 else:

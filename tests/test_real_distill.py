@@ -14,7 +14,17 @@ from typing import Any
 
 import pytest
 
-from benchmarks.real_distill import EVAL_DATA, load_questions, task_score, words
+from benchmarks.real_distill import (
+    EVAL_DATA,
+    MEASURES,
+    Settings,
+    load_questions,
+    markdown,
+    mean_curves,
+    run_kd_gndpo,
+    task_score,
+    words,
+)
 
 DATA = Path(__file__).resolve().parent.parent / "examples" / "data"
 
@@ -60,3 +70,38 @@ def test_task_score(task: str, response: str, reference: str, right: float) -> N
 
 def test_agreement_ignores_case_punctuation_and_spacing() -> None:
     assert words('The opposite of "up" is  "down."') == words("the opposite of up is down")
+
+
+def _run(method: str, seed: int, steps: list[int], kl: list[float]) -> dict[str, Any]:
+    curve = [{**dict.fromkeys(MEASURES, 0.0), "step": t, "reverse_kl": k}
+             for t, k in zip(steps, kl, strict=True)]  # fmt: skip
+    return {"method": method, "seed": seed, "curve": curve, "seconds": 1.0,
+            "response_tokens_per_step": 100.0}  # fmt: skip
+
+
+def test_report_averages_seeds_per_step_for_a_two_stage_method() -> None:
+    """kd_gndpo's curve is KD's steps then GNDPO's, counted on from KD's last (no second step 0):
+    the report averages seeds at each step like any method's."""
+    runs = [
+        _run("gndpo", 1, [0, 8, 16], [3.0, 2.0, 1.0]),
+        _run("kd_gndpo", 1, [0, 8, 16], [3.0, 2.5, 1.5]),
+        _run("kd_gndpo", 2, [0, 8, 16], [3.0, 2.7, 1.1]),
+    ]
+    curves = mean_curves(runs)
+    assert list(curves["kd_gndpo"]) == [0, 8, 16]
+    assert curves["kd_gndpo"][16]["reverse_kl"] == pytest.approx(1.3)
+    assert curves["kd_gndpo"][16]["reverse_kl_sd"] == pytest.approx(0.2828, abs=1e-4)
+    kd = {"task": 0.8, "eos": 1.0, "length": 11.0}
+    teacher = {"task": 0.78, "task_by_kind": {"capital": 0.81}, "greedy_eos": 0.97,
+               "greedy_length": 10.8, "kd": kd, "kd_sampled": kd}  # fmt: skip
+    text = markdown(runs, teacher)
+    assert "| kd_gndpo | 16 | 1.300 ± 0.283 |" in text
+    assert "kd_gndpo: [1, 2]" in text
+
+
+@pytest.mark.parametrize("kd_steps", [0, 8, 12])
+def test_kd_gndpo_needs_both_parts(kd_steps: int, tmp_path: Path) -> None:
+    s = Settings(teacher=tmp_path, student=tmp_path, tokenizer=tmp_path, out=tmp_path, steps=8,
+                 eval_interval=4, seeds=(1,), overrides=(), kd_steps=kd_steps)  # fmt: skip
+    with pytest.raises(ValueError, match="0 < --kd-steps < --steps"):
+        run_kd_gndpo(s, 1, None, [], None)  # type: ignore[arg-type]
