@@ -608,13 +608,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides=tuple(args.overrides),
         kd_steps=args.kd_steps if args.kd_steps is not None else max(args.steps // 4, 1),
     )  # fmt: skip
-    s.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(str(s.tokenizer))
-    max_new, budget = example.rollout.max_response_length, example.trainer.scoring_token_budget
     methods = [m for m in args.methods.split(",") if m and m != "none"]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)} or none")
+    if "kd_gndpo" in methods and not 0 < s.kd_steps < s.steps:
+        parser.error(f"kd_gndpo needs 0 < --kd-steps < --steps; got --kd-steps {s.kd_steps} "
+                     f"and --steps {s.steps}")  # fmt: skip
+    s.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(str(s.tokenizer))
+    max_new, budget = example.rollout.max_response_length, example.trainer.scoring_token_budget
     with demo_world():
         teacher = prepare(s, tokenizer, max_new)
         answers = Answers(**teacher["answers"])
