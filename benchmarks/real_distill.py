@@ -15,6 +15,9 @@ sequences (8 prompts x 2) with the same optimizer, on the same training question
 
 - ``gndpo``, ``opd``: the trainer on that config with ``algorithm.estimator`` gndpo / opd: the
   student samples its answers, the teacher scores every sampled token.
+- ``tropd``, ``vopd``: the trainer's TrOPD (the sampled-token score where the teacher supports
+  the student's token, a forward KL to the teacher's top-20 where it does not) and vOPD (the
+  score plus the exact top-k KL as a control variate), at their defaults (docs/methods/).
 - ``kd``: sequence-level knowledge distillation (Kim & Rush 2016): the teacher's greedy answers
   to the training questions (its mode, as their beam search approximates it), written once, are
   the data of supervised fine-tuning (``engine/sft.py``), 16 sequences a step;
@@ -22,7 +25,8 @@ sequences (8 prompts x 2) with the same optimizer, on the same training question
   once) instead: the distribution OPD matches, but SmolLM2-135M's samples are mostly wrong;
 - ``kd_gndpo``: ``kd`` for the first ``--kd-steps`` steps, then GNDPO from that model for the
   rest (the same steps and sequences in all): KD teaches the answers' form (they end), on-policy
-  distillation the rest, as Minitron-style recipes follow distillation with a second stage.
+  distillation the rest, as Minitron-style recipes follow distillation with a second stage;
+  ``kd_tropd`` the same with TrOPD as the second stage.
 
 All of them are measured by one :class:`Evaluator` at step 0 and every ``--eval-interval`` steps
 on the 64 held-out questions (``examples/data/short_answers_eval.jsonl``):
@@ -64,7 +68,9 @@ if str(ROOT) not in sys.path:
 
 EXAMPLE = ROOT / "examples" / "smollm2_135m_to_10l.yaml"
 EVAL_DATA = ROOT / "examples" / "data" / "short_answers_eval.jsonl"
-METHODS = ("gndpo", "opd", "kd", "kd_sampled", "kd_gndpo")
+ON_POLICY = ("gndpo", "opd", "tropd", "vopd")  # the trainer's estimators this study runs
+KD_THEN = ("kd_gndpo", "kd_tropd")  # KD for --kd-steps, then the on-policy method after "kd_"
+METHODS = (*ON_POLICY, "kd", "kd_sampled", *KD_THEN)
 MEASURES = ("reverse_kl", "agreement", "task", "greedy_eos", "sampled_eos", "greedy_length",
             "sampled_length")  # fmt: skip
 EVAL_SAMPLES = 2  # samples per held-out question for the reverse KL (128 in all)
@@ -222,8 +228,15 @@ class Settings:
     steps: int
     eval_interval: int
     seeds: tuple[int, ...]
-    kd_steps: int  # kd_gndpo's KD part
+    kd_steps: int  # kd_gndpo's and kd_tropd's KD part
     overrides: tuple[str, ...]  # dotted overrides of the example config, for every method
+
+
+def estimator(method: str) -> str:
+    """The trainer's ``algorithm.estimator`` for a study method: its on-policy part, or gndpo
+    (KD's runs read only the optimizer of the config)."""
+    on = method.removeprefix("kd_")
+    return on if on in ON_POLICY else "gndpo"
 
 
 def run_config(s: Settings, method: str, seed: int) -> Any:
@@ -233,7 +246,7 @@ def run_config(s: Settings, method: str, seed: int) -> Any:
     ours = [
         f"checkpoint.init={s.student}", f"teacher.load={s.teacher}",
         f"data.tokenizer={s.tokenizer}", f"trainer.steps={s.steps}", f"trainer.seed={seed}",
-        f"algorithm.estimator={method if method in ('gndpo', 'opd') else 'gndpo'}",
+        f"algorithm.estimator={estimator(method)}",
         f"logging.run_dir={s.out / f'{method}_s{seed}'}", "trainer.eval_interval=0",
         "checkpoint.save_interval=0", "data.eval=null",
     ]  # fmt: skip
@@ -347,10 +360,11 @@ def prepare(s: Settings, tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
 
 def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
                 offset: int = 0) -> dict[str, Any]:  # fmt: skip
-    """GNDPO or OPD through the trainer; evaluated at step 0 and every ``s.eval_interval``.
+    """An on-policy method through the trainer; evaluated at step 0 and every
+    ``s.eval_interval``.
 
-    ``offset``: steps already made from ``s.student`` (kd_gndpo's KD part, measured there): the
-    curve counts from it and the start is not measured again."""
+    ``offset``: steps already made from ``s.student`` (a KD_THEN method's KD part, measured
+    there): the curve counts from it and the start is not measured again."""
     from megatron_gndpo.checks import validate
     from megatron_gndpo.trainer import Trainer
 
@@ -440,12 +454,13 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
             "response_tokens_per_step": per_sequence * rows}  # fmt: skip
 
 
-def run_kd_gndpo(s: Settings, seed: int, evaluate: Evaluator, data: list[dict[str, Any]],
-                 tokenizer: Any) -> dict[str, Any]:  # fmt: skip
-    """``kd`` for ``s.kd_steps`` steps, then GNDPO for the rest from the model KD wrote."""
+def run_kd_then(s: Settings, method: str, seed: int, evaluate: Evaluator,
+                data: list[dict[str, Any]], tokenizer: Any) -> dict[str, Any]:  # fmt: skip
+    """``kd`` for ``s.kd_steps`` steps, then the on-policy method ``method`` names after ``kd_``
+    (``kd_gndpo``: GNDPO) for the rest, from the model KD wrote."""
     if not 0 < s.kd_steps < s.steps:
-        raise ValueError(f"kd_gndpo needs 0 < --kd-steps < --steps; got {s.kd_steps}, {s.steps}")
-    method, saved = "kd_gndpo", s.out / f"kd_gndpo_s{seed}_kd"
+        raise ValueError(f"{method} needs 0 < --kd-steps < --steps; got {s.kd_steps}, {s.steps}")
+    saved = s.out / f"{method}_s{seed}_kd"
     kd = run_kd(dataclasses.replace(s, steps=s.kd_steps), method, seed, evaluate, data,
                 tokenizer, save=saved)  # fmt: skip
     rest = dataclasses.replace(s, student=saved, steps=s.steps - s.kd_steps)
@@ -552,7 +567,8 @@ def plot(runs: Sequence[dict[str, Any]], path: Path) -> None:
               ("greedy_eos", "greedy answers ending in <|im_end|>"))  # fmt: skip
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     colours = {"gndpo": "tab:blue", "opd": "tab:orange", "kd": "tab:green",
-               "kd_sampled": "tab:olive", "kd_gndpo": "tab:purple"}  # fmt: skip
+               "kd_sampled": "tab:olive", "kd_gndpo": "tab:purple",
+               "tropd": "tab:red", "vopd": "tab:brown", "kd_tropd": "tab:pink"}  # fmt: skip
     curves = mean_curves(runs)
     for ax, (key, title) in zip(axes, panels, strict=True):
         for r in runs:
@@ -587,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eval-interval", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--kd-steps", type=int, default=None,
-                        help="kd_gndpo's KD steps (default: a quarter of --steps)")  # fmt: skip
+                        help="KD steps of kd_gndpo/kd_tropd (default: steps // 4)")  # fmt: skip
     parser.add_argument("--starts", default="", help="NAME=DIR,... pruned students to measure")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the example config")
     args = parser.parse_args(argv)
@@ -612,9 +628,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)} or none")
-    if "kd_gndpo" in methods and not 0 < s.kd_steps < s.steps:
-        parser.error(f"kd_gndpo needs 0 < --kd-steps < --steps; got --kd-steps {s.kd_steps} "
-                     f"and --steps {s.steps}")  # fmt: skip
+    if set(methods) & set(KD_THEN) and not 0 < s.kd_steps < s.steps:
+        parser.error(f"{'/'.join(KD_THEN)} need 0 < --kd-steps < --steps; got --kd-steps "
+                     f"{s.kd_steps} and --steps {s.steps}")  # fmt: skip
     s.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(str(s.tokenizer))
     max_new, budget = example.rollout.max_response_length, example.trainer.scoring_token_budget
@@ -634,8 +650,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if any(r["method"] == method and r["seed"] == seed for r in runs):
                     print(f"[{method} s{seed}] kept from {curves}")
                     continue
-                if method == "kd_gndpo":
-                    run = run_kd_gndpo(s, seed, evaluate, teacher["kd"]["sequences"], tokenizer)
+                if method in KD_THEN:
+                    data = teacher["kd"]["sequences"]
+                    run = run_kd_then(s, method, seed, evaluate, data, tokenizer)
                 elif method.startswith("kd"):
                     data = teacher[method]["sequences"]
                     run = run_kd(s, method, seed, evaluate, data, tokenizer)

@@ -70,7 +70,7 @@ from megatron_gndpo.rollout.filters import (
     hollow,
     keep_rows,
 )
-from megatron_gndpo.rollout.metrics import rollout_metrics
+from megatron_gndpo.rollout.metrics import EndingWatch, rollout_metrics
 from megatron_gndpo.rollout.pipeline import Drawn, RolloutPipeline
 from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
 from megatron_gndpo.rollout.remote import RemoteRollouts, load_inflight
@@ -118,6 +118,7 @@ class Trainer:
         self._syncs = 0  # weight syncs into an external engine so far
         self._routing: RoutingPass | None = None  # the step's old-log-prob pass (MoE)
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
+        self.ending = EndingWatch(cfg.rollout.max_response_length)
         self.tokenizer = TokenizerStamp(cfg.data.tokenizer, self.c.tokenizer.fingerprint())
         self.run_id = ""
         # rollout.disaggregate: the rollout ranks sample, batches ahead with staleness > 0
@@ -212,6 +213,8 @@ class Trainer:
             metrics |= self._sync_engine()
         self.step_count += 1
         metrics |= self._rollout_metrics(sampled, student, rewards, kept)
+        if (never_stops := self.ending.observe(metrics["finished/frac"])) is not None:
+            self._warn(never_stops)
         metrics |= self._routing_metrics()
         metrics |= timer.pop()
         metrics["time/step"] = time.perf_counter() - started

@@ -21,7 +21,7 @@ from benchmarks.real_distill import (
     load_questions,
     markdown,
     mean_curves,
-    run_kd_gndpo,
+    run_kd_then,
     task_score,
     words,
 )
@@ -100,8 +100,8 @@ def test_report_averages_seeds_per_step_for_a_two_stage_method() -> None:
 
 
 @pytest.mark.parametrize("kd_steps", [0, 8, 12])
-def test_kd_gndpo_needs_both_parts(kd_steps: int, tmp_path: Path) -> None:
+def test_kd_then_needs_both_parts(kd_steps: int, tmp_path: Path) -> None:
     s = Settings(teacher=tmp_path, student=tmp_path, tokenizer=tmp_path, out=tmp_path, steps=8,
                  eval_interval=4, seeds=(1,), overrides=(), kd_steps=kd_steps)  # fmt: skip
     with pytest.raises(ValueError, match="0 < --kd-steps < --steps"):
-        run_kd_gndpo(s, 1, None, [], None)  # type: ignore[arg-type]
+        run_kd_then(s, "kd_tropd", 1, None, [], None)  # type: ignore[arg-type]

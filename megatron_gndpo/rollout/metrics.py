@@ -75,3 +75,33 @@ def rollout_metrics(
     if rewards_N is not None:
         out["reward/mean"] = reward_sum / rows
     return out, written_sum / max(response, 1.0)
+
+
+class EndingWatch:
+    """Says once when no sampled response has ended with a stop token for ``window`` steps in
+    a row (``finished/frac`` 0: every one ran to the length limit).
+
+    A sampled-token score (gndpo, opd, vopd) learns to stop only from the stop tokens the
+    student samples; a student that never samples one is not taught to stop, however low its
+    per-token KL goes (docs/methods/README.md, "A student that never stops")."""
+
+    def __init__(self, limit: int, window: int = 5) -> None:
+        self.limit, self.window = limit, window
+        self.unfinished = 0  # steps in a row with finished/frac 0
+        self.said = False
+
+    def observe(self, finished_frac: float) -> str | None:
+        """The step's global ``finished/frac``; the warning, the first time it is due."""
+        self.unfinished = self.unfinished + 1 if finished_frac == 0.0 else 0
+        if self.said or self.unfinished < self.window:
+            return None
+        self.said = True
+        return (
+            f"no response of the last {self.window} steps ended with a stop token: every one "
+            f"ran to rollout.max_response_length={self.limit}. The distillation score teaches "
+            "stopping only through the stop tokens the student samples, so this student is "
+            "not taught to stop (docs/methods/README.md, 'A student that never stops'): train "
+            "it on the teacher's answers first (sequence-level KD), use "
+            "algorithm.estimator=tropd, or check the stop token (data.tokenizer, "
+            "rollout.stop_token_ids)"
+        )

@@ -1,0 +1,18 @@
+"""EndingWatch: one warning when no sampled response has stopped for a window of steps."""
+
+from __future__ import annotations
+
+from megatron_gndpo.rollout.metrics import EndingWatch
+
+
+def test_warns_once_after_a_window_of_unfinished_steps() -> None:
+    watch = EndingWatch(limit=48, window=3)
+    said = [watch.observe(f) for f in (0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)]
+    assert [i for i, s in enumerate(said) if s is not None] == [5]  # the 3rd zero in a row
+    assert "rollout.max_response_length=48" in str(said[5])
+    assert "estimator=tropd" in str(said[5])
+
+
+def test_a_stopping_student_is_never_warned_about() -> None:
+    watch = EndingWatch(limit=24, window=2)
+    assert all(watch.observe(f) is None for f in (0.0, 0.1, 0.0, 1.0, 0.0, 0.06))
