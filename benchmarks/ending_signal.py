@@ -36,6 +36,12 @@ for path in (ROOT, ROOT / "benchmarks"):
 THRESHOLD = 0.5  # "the teacher would end here": p_T(stop) above this
 
 
+def sampled_score(lt: torch.Tensor, ls: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, S]``: the score ``lt - ls`` of each sampled token (unclamped)."""
+    picked = tokens[..., None]
+    return lt.gather(-1, picked)[..., 0] - ls.gather(-1, picked)[..., 0]
+
+
 def pushes(lt: torch.Tensor, ls: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
            stop: int, *, clip: float = 5.0, top_k: int = 20) -> dict[str, float]:  # fmt: skip
     """The push of each signal on the stop token's logit, summed over the ``mask`` positions.
@@ -58,8 +64,7 @@ def pushes(lt: torch.Tensor, ls: torch.Tensor, tokens: torch.Tensor, mask: torch
     p_s = ls[..., stop].exp()
     kl = (ls.exp() * (ls - lt)).sum(-1)
     reverse = -p_s * (ls[..., stop] - lt[..., stop] - kl)
-    picked = tokens[..., None]
-    score = lt.gather(-1, picked)[..., 0] - ls.gather(-1, picked)[..., 0]
+    score = sampled_score(lt, ls, tokens)
     advantage = (score - score[mask].mean()).clamp(-clip, clip)
     sampled_stop = (tokens == stop).float()
     top_p, top_ids = lt.exp().topk(top_k, dim=-1)
@@ -81,8 +86,7 @@ def ending_measures(lt: torch.Tensor, ls: torch.Tensor, tokens: torch.Tensor, ma
     p_t, p_s = lt[..., stop].exp(), ls[..., stop].exp()
     wants = mask & (p_t > THRESHOLD)
     sampled = mask & (tokens == stop)
-    picked = tokens[..., None]
-    score = lt.gather(-1, picked)[..., 0] - ls.gather(-1, picked)[..., 0]
+    score = sampled_score(lt, ls, tokens)
 
     def mean(x: torch.Tensor, where: torch.Tensor) -> float | None:
         return float(x[where].mean()) if where.any() else None
