@@ -354,7 +354,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 2
     except BaseException:
         if watchdog is not None:
-            watchdog.stop(failed=True)
+            watchdog.stop(failed=True, said_why=False)  # a crash: the launcher names this rank
         raise
     else:
         if watchdog is not None:

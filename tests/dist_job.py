@@ -6,12 +6,16 @@ Every rank starts torch.distributed through the project's own start-up (``init_d
 and its watchdog (a 2 s heartbeat timeout), writes its pid to ``OUT_DIR/pid.RANK``, then:
 
 - ``wait``: both ranks wait in barriers until killed (the test kills the launcher);
-- ``error``: both ranks raise the same UserError through the CLI's reporting.
+- ``error``: both ranks raise the same UserError through the CLI's reporting;
+- ``crash``: rank 1 crashes (a RuntimeError, marked crashed as the CLI marks one) while rank 0
+  waits outside any collective, taking SIGTERM as a request (as the trainer does): rank 0's
+  watchdog ends it with ``FOLLOWED_A_CRASH_EXIT``.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -42,6 +46,16 @@ def main() -> int:
         report_error("the same problem on every rank; the fix")
         watchdog.stop(failed=True)
         return 2
+    elif mode == "crash":
+        if env.rank == 0:
+            signal.signal(signal.SIGTERM, lambda *_: None)  # the trainer stops at its next step
+            while True:
+                time.sleep(0.2)
+        try:
+            raise RuntimeError("a crash: nothing of ours printed")
+        except BaseException:
+            watchdog.stop(failed=True, said_why=False)
+            raise
     watchdog.stop()
     shutdown_distributed()
     return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,9 @@ pytestmark = [
 ]
 
 
-def _bridge(work: Path, *step: str) -> None:
-    """One step of bridge_side.py in the Bridge venv, this checkout importable (compat.cpu)."""
+def _bridge(*steps: str) -> None:
+    """bridge_side.py's ``WORK STEP ARGS [+ WORK STEP ARGS ...]`` in one process of the Bridge
+    venv, this checkout importable (compat.cpu)."""
     for _attempt in range(3):  # the free port may be taken before Bridge's gloo world binds it
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -59,35 +61,54 @@ def _bridge(work: Path, *step: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
         result = subprocess.run(
-            [str(BRIDGE_PYTHON), str(BRIDGE_SIDE), str(work), *step],
+            [str(BRIDGE_PYTHON), str(BRIDGE_SIDE), *steps],
             env=env, capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         if "EADDRINUSE" not in result.stderr:
             break
-    assert result.returncode == 0, f"bridge_side.py {' '.join(step)}:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"bridge_side.py {' '.join(steps)}:\n{result.stderr[-4000:]}"
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def hf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random HF model of the family in WORK/hf, written by transformers 5.12.1 (Bridge's),
+@pytest.fixture(scope="module")
+def works(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per family: a tiny random HF model in WORK/hf, written by transformers 5.12.1 (Bridge's),
     and Bridge's import of it (``to_megatron_provider`` + ``save_megatron_model``: its trackers,
-    ``run_config.yaml``, 1000 embedding rows) in WORK/bridge_ckpt: one Bridge process."""
-    work = tmp_path_factory.mktemp(request.param)
-    _bridge(work, "prepare", request.param)
-    return work
+    ``run_config.yaml``, 1000 embedding rows) in WORK/bridge_ckpt; all in one Bridge process."""
+    base = tmp_path_factory.mktemp("bridge")
+    works = {family: base / family for family in FAMILIES}
+    _bridge(*_joined([str(work), "prepare", family] for family, work in works.items()))
+    return works
+
+
+def _joined(steps: Iterable[list[str]]) -> list[str]:
+    """bridge_side.py's steps, one process: ``W1 STEP ARGS + W2 STEP ARGS``."""
+    out: list[str] = []
+    for step in steps:
+        out += ["+", *step] if out else step
+    return out
+
+
+@pytest.fixture(params=FAMILIES)
+def hf_model(
+    request: pytest.FixtureRequest, works: dict[str, Path], ours: dict[str, torch.Tensor]
+) -> Path:
+    """WORK of one family (named after it), our side already run on it (:func:`ours`)."""
+    return works[request.param]
 
 
 def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
-def _our_side(rank: int, world: int, work: str, tokens: torch.Tensor) -> torch.Tensor:
-    """Everything of ours on one family, in one process (each start costs ~10 s of imports):
+def _our_sides(
+    rank: int, world: int, works: dict[str, str], tokens: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Everything of ours on every family, in one process (each start costs ~10 s of imports):
 
-    - Bridge's checkpoint loaded as our teacher: its log-probs ``[b, s, v]`` (returned);
+    - Bridge's checkpoint loaded as our teacher: its log-probs ``[b, s, v]`` (returned by family);
     - HF -> ours (``convert hf-to-mcore``, WORK/ours_ckpt) -> HF (WORK/ours_export);
     - our ``convert mcore-to-hf`` CLI on Bridge's checkpoint, no --model-config
-      (WORK/ours_export_of_bridge).
+      (WORK/ours_export_of_bridge); last, since the CLI ends the process's world when done.
     """
     from megatron_gndpo.checkpoint import convert_cli, hf_mapping
     from megatron_gndpo.checkpoint.convert import (
@@ -102,28 +123,45 @@ def _our_side(rank: int, world: int, work: str, tokens: torch.Tensor) -> torch.T
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
 
     cpu.enable()
-    model = hf_mapping.model_config_from_hf(read_hf_config(f"{work}/hf"))
     groups = build_student_groups(ParallelLayout(1), seed=1)
-    teacher = build_teacher(model, ParallelConfig(), groups)
-    load_checkpoint(f"{work}/bridge_ckpt", teacher, vocab_size=model.vocab_size)
     positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
-    with torch.no_grad():
-        logits = teacher(tokens, positions, None)  # [b, s, padded v]
-    del teacher
-    convert_hf_to_mcore(f"{work}/hf", f"{work}/ours_ckpt", groups=groups, parallel=ParallelConfig())
-    convert_mcore_to_hf(f"{work}/ours_ckpt", f"{work}/ours_export")
-    convert_cli.mcore_to_hf_main(
-        ["--mcore-dir", f"{work}/bridge_ckpt", "--out", f"{work}/ours_export_of_bridge"]
-    )
-    return logits[..., :VOCAB].double().log_softmax(-1)
+    logprobs = {}
+    for family, work in works.items():
+        model = hf_mapping.model_config_from_hf(read_hf_config(f"{work}/hf"))
+        teacher = build_teacher(model, ParallelConfig(), groups)
+        load_checkpoint(f"{work}/bridge_ckpt", teacher, vocab_size=model.vocab_size)
+        with torch.no_grad():
+            logits = teacher(tokens, positions, None)  # [b, s, padded v]
+        logprobs[family] = logits[..., :VOCAB].double().log_softmax(-1)
+        del teacher
+        convert_hf_to_mcore(
+            f"{work}/hf", f"{work}/ours_ckpt", groups=groups, parallel=ParallelConfig()
+        )
+        convert_mcore_to_hf(f"{work}/ours_ckpt", f"{work}/ours_export")
+    for work in works.values():
+        convert_cli.mcore_to_hf_main(
+            ["--mcore-dir", f"{work}/bridge_ckpt", "--out", f"{work}/ours_export_of_bridge"]
+        )
+    return logprobs
 
 
 @pytest.fixture(scope="module")
-def ours(hf_model: Path) -> torch.Tensor:
-    """:func:`_our_side` on this family's models: our teacher's log-probs of :func:`_tokens`."""
-    assert not (hf_model / "bridge_ckpt" / "model_config.yaml").exists()  # nothing of ours there
-    [logprobs] = run_distributed(_our_side, 1, args=(str(hf_model), _tokens()), timeout_s=300)
+def ours(works: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """:func:`_our_sides` on each family's models: our teacher's log-probs of :func:`_tokens`."""
+    assert not any((w / "bridge_ckpt" / "model_config.yaml").exists() for w in works.values())
+    paths = {family: str(work) for family, work in works.items()}
+    [logprobs] = run_distributed(_our_sides, 1, args=(paths, _tokens()), timeout_s=300)
     return logprobs
+
+
+@pytest.fixture(scope="module")
+def bridge_exports(works: dict[str, Path], ours: dict[str, torch.Tensor]) -> dict[str, Path]:
+    """Bridge's ``export_ckpt`` of our checkpoint of each family (WORK/ours_ckpt) in
+    WORK/bridge_export, all in one Bridge process."""
+    _bridge(*_joined(
+        [str(w), "export", str(w / "ours_ckpt"), str(w / "bridge_export")] for w in works.values()
+    ))  # fmt: skip
+    return {family: work / "bridge_export" for family, work in works.items()}
 
 
 def _hf_logprobs(work: Path, tokens: torch.Tensor, name: str = "hf") -> torch.Tensor:
@@ -134,18 +172,17 @@ def _hf_logprobs(work: Path, tokens: torch.Tensor, name: str = "hf") -> torch.Te
         return hf.eval()(input_ids=tokens).logits.double().log_softmax(-1)
 
 
-def test_bridge_import_loads_as_our_teacher(hf_model: Path, ours: torch.Tensor) -> None:
-    diff = (ours - _hf_logprobs(hf_model, _tokens())).abs().max().item()
+def test_bridge_import_loads_as_our_teacher(hf_model: Path, ours: dict[str, torch.Tensor]) -> None:
+    diff = (ours[hf_model.name] - _hf_logprobs(hf_model, _tokens())).abs().max().item()
     print(
         f"{hf_model.name}: Bridge import as our teacher vs transformers, max |dlogp| = {diff:.3g}"
     )
     assert diff < LOGP_TOL
 
 
-def test_bridge_exports_our_checkpoint(hf_model: Path, ours: torch.Tensor) -> None:
+def test_bridge_exports_our_checkpoint(hf_model: Path, bridge_exports: dict[str, Path]) -> None:
     from safetensors.torch import load_file
 
-    _bridge(hf_model, "export", str(hf_model / "ours_ckpt"), str(hf_model / "bridge_export"))
     source = load_file(hf_model / "hf" / "model.safetensors")
     mine = load_file(hf_model / "ours_export" / "model.safetensors")
     bridge = load_file(hf_model / "bridge_export" / "model.safetensors")
@@ -156,7 +193,7 @@ def test_bridge_exports_our_checkpoint(hf_model: Path, ours: torch.Tensor) -> No
     assert all(torch.equal(bridge[k], source[k]) for k in source)
 
 
-def test_our_export_of_a_bridge_checkpoint(hf_model: Path, ours: torch.Tensor) -> None:
+def test_our_export_of_a_bridge_checkpoint(hf_model: Path) -> None:
     """`convert mcore-to-hf` on Bridge's checkpoint, no --model-config: the architecture from its
     run_config.yaml, the family from the HF model it names (hf_model_id)."""
     from safetensors.torch import load_file

@@ -107,6 +107,29 @@ def test_an_error_every_rank_raises_is_printed_once_with_exit_code_2(tmp_path: P
     assert "[rank0]:" not in err and "[rank1]:" not in err  # no worker traceback
 
 
+@pytest.mark.distributed
+def test_a_rank_that_follows_a_crash_does_not_exit_as_if_an_error_was_printed(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 crashes; torchrun stops rank 0, which takes SIGTERM as a request to stop at its
+    next step (the trainer) and is ended by its watchdog: with exit code 1, not 2. torchrun also
+    records the codes of the workers it stops, and a 2 among them would tell ``megatron-gndpo
+    launch`` that an error was printed already, hiding which rank crashed (the real-Slurm
+    kill test of a rollout rank, tests/test_slurm.py, failed so once)."""
+    from megatron_gndpo.parallel.distributed import FOLLOWED_A_CRASH_EXIT
+
+    proc = _torchrun("-m", "tests.dist_job", "crash", str(tmp_path), out=tmp_path)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        _kill_group(proc)
+    assert "RuntimeError: a crash: nothing of ours printed" in err, err[-3000:]
+    # torchrun's summary: rank 1 exited with 1 (its traceback), rank 0 with the follower's code
+    codes = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?exitcode\s*:\s*(-?\d+)", err, re.S))
+    assert FOLLOWED_A_CRASH_EXIT != 2
+    assert codes == {"1": "1", "0": str(FOLLOWED_A_CRASH_EXIT)}, err[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer on real checkpoints (one process)
 

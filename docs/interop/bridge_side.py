@@ -5,6 +5,10 @@ checkout on PYTHONPATH; see README.md; tests/test_bridge.py runs it).
     python bridge_side.py WORK import           # HF -> Bridge checkpoint WORK/bridge_ckpt
     python bridge_side.py WORK export CKPT OUT  # a megatron checkpoint -> HF via Bridge
     python bridge_side.py WORK prepare FAMILY   # make_hf then import, in one process
+
+Several steps in one process (one Bridge import, ~10 s, instead of one per step), joined by ``+``:
+
+    python bridge_side.py W1 prepare qwen2 + W2 prepare llama
 """
 
 import os
@@ -120,34 +124,55 @@ def bridge_import(root):
     bridge.save_megatron_model(model, f"{root}/bridge_ckpt", hf_tokenizer_path=None)
 
 
+def run_step(root, what, *args):
+    from megatron.core import parallel_state
+
+    t0 = time.time()
+    if what == "make_hf":
+        make_hf(root, *args)
+    elif what in ("import", "prepare"):  # prepare: make_hf first (one Bridge start, not two)
+        if what == "prepare":
+            make_hf(root, *args)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel()
+        bridge_import(root)
+    elif what == "export":  # export_ckpt makes its own gloo world
+        b = AutoBridge.from_hf_pretrained(f"{root}/hf", torch_dtype=torch.float32)
+        b.export_ckpt(_cpu_copy(args[0]), args[1])
+    else:
+        sys.exit(f"bridge_side.py: unknown step {what!r}")
+    print(what, root, round(time.time() - t0, 1), "s", flush=True)
+
+
+def _steps(argv):
+    """``W1 STEP ARGS + W2 STEP ARGS ...`` -> [(W1, STEP, ARGS), ...]"""
+    steps, current = [], []
+    for arg in [*argv, "+"]:
+        if arg != "+":
+            current.append(arg)
+            continue
+        if len(current) < 2:
+            sys.exit("bridge_side.py: each step is WORK STEP [ARGS] (steps joined by '+')")
+        steps.append((current[0], current[1], current[2:]))
+        current = []
+    return steps
+
+
 def main():
-    root, what = sys.argv[1], sys.argv[2]
+    steps = _steps(sys.argv[1:])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     # Bridge would call torch.cuda.set_device and NCCL with no world
-    if what in ("import", "prepare"):
+    if any(what in ("import", "prepare") for _, what, _ in steps):
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state
 
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
     # Bridge's save reads the CUDA RNG unconditionally
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    t0 = time.time()
-    if what == "make_hf":
-        make_hf(root, sys.argv[3])
-    elif what in ("import", "prepare"):  # prepare: make_hf first (one Bridge start, not two)
-        if what == "prepare":
-            make_hf(root, sys.argv[3])
-        parallel_state.initialize_model_parallel()
-        bridge_import(root)
-    elif what == "export":  # export_ckpt makes its own gloo world
-        b = AutoBridge.from_hf_pretrained(f"{root}/hf", torch_dtype=torch.float32)
-        b.export_ckpt(_cpu_copy(sys.argv[3]), sys.argv[4])
-    else:
-        sys.exit(f"bridge_side.py: unknown step {what!r}")
-    print(what, round(time.time() - t0, 1), "s", flush=True)
+    for root, what, args in steps:
+        run_step(root, what, *args)
 
 
 if __name__ == "__main__":

@@ -341,8 +341,14 @@ def shutdown_distributed() -> None:
 # Watchdog and once-per-job error reports, through the rendezvous store
 
 _KEYS = "megatron_gndpo"
-# Heartbeat values other than a (positive) beat count.
-_DONE, _FAILED, _ABORTED = -1, -2, -3
+# Heartbeat values other than a (positive) beat count: done; failed with one of our errors,
+# printed; ended by the watchdog, which said why; crashed (a traceback, a signal: nothing of ours
+# was printed, the launcher names the rank).
+_DONE, _FAILED, _ABORTED, _CRASHED = -1, -2, -3, -4
+# The exit code of a rank the watchdog ends because another rank crashed: not 2, which tells
+# `megatron-gndpo launch` that an error was printed already (it then names the crashed rank).
+FOLLOWED_A_CRASH_EXIT = 1
+_CRASH_GRACE_S = 2.0  # at least this long after a rank marked itself crashed
 _REPORT_WAIT_S = 5.0  # how long a rank waits for rank 0 to report the same error
 
 
@@ -364,7 +370,9 @@ class Watchdog:
     job: the watching rank prints which rank went silent and exits with status 2, and the other
     ranks follow (rank 0 marks its counter aborted). A stopped process stops its threads too, so
     a heartbeat is a true sign of life; a slow but running rank keeps beating. A rank that
-    finishes marks itself done, one that fails marks itself failed (its own message says why).
+    finishes marks itself done, one that fails marks itself failed (its own message says why) or
+    crashed (a traceback: the ranks that follow it exit with ``FOLLOWED_A_CRASH_EXIT``, not 2, so
+    that the launcher names the crashed rank instead of taking the job's error as printed).
     """
 
     def __init__(
@@ -392,12 +400,14 @@ class Watchdog:
     def _who(self, rank: int) -> str:
         return f"{self._prefix}/who/{rank}"
 
-    def stop(self, *, failed: bool = False) -> None:
-        """Stop beating and mark this rank done (or failed); the others stop watching it."""
+    def stop(self, *, failed: bool = False, said_why: bool = True) -> None:
+        """Stop beating and mark this rank done, or failed: with one of our errors, printed
+        (``said_why``), or crashed (a traceback or a signal); the others stop watching it."""
         self._stop.set()
         self._thread.join(timeout=self.interval_s + self.timeout_s)
+        mark = (_FAILED if said_why else _CRASHED) if failed else _DONE
         with contextlib.suppress(Exception):  # the store's host is gone: nobody left to tell
-            self._store.set(self._beat(self.env.rank), str(_FAILED if failed else _DONE))
+            self._store.set(self._beat(self.env.rank), str(mark))
 
     def _run(self) -> None:
         watched = range(self.env.world_size) if self.env.rank == 0 else [0]
@@ -424,6 +434,11 @@ class Watchdog:
             for rank, value in zip(watched, values, strict=True):
                 if value in (_FAILED, _ABORTED):
                     _forced_exit(2)  # that rank has said why; end this one too
+                if value == _CRASHED:
+                    # after the crashed rank has exited (it marks itself on its way out), so
+                    # that the launcher records its failure first and names it
+                    time.sleep(max(2 * self.interval_s, _CRASH_GRACE_S))
+                    _forced_exit(FOLLOWED_A_CRASH_EXIT)
                 if value == _DONE:
                     continue
                 seen, since = last[rank]

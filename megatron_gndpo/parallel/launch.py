@@ -11,7 +11,7 @@ a failure box, and exits with 1 whatever its workers' codes were. Here:
 - a worker that failed with one of our errors has already printed it once for the job
   (``megatron-gndpo: error: ...``, exit code 2): nothing more is printed, and the exit code is 2
   (also when another worker failed first: the heartbeat watchdog kills a stopped rank, then
-  says so);
+  says so). A worker the watchdog ends because another one crashed exits with 1, not 2;
 - any other failure (a crash, a signal, the OOM killer) gets one line naming the process that
   failed first, which the Slurm script quotes (``scripts/slurm/gndpo.sbatch``):
   ``megatron-gndpo: launch: rank 1 (local rank 1 on HOST, pid N) failed first: exit code -9
@@ -139,6 +139,9 @@ def main(argv: Sequence[str], rollout_ranks: Callable[[Sequence[str]], int] = la
         if any(f.exitcode == _USER_ERROR_EXIT for f in err.failures.values()):
             # One of our errors, printed once for the job by the workers already. It may not be
             # the first failure: the heartbeat watchdog SIGKILLs a stopped rank, then says why.
+            # (torchrun also records the codes of the workers it stops after the first failure:
+            # a rank the watchdog ends after another one crashed exits with 1, not 2, so that a
+            # crash is named below; parallel/distributed.py's Watchdog.)
             return _USER_ERROR_EXIT
         rank, failure = err.get_first_failure()
         host = socket.getfqdn()
