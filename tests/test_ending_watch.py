@@ -16,3 +16,18 @@ def test_warns_once_after_a_window_of_unfinished_steps() -> None:
 def test_a_stopping_student_is_never_warned_about() -> None:
     watch = EndingWatch(limit=24, window=2)
     assert all(watch.observe(f) is None for f in (0.0, 0.1, 0.0, 1.0, 0.0, 0.06))
+
+
+def test_the_advice_fits_the_estimator() -> None:
+    def said(estimator: str) -> str:
+        watch = EndingWatch(limit=32, estimator=estimator, window=1)
+        return str(watch.observe(0.0))
+
+    for estimator in ("gndpo", "opd", "vopd", "mix"):
+        assert "estimator=tropd" in said(estimator) and "distillation score" in said(estimator)
+    tropd = said("tropd")
+    assert "estimator=tropd" not in tropd and "prefix_share_start" in tropd
+    grpo = said("grpo")
+    assert "distillation score" not in grpo and "reward" in grpo
+    for text in (said("gndpo"), tropd, grpo):
+        assert "rollout.max_response_length=32" in text and "rollout.stop_token_ids" in text
