@@ -118,7 +118,7 @@ class Trainer:
         self._syncs = 0  # weight syncs into an external engine so far
         self._routing: RoutingPass | None = None  # the step's old-log-prob pass (MoE)
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
-        self.ending = EndingWatch(cfg.rollout.max_response_length, cfg.algorithm.estimator)
+        self.ending = EndingWatch(cfg.rollout.max_response_length, self.method.never_stops_advice)
         self.tokenizer = TokenizerStamp(cfg.data.tokenizer, self.c.tokenizer.fingerprint())
         self.run_id = ""
         # rollout.disaggregate: the rollout ranks sample, batches ahead with staleness > 0

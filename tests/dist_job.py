@@ -10,6 +10,11 @@ and its watchdog (a 2 s heartbeat timeout), writes its pid to ``OUT_DIR/pid.RANK
 - ``crash``: rank 1 crashes (a RuntimeError, marked crashed as the CLI marks one) while rank 0
   waits outside any collective, taking SIGTERM as a request (as the trainer does): rank 0's
   watchdog ends it with ``FOLLOWED_A_CRASH_EXIT``.
+
+This job stands in for the trainer only where the trainer cannot be made to do a thing on cue:
+raise an error on every rank, or crash on one rank while another waits outside a collective.
+The real trainer's failures run under torchrun, ``megatron-gndpo launch`` and a real Slurm
+cluster in tests/test_reliability.py and tests/test_slurm.py (a rollout rank killed mid-run).
 """
 
 from __future__ import annotations

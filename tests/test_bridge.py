@@ -185,7 +185,7 @@ def test_bridge_exports_our_checkpoint(hf_model: Path, bridge_exports: dict[str,
 
     source = load_file(hf_model / "hf" / "model.safetensors")
     mine = load_file(hf_model / "ours_export" / "model.safetensors")
-    bridge = load_file(hf_model / "bridge_export" / "model.safetensors")
+    bridge = load_file(bridge_exports[hf_model.name] / "model.safetensors")
     assert set(bridge) == set(mine) == set(source)
     assert bridge["model.embed_tokens.weight"].shape == (VOCAB, 64)  # our padding rows trimmed
     differ = [k for k in source if not torch.equal(bridge[k], mine[k])]

@@ -98,6 +98,12 @@ class Method(Protocol):
         ...
 
     @property
+    def never_stops_advice(self) -> str:
+        """Why this method does not teach a student that never samples a stop token to stop,
+        and what to do (the trainer's one warning, ``rollout.metrics.EndingWatch``)."""
+        ...
+
+    @property
     def scores_spans(self) -> bool:
         """Whether the method reads the teacher only through its log-probs of the sampled
         tokens, on :attr:`StepBatch.distill_mask`: then a teacher with another tokenizer can
@@ -137,6 +143,9 @@ class Method(Protocol):
         ...
 
 
+KD_FIRST = "train it on the teacher's answers first (sequence-level KD)"
+
+
 class BaseMethod:
     """Defaults for :class:`Method`: the teacher first, the sampled tokens plus the student's
     entropy (a metric), on-policy rollouts, nothing else to check."""
@@ -168,6 +177,15 @@ class BaseMethod:
     @property
     def uses_reward(self) -> bool:
         return False
+
+    @property
+    def never_stops_advice(self) -> str:
+        # a sampled-token distillation score (gndpo, opd, vopd; mix's distillation part)
+        return (
+            "The distillation score teaches stopping only through the stop tokens the student "
+            "samples, so this student is not taught to stop (docs/methods/README.md, 'A "
+            f"student that never stops'): {KD_FIRST}, use algorithm.estimator=tropd"
+        )
 
     @property
     def scores_spans(self) -> bool:

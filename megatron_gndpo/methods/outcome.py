@@ -13,7 +13,13 @@ import torch
 
 from megatron_gndpo.algorithms import advantages as adv
 from megatron_gndpo.config.schema import Config
-from megatron_gndpo.methods.base import BaseMethod, StepBatch, Targets, needs_rewards
+from megatron_gndpo.methods.base import (
+    KD_FIRST,
+    BaseMethod,
+    StepBatch,
+    Targets,
+    needs_rewards,
+)
 
 
 class OutcomeMethod(BaseMethod):
@@ -26,6 +32,13 @@ class OutcomeMethod(BaseMethod):
     @property
     def scores_spans(self) -> bool:
         return True  # the teacher only feeds the score/* metrics
+
+    @property
+    def never_stops_advice(self) -> str:
+        return (
+            f"With {self.name} the reward cannot tell answers apart when none of them ends: "
+            f"raise rollout.max_response_length, {KD_FIRST}"
+        )
 
     def outcome(self, batch: StepBatch, rewards: torch.Tensor) -> torch.Tensor:
         """Float32 ``[n, S]`` advantages of ``rewards [n]``, 0 off the response."""

@@ -14,7 +14,7 @@ from typing import ClassVar
 from megatron_gndpo.algorithms import guidance
 from megatron_gndpo.config.schema import Config
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores
-from megatron_gndpo.methods.base import BaseMethod, StepBatch, Targets, global_mean
+from megatron_gndpo.methods.base import KD_FIRST, BaseMethod, StepBatch, Targets, global_mean
 from megatron_gndpo.parallel.groups import ParallelLayout
 
 
@@ -26,6 +26,13 @@ class TrOPD(BaseMethod):
     @property
     def teacher_samples(self) -> bool:
         return self.cfg.tropd.prefix_share_start > 0
+
+    @property
+    def never_stops_advice(self) -> str:
+        return (
+            "TrOPD has not taught this student to stop yet: let the teacher write part of each "
+            f"answer (algorithm.tropd.prefix_share_start > 0), {KD_FIRST}"
+        )
 
     def teacher_request(self, student: Scores | None, seed: int) -> ScoreRequest | None:
         t = self.cfg.tropd

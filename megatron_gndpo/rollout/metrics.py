@@ -79,19 +79,17 @@ def rollout_metrics(
 
 class EndingWatch:
     """Says once when no sampled response has ended with a stop token for ``window`` steps in
-    a row (``finished/frac`` 0: every one ran to the length limit), with what to do under the
-    run's ``estimator`` (``algorithm.estimator``).
+    a row (``finished/frac`` 0: every one ran to the length limit), with ``advice``: why the
+    run's method does not teach such a student to stop and what to do
+    (``Method.never_stops_advice``).
 
     A sampled-token score (gndpo, opd, vopd) learns to stop only from the stop tokens the
     student samples; a student that never samples one is not taught to stop, however low its
     per-token KL goes (docs/methods/README.md, "A student that never stops"). A reward (grpo,
     reinforce_pp) cannot tell answers apart when none of them ends."""
 
-    # Estimators trained on the reward alone: no teacher to learn stopping from.
-    REWARD_ONLY = ("grpo", "reinforce_pp")
-
-    def __init__(self, limit: int, estimator: str = "gndpo", window: int = 5) -> None:
-        self.limit, self.estimator, self.window = limit, estimator, window
+    def __init__(self, limit: int, advice: str, window: int = 5) -> None:
+        self.limit, self.advice, self.window = limit, advice, window
         self.unfinished = 0  # steps in a row with finished/frac 0
         self.said = False
 
@@ -103,24 +101,6 @@ class EndingWatch:
         self.said = True
         return (
             f"no response of the last {self.window} steps ended with a stop token: every one "
-            f"ran to rollout.max_response_length={self.limit}. {self._advice()}, or check the "
+            f"ran to rollout.max_response_length={self.limit}. {self.advice}, or check the "
             "stop token (data.tokenizer, rollout.stop_token_ids)"
-        )
-
-    def _advice(self) -> str:
-        kd_first = "train it on the teacher's answers first (sequence-level KD)"
-        if self.estimator == "tropd":
-            return (
-                "TrOPD has not taught this student to stop yet: let the teacher write part of "
-                "each answer (algorithm.tropd.prefix_share_start > 0), " + kd_first
-            )
-        if self.estimator in self.REWARD_ONLY:
-            return (
-                f"With {self.estimator} the reward cannot tell answers apart when none of them "
-                "ends: raise rollout.max_response_length, " + kd_first
-            )
-        return (
-            "The distillation score teaches stopping only through the stop tokens the student "
-            "samples, so this student is not taught to stop (docs/methods/README.md, 'A "
-            f"student that never stops'): {kd_first}, use algorithm.estimator=tropd"
         )
