@@ -159,7 +159,7 @@ def greedy_answers(generator: Any, ids: Sequence[Sequence[int]], tokenizer: Any,
     return _answers(generator.generate(ids, params, seeds=[0] * len(ids)), tokenizer)
 
 
-# Scores ``[B, S]`` teacher log-probs of rows (tokens, lengths): a TeacherSet or TeacherScorer.
+# Scores ``[B, S]`` teacher log-probs of rows (tokens, lengths): a TeacherSet or LocalTeacher.
 TeacherLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -337,9 +337,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         notices.log_to(Path(cfg.logging.run_dir) / notices.NOTICES_FILE)
         cpu.enable_if_no_cuda()
         if rollout_rank:  # rollout.disaggregate: this rank only samples, for the trainer
+            from megatron_gndpo.engine.probe import model_probe
             from megatron_gndpo.rollout.remote import RolloutWorker
 
-            RolloutWorker(cfg).run()
+            RolloutWorker(cfg, probe=model_probe).run()
         else:
             from megatron_gndpo.trainer import Trainer
 

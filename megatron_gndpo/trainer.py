@@ -3,9 +3,12 @@
     prompts -> rollout -> rewards (-> filter) -> teacher log-probs -> student old log-probs
             -> advantages (+ off-policy correction) -> clipped update -> weight sync -> checkpoint
 
-(A teacher with its own tokenizer scores its own tokens of the responses: the rows are built
-before its pass and its span scores put on the student's tokens after the student's,
-engine/cross_tokenizer.py.)
+Each stage lives in the module named after it: the rollout in ``rollout/``, the rewards in
+``rewards/``, both models' passes in ``scorer.py`` (a teacher with its own tokenizer: its rows
+before its pass and its span scores on the student's tokens after the student's), the
+advantages in ``methods/``, the update in ``engine/update.py``, the weight sync in
+``weight_sync/``, the checkpoints in ``checkpoint/run.py``. What a run is built from comes from
+``components.py``.
 
 Every rank runs the same step; collectives inside each stage use the groups of the model that
 stage runs on. All randomness of a step derives from (seed, step, data-parallel rank), so a run
@@ -19,49 +22,31 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_gndpo import evaluation, seeding
-from megatron_gndpo.algorithms.metrics import (
-    StabilityMonitor,
-    advantage_metrics,
-    score_metrics,
-    teacher_metrics,
-)
-from megatron_gndpo.algorithms.offpolicy import importance_weights, offpolicy_metrics
-from megatron_gndpo.checkpoint.convert import describe_checkpoints
-from megatron_gndpo.checkpoint.dist import load_checkpoint, save_checkpoint
-from megatron_gndpo.checkpoint.resume import (
-    TokenizerStamp,
-    plan_start,
-    restore_run_state,
-    resume_from,
-    run_state,
-    set_aside,
-    warn,
-)
+from megatron_gndpo.algorithms.metrics import StabilityMonitor
+from megatron_gndpo.checkpoint.resume import TokenizerStamp, warn
+from megatron_gndpo.checkpoint.run import RunCheckpoints
+from megatron_gndpo.components import Components, build_components
 from megatron_gndpo.config import Config, save_dir
-from megatron_gndpo.data.datasets import tiles_of
-from megatron_gndpo.engine.cross_tokenizer import teacher_input
-from megatron_gndpo.engine.routing import RoutingPass, mismatch_metrics
-from megatron_gndpo.engine.scoring import (
-    ScoreRequest,
-    Scores,
-    broadcast_scores,
-    required,
-    score_batch,
-)
-from megatron_gndpo.engine.setup import Components, build_components, never_sampled
-from megatron_gndpo.engine.update import UpdateBatch, run_update
+from megatron_gndpo.data.datasets import EncodedPrompt
+from megatron_gndpo.data.prompt_sets import Drawn
+from megatron_gndpo.engine.probe import check_engine, model_probe
+from megatron_gndpo.engine.scoring import Scores, required
+from megatron_gndpo.engine.update import Targets, UpdateBatch, run_update
 from megatron_gndpo.logging import progress
 from megatron_gndpo.logging.sinks import METRICS_FILE
 from megatron_gndpo.logging.throughput import update_mfu
-from megatron_gndpo.methods import StepBatch, Targets, build_method
-from megatron_gndpo.rewards.verifiable import reward
-from megatron_gndpo.rollout.base import Rollout, SamplingParams
+from megatron_gndpo.methods import StepBatch, build_method
+from megatron_gndpo.methods.step import offpolicy_correction, step_targets
+from megatron_gndpo.models.routing import RoutingPass, mismatch_metrics
+from megatron_gndpo.rewards.rollout import rollout_rewards
+from megatron_gndpo.rollout.base import Rollout, SamplingParams, generate_for
+from megatron_gndpo.rollout.build import never_sampled
 from megatron_gndpo.rollout.filters import (
     MIN_STEP_TOKENS,
     drop_reasons,
@@ -71,10 +56,13 @@ from megatron_gndpo.rollout.filters import (
     keep_rows,
 )
 from megatron_gndpo.rollout.metrics import EndingWatch, rollout_metrics
-from megatron_gndpo.rollout.pipeline import Drawn, RolloutPipeline
+from megatron_gndpo.rollout.pipeline import RolloutPipeline
 from megatron_gndpo.rollout.prefixes import continue_teacher_prefixes
 from megatron_gndpo.rollout.remote import RemoteRollouts, load_inflight
 from megatron_gndpo.rollout.schedule import is_outlier_step, temperature_at
+from megatron_gndpo.scorer import ScoredRollout
+from megatron_gndpo.weight_sync import sync_weights
+from megatron_gndpo.weight_sync.check import check_due, tolerance_of
 
 # Keys computed on the student's last pipeline stage and shared with the logging rank.
 _LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac", "guidance/kl_mean")
@@ -110,40 +98,41 @@ class Trainer:
         self.cfg = cfg
         # Where to start is decided before any model is built; nothing is written into the
         # checkpoint directory until the resume has succeeded.
-        self._start = plan_start(cfg.checkpoint, save_dir(cfg))
+        self.checkpoints = RunCheckpoints(cfg, save_dir(cfg))
         self.c: Components = build_components(cfg)
         self.method = build_method(cfg.algorithm)  # what differs between estimators
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
         self._syncs = 0  # weight syncs into an external engine so far
-        self._routing: RoutingPass | None = None  # the step's old-log-prob pass (MoE)
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
         self.ending = EndingWatch(cfg.rollout.max_response_length, self.method.never_stops_advice)
         self.tokenizer = TokenizerStamp(cfg.data.tokenizer, self.c.tokenizer.fingerprint())
-        self.run_id = ""
         # rollout.disaggregate: the rollout ranks sample, batches ahead with staleness > 0
         self.pipeline: RolloutPipeline | None = None
         if cfg.rollout.disaggregate.enabled:
+            remote = RemoteRollouts(cfg, self.c.student, self.c.student_groups, probe=model_probe)
             self.pipeline = RolloutPipeline(
-                RemoteRollouts(cfg, self.c.student, self.c.student_groups),
-                staleness=cfg.rollout.disaggregate.staleness, steps=cfg.trainer.steps,
-                draw=self._draw, resolve=self._resolve, seeds=self._seeds,
+                remote, staleness=cfg.rollout.disaggregate.staleness, steps=cfg.trainer.steps,
+                draw=self._draw, resolve=self.c.data.resolve, seeds=self._seeds,
                 sampling=self._sampling,
             )  # fmt: skip
-        if self.c.skipped_prompts:
-            total = self.c.skipped_prompts + len(self.c.prompts)
+        if skipped := self.c.data.skipped:
             self._warn(
-                f"{self.c.skipped_prompts} of {total} training prompts are longer than "
-                f"rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens and are left "
-                "out (logged as prompts/skipped_too_long); raise rollout.max_prompt_length to "
-                "train on them"
+                f"{skipped} of {skipped + len(self.c.data.train)} training prompts are longer "
+                f"than rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens and are "
+                "left out (logged as prompts/skipped_too_long); raise rollout.max_prompt_length "
+                "to train on them"
             )
         inflight = self._resume()
-        self._describe_checkpoints()
+        self.checkpoints.describe()
         if self.pipeline is not None:  # the rollout ranks start without the student's weights
             self.pipeline.start(self.step_count, inflight)
         else:
             self._sync_engine()  # so does an external engine
+
+    @property
+    def run_id(self) -> str:
+        return self.checkpoints.run_id
 
     # ----------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -158,11 +147,12 @@ class Trainer:
         """
         metrics = self._train_step()
         interval = self.cfg.trainer.eval_interval
-        if interval and self.c.eval_prompts and self.step_count % interval == 0:
+        if interval and self.c.data.eval and self.step_count % interval == 0:
             metrics |= self.evaluate()
         self.c.logger.log(self.step_count, metrics)
         with self.c.timer.time("checkpoint"):  # popped with the next step's stages
-            self._maybe_save()
+            if self.checkpoints.due(self.step_count):
+                self._save()
         return metrics
 
     def _train_step(self) -> dict[str, float]:
@@ -174,22 +164,22 @@ class Trainer:
             else:
                 prompts, metrics = self._next_prompts(), {}
                 sampled = self._sample(prompts)
-            if hasattr(c.generator, "sleep"):
-                c.generator.sleep()  # give the GPU memory to scoring and training
+            c.generator.sleep()  # an engine with its own weights: memory to scoring, training
         with timer.time("rewards"):  # a verifiable reward needs no teacher: it can filter rows
             rewards = self._rewards(sampled, prompts)
             rollout, kept, filtered = self._filter(sampled, rewards)  # dropped rows: stubs
             metrics |= filtered
-        student, self._routing = None, None  # this step's, once the student scores it
+        scored: ScoredRollout | None = None  # this step's scores, once there are any
         if metrics.get("filter/tokens_kept", math.inf) < MIN_STEP_TOKENS:  # global: all skip
             metrics |= {"skipped": 1.0, "skipped/filtered_all": 1.0}  # and nothing is scored
             self._skipped(f"algorithm.filter dropped every row ({emptied_reasons(metrics)})")
         else:
-            routes = c.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
-            # timed inside, in the method's order; scored: the tokens the teacher scored
-            teacher, student, scored, metrics_x = self._score(rollout, routes, prompts)
-            metrics |= metrics_x
-            bad = c.teacher.nonfinite(teacher.logprobs, scored, routes)
+            routes = c.teacher.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
+            # timed inside, in the method's order; scored.scored: the tokens the teacher scored
+            seed = seeding.step_seed(self.cfg.trainer.seed, self.step_count)
+            scored = c.scorer.score(rollout, prompts, routes, self.method, seed=seed, timer=timer)
+            metrics |= scored.metrics
+            bad = c.teacher.nonfinite(scored.teacher.logprobs, scored.scored, routes)
             if bad:  # before any use
                 metrics |= {"skipped": 1.0, "skipped/nonfinite_teacher": 1.0}  # all ranks
                 self._skipped(
@@ -198,12 +188,10 @@ class Trainer:
                 )
             else:
                 with timer.time("advantages"):
-                    targets, found = self._targets(
-                        rollout, teacher, student, rewards, routes, scored
-                    )
-                    weights, corrected = self._correction(rollout, student.logprobs)
+                    targets, found = self._targets(rollout, scored, rewards, routes)
+                    weights, corrected = self._correction(rollout, scored.student.logprobs)
                 with timer.time("update"):
-                    updated = self._update(rollout, student.logprobs, targets, weights)
+                    updated = self._update(rollout, scored.student.logprobs, targets, weights)
                 metrics |= found | corrected | updated
         # before the checkpoint, whose state must include this step
         metrics |= self.stability.observe(
@@ -212,10 +200,11 @@ class Trainer:
         with timer.time("weight_sync"):
             metrics |= self._sync_engine()
         self.step_count += 1
+        student = None if scored is None else scored.student
         metrics |= self._rollout_metrics(sampled, student, rewards, kept)
         if (never_stops := self.ending.observe(metrics["finished/frac"])) is not None:
             self._warn(never_stops)
-        metrics |= self._routing_metrics()
+        metrics |= _routing_metrics(None if scored is None else scored.routing)
         metrics |= timer.pop()
         metrics["time/step"] = time.perf_counter() - started
         metrics["tokens/s"] = metrics["tokens/step"] / metrics["time/step"]
@@ -248,30 +237,32 @@ class Trainer:
                 break
         stop.restore()
         bar.close()
-        interval = self.cfg.checkpoint.save_interval
-        if not (interval and self.step_count % interval == 0):  # not saved by the last step
+        if not self.checkpoints.due(self.step_count):  # not saved by the last step
             self._save()
         if self.pipeline is not None:
             self.pipeline.stop()  # the rollout ranks end their loop
         self.c.logger.close()
         return history
 
-    # ----------------------------------------------------------------------------------------
-    def _next_prompts(self) -> list[Any]:
-        return self._resolve(self._draw(self.step_count + 1))
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation (megatron_gndpo/evaluation.py): greedy accuracy, and with
+        ``trainer.eval_samples`` the sampled accuracy and the reverse KL to the teacher, with
+        the run's own generator and scorer."""
+        c, t = self.c, self.cfg.trainer
+        return evaluation.evaluate(
+            c.generator, c.tokenizer, c.data.eval, c.student_groups, self.params,
+            scorer=c.scorer, samples=t.eval_samples, seed=t.seed,
+            vision=self.cfg.model.vision is not None,
+        )  # fmt: skip
+
+    # -- rollout -----------------------------------------------------------------------------
+    def _next_prompts(self) -> list[EncodedPrompt]:
+        return self.c.data.resolve(self._draw(self.step_count + 1))
 
     def _draw(self, batch: int) -> Drawn:
         """This replica's prompts of ``batch`` (1-based: the step that trains on it), as the
         prompt set they come from and their indices (what a checkpoint stores)."""
-        outliers = self.c.outlier_sampler
-        if outliers is not None and is_outlier_step(self.cfg.rollout, batch):
-            return "outlier", outliers.next_step()  # data.outlier_train
-        return "train", self.c.sampler.next_step()
-
-    def _resolve(self, drawn: Drawn) -> list[Any]:
-        source, indices = drawn
-        prompts = self.c.outlier_prompts if source == "outlier" else self.c.prompts
-        return [prompts[i] for i in indices]
+        return self.c.data.draw(outlier=is_outlier_step(self.cfg.rollout, batch))
 
     def _sampling(self, batch: int) -> SamplingParams:
         """The sampling parameters of ``batch`` (1-based): the configured ones at the
@@ -286,149 +277,26 @@ class Trainer:
         first = self.c.student_groups.coords["dp"] * len(prompts)
         return seeding.prompt_seeds(self.cfg.trainer.seed, step, first, len(prompts))
 
-    def _generate(
-        self, prompts: list[Any], ids: list[list[int]], params: SamplingParams, seeds: list[int]
-    ) -> Rollout:
-        """The student's generator on ``ids`` (the prompts' ids, maybe extended), with the
-        prompts' images for a vision-language student; the rows carry their tiles."""
-        if self.cfg.model.vision is None:
-            return self.c.generator.generate(ids, params, seeds=seeds)
-        images = [p.images for p in prompts]
-        rollout = self.c.generator.generate(ids, params, seeds=seeds, images=images)
-        rollout.images = [tiles_of(images[int(i)]) for i in rollout.prompt_index]
-        return rollout
-
-    def _rollout(self, prompts: list[Any], params: SamplingParams | None = None) -> Rollout:
-        ids = [list(p.ids) for p in prompts]
-        return self._generate(prompts, ids, params or self.params, self._seeds(prompts))
-
-    def _sample(self, prompts: list[Any]) -> Rollout:
+    def _sample(self, prompts: list[EncodedPrompt]) -> Rollout:
         """The step's rollout: on-policy, or continued from teacher-written prefixes when the
         method says so (TrOPD's off-policy guidance, rollout/prefixes.py)."""
         share = self.method.prefix_share(self.step_count + 1)
-        params = self._sampling(self.step_count + 1)
+        params, seeds = self._sampling(self.step_count + 1), self._seeds(prompts)
+        vision = self.cfg.model.vision is not None
         if share == 0.0:
-            return self._rollout(prompts, params)
-        images = [p.images for p in prompts] if self.cfg.model.vision is not None else None
+            return generate_for(self.c.generator, prompts, params, seeds, vision=vision)
         return continue_teacher_prefixes(
             [list(p.ids) for p in prompts], share, teacher=self.c.teacher,
-            generate=lambda ids, sampling, seeds: self._generate(prompts, ids, sampling, seeds),
-            params=params, configured=self.params, seeds=self._seeds(prompts), images=images,
+            generate=lambda ids, sampling, seeds: generate_for(
+                self.c.generator, prompts, sampling, seeds, vision=vision, ids=ids
+            ),
+            params=params, configured=self.params, seeds=seeds,
+            images=[p.images for p in prompts] if vision else None,
         )  # fmt: skip
 
-    def _sync_engine(self) -> dict[str, float]:
-        """Push the student's weights into an external engine (vLLM); nothing for the built-in
-        generator, which samples from the trained weights themselves."""
-        if self.pipeline is not None:  # the rollout ranks: the weights of the step now ending
-            return self.pipeline.advance(self.step_count + 1)
-        engine = self.c.generator
-        if not hasattr(engine, "load_weights"):
-            return {}
-        from megatron_gndpo.weight_sync import WeightReceiver, sync_weights
-
-        if hasattr(engine, "wake_up"):
-            engine.wake_up()
-        parts = engine.weight_parts() if hasattr(engine, "weight_parts") else None
-        metrics = sync_weights(
-            cast(WeightReceiver, engine), self.c.student, self.c.student_groups, self.cfg.model,
-            family=self.cfg.model.hf_family, vision=self.cfg.model.vision, parts=parts,
-        )  # fmt: skip
-        self._syncs += 1
-        return metrics | self._check_engine(engine)
-
-    def _check_engine(self, engine: Any) -> dict[str, float]:
-        """The engine's log-probs of a probe sequence against the student's, after a sync
-        (``rollout.weight_sync_check``): a silently corrupted engine stops the run."""
-        from megatron_gndpo.weight_sync.check import check_due, check_engine, tolerance_of
-
-        r, model = self.cfg.rollout, self.cfg.model
-        if not check_due(r.weight_sync_check, self._syncs):
-            return {}
-        tolerance = tolerance_of(r, model.params_dtype)
-        return check_engine(
-            engine, self.c.student, self.c.student_groups, vocab_size=model.vocab_size,
-            tolerance=tolerance, excluded_ids=never_sampled(self.cfg),
-            vision_language=model.vision is not None,
-        )  # fmt: skip
-
-    def _score(
-        self, rollout: Rollout, routes: torch.Tensor, prompts: list[Any]
-    ) -> tuple[Scores, Scores, torch.Tensor, dict[str, float]]:
-        """Teacher and student (rollout-weight) scores of the rollout, row ``i`` by teacher
-        ``routes[i]``; the method says what each scores besides the sampled tokens, and which
-        goes first (vOPD: the student). Also the ``[n, S]`` tokens the teacher scored and, for
-        a teacher with its own tokenizer (engine/cross_tokenizer.py: its rows before its pass,
-        its span scores on the student's tokens after the student's), the alignment's
-        metrics."""
-        c, method, timer = self.c, self.method, self.c.timer
-        student = None
-        with timer.time("cross_tokenizer"):  # the teacher's own rows (or the student's)
-            rows, tokens, lengths = teacher_input(c.cross, rollout, prompts, routes)
-        if method.student_first:
-            with timer.time("old_logprobs"):
-                student = self._student_scores(rollout, method.student_request(None))
-        with timer.time("teacher_logprobs"):
-            step_seed = seeding.step_seed(self.cfg.trainer.seed, self.step_count)
-            request = method.teacher_request(student, step_seed)
-            if request is not None and request.full_kl:  # the student's output shard meets it
-                request = dataclasses.replace(request, kl_weight=self._student_output_weight())
-            teacher = c.teacher.score_batch(
-                tokens, lengths, request, images=rollout.images, routes=routes
-            )
-        if student is None:
-            with timer.time("old_logprobs"):
-                student = self._student_scores(rollout, method.student_request(teacher))
-        student.hidden = None  # [n, S, H]: used by the teacher's pass only
-        if c.cross is None or rows is None:
-            return teacher, student, rollout.response_mask, {}
-        with timer.time("cross_tokenizer"):
-            teacher, scored, metrics = c.cross.on_student(
-                teacher, rows, student.logprobs, rollout.response_mask, c.student_groups.dp_cp
-            )
-        return teacher, student, scored, metrics
-
-    def _skipped(self, why: str) -> None:
-        """Say on the console that the step now ending trains nothing, and why."""
-        self._warn(f"step {self.step_count + 1} skipped: {why}; the weights were not updated")
-
-    def _student_output_weight(self) -> torch.Tensor | None:
-        """This rank's shard of the student's output layer (last stage), else None."""
-        if not self.c.student_groups.is_last_stage:
-            return None
-        model = self.c.student
-        model = getattr(model, "language_model", model)  # a VLM's output layer is its LM's
-        if model.share_embeddings_and_output_weights:  # tied: the (last stage's) embedding
-            return cast(torch.Tensor, model.shared_embedding_or_output_weight()).detach()
-        return cast(torch.Tensor, model.output_layer.weight).detach()
-
-    def _student_scores(self, rollout: Rollout, request: ScoreRequest) -> Scores:
-        c = self.c
-        self._routing = None  # an MoE student: compare with (or replay) the sampler's experts
-        if rollout.routing is not None:
-            replay = self.cfg.algorithm.routing_replay == "rollout"
-            self._routing = RoutingPass(
-                c.student, rollout.lengths.tolist(), rollout.routing, replay=replay
-            )
-        scores = score_batch(
-            c.student, c.student_groups, rollout.tokens, rollout.lengths, head=c.head,
-            token_budget=self.cfg.trainer.scoring_token_budget,
-            pack=self.cfg.trainer.pack_sequences, request=request, images=rollout.images,
-            routing=self._routing,
-        )  # fmt: skip
-        device = next(c.student.parameters()).device  # the broadcast goes over NCCL on GPUs
-        template = request.template(*rollout.tokens.shape)
-        scores = broadcast_scores(scores, template, c.student_groups, device)
-        return scores.to(rollout.tokens.device)
-
-    def _rewards(self, rollout: Rollout, prompts: list[Any]) -> torch.Tensor | None:
-        answers = [prompts[int(i)].example.answer for i in rollout.prompt_index]
-        if any(a is None for a in answers):
-            return None
-        texts = [
-            self.c.tokenizer.decode(rollout.tokens[i, rollout.prompt_lengths[i] : n].tolist())
-            for i, n in enumerate(rollout.lengths.tolist())
-        ]
-        return torch.tensor([reward(t, a) for t, a in zip(texts, answers, strict=True)])
+    def _rewards(self, rollout: Rollout, prompts: list[EncodedPrompt]) -> torch.Tensor | None:
+        """Each row's verifiable reward (None when the prompts have no answers)."""
+        return rollout_rewards(rollout, prompts, self.c.tokenizer)
 
     def _filter(
         self, rollout: Rollout, rewards: torch.Tensor | None
@@ -449,68 +317,36 @@ class Trainer:
         metrics = filter_metrics(rollout, reasons, keep, self.c.student_groups.dp)
         return hollow(rollout, keep, pad_id=self.c.tokenizer.pad_id), keep, metrics
 
+    # -- advantages and update ---------------------------------------------------------------
     def _targets(
         self,
         rollout: Rollout,
-        teacher: Scores,
-        student: Scores,
+        scored: ScoredRollout,
         rewards: torch.Tensor | None,
         routes: torch.Tensor,
-        scored: torch.Tensor | None = None,
     ) -> tuple[Targets, dict[str, float]]:
-        """The method's targets and metrics; ``scored [n, S]``: the response tokens the teacher
-        scored (None: all of them, as unless it has its own tokenizer)."""
-        mask = rollout.response_mask
-        scored = mask if scored is None else scored
-        group = self.c.student_groups.dp_cp
-        metrics = score_metrics(
-            teacher.logprobs, student.logprobs, scored.float(),
-            kl_clip=self.cfg.algorithm.kl_clip, group=group,
-        )  # fmt: skip
+        """The method's targets and the step's metrics (methods/step.py)."""
         teachers = self.c.teacher
-        several = len(teachers) > 1
-        per_teacher = several and self.cfg.algorithm.teacher_stats == "teacher"
-        targets, extra = self.method.targets(
-            StepBatch(
-                teacher, student, mask, rewards, group_size=self.params.samples_per_prompt,
-                group=group, step=self.step_count + 1, tokens=rollout.tokens,
-                teacher_written=rollout.teacher_written,
-                stat_groups=routes if per_teacher else None,
-                num_stat_groups=len(teachers) if per_teacher else 1,
-                scored_mask=None if self.c.cross is None else scored,
-            )
+        batch = StepBatch(
+            scored.teacher, scored.student, rollout.response_mask, rewards,
+            group_size=self.params.samples_per_prompt, group=self.c.student_groups.dp_cp,
+            step=self.step_count + 1, tokens=rollout.tokens,
+            teacher_written=rollout.teacher_written,
+            scored_mask=None if self.c.cross is None else scored.scored,
         )  # fmt: skip
-        if several:
-            metrics |= teacher_metrics(
-                teacher.logprobs, student.logprobs, scored, routes, teachers.names,
-                kl_clip=self.cfg.algorithm.kl_clip, group=group,
-            )  # fmt: skip
-            weights = torch.tensor(teachers.weights, dtype=targets.advantages.dtype)
-            if bool((weights != 1.0).any()):  # each teacher's share of the policy gradient
-                row_weight = weights[routes].to(targets.advantages.device)
-                targets.advantages = targets.advantages * row_weight[:, None]
-        metrics |= extra | advantage_metrics(targets.advantages, mask.float(), group=group)
-        return targets, metrics
+        return step_targets(
+            self.method, self.cfg.algorithm, batch, routes, teachers.names, teachers.weights
+        )
 
     def _correction(
         self, rollout: Rollout, old_lp: torch.Tensor
     ) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """Importance weights ``[n, S]`` of the policy-gradient term for the gap between the
-        sampler's log-probs and the trainer's ``old_lp`` (``algorithm.offpolicy``,
-        docs/methods/offpolicy.md), with their metrics; None and no metrics without a
-        correction."""
-        o = self.cfg.algorithm.offpolicy
-        if o.correction == "none":
-            return None, {}
-        sampled = rollout.sampled_mask  # the tokens with a sampler log-prob
-        weights, info = importance_weights(
-            old_lp, rollout.sampler_logprobs, sampled, correction=o.correction, level=o.level,
-            tis_cap=o.tis_cap, mask_low=o.mask_low, mask_high=o.mask_high,
+        """The off-policy correction's importance weights of the policy-gradient term, for the
+        gap between the sampler's log-probs and the trainer's ``old_lp`` (methods/step.py)."""
+        return offpolicy_correction(
+            self.cfg.algorithm.offpolicy, old_lp, rollout.sampler_logprobs, rollout.sampled_mask,
+            self.c.student_groups.dp_cp,
         )  # fmt: skip
-        metrics = offpolicy_metrics(
-            weights, info, sampled, correction=o.correction, group=self.c.student_groups.dp_cp
-        )
-        return weights, metrics
 
     def _update(
         self,
@@ -520,15 +356,12 @@ class Trainer:
         is_weights: torch.Tensor | None = None,
     ) -> dict[str, float]:
         c, t = self.c, self.cfg.trainer
-        mask = rollout.response_mask
+        replayed = rollout.routing if self.cfg.algorithm.routing_replay == "rollout" else None
         steps = run_update(
             c.ddp, c.optimizer, c.scheduler,
             UpdateBatch(
-                rollout.tokens, old_lp, targets.advantages, mask, pg_mask=targets.pg_mask,
-                is_weights=is_weights, aux_ids=targets.aux_ids, aux_logq=targets.aux_logq,
-                aux_mask=targets.aux_mask, aux_coef=targets.aux_coef,
-                entropy_coef=targets.entropy_coef, images=rollout.images,
-                routing=self._replayed(rollout),
+                rollout.tokens, old_lp, targets, rollout.response_mask, is_weights=is_weights,
+                images=rollout.images, routing=replayed,
             ),
             head=c.head, algorithm=self.cfg.algorithm, micro_batch_size=t.micro_batch_size,
             optimizer_steps=t.optimizer_steps_per_rollout, dp_group=c.student_groups.dp_cp,
@@ -540,19 +373,34 @@ class Trainer:
             last["skipped/empty_minibatches"] = float(len(steps) - len(taken))
         return last
 
-    def _replayed(self, rollout: Rollout) -> torch.Tensor | None:
-        """The experts the update replays (algorithm.routing_replay=rollout), else None."""
-        if self.cfg.algorithm.routing_replay == "rollout":
-            return rollout.routing
-        return None
-
-    def _routing_metrics(self) -> dict[str, float]:
-        """``moe/routing_mismatch`` of this step's old-log-prob pass (an MoE student on the
-        built-in engine without replay; collective, every rank alike)."""
-        if self._routing is None or self._routing.replay:
+    # -- weight sync -------------------------------------------------------------------------
+    def _sync_engine(self) -> dict[str, float]:
+        """Push the student's weights into an engine with its own copy (vLLM), then check them
+        (``rollout.weight_sync_check``): nothing for the built-in generator, which samples from
+        the trained weights themselves."""
+        if self.pipeline is not None:  # the rollout ranks: the weights of the step now ending
+            return self.pipeline.advance(self.step_count + 1)
+        engine = self.c.generator
+        receiver = engine.own_weights()
+        if receiver is None:
             return {}
-        return mismatch_metrics([self._routing])
+        engine.wake_up()
+        model = self.cfg.model
+        metrics = sync_weights(
+            receiver, self.c.student, self.c.student_groups, model, family=model.hf_family,
+            vision=model.vision, parts=receiver.weight_parts(),
+        )  # fmt: skip
+        self._syncs += 1
+        r = self.cfg.rollout
+        if not check_due(r.weight_sync_check, self._syncs):
+            return metrics
+        return metrics | check_engine(
+            receiver, self.c.student, self.c.student_groups, vocab_size=model.vocab_size,
+            tolerance=tolerance_of(r, model.params_dtype), excluded_ids=never_sampled(self.cfg),
+            vision_language=model.vision is not None,
+        )  # fmt: skip
 
+    # -- metrics -----------------------------------------------------------------------------
     def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
         """The last stage's loss statistics on every stage (the logging rank is on the first);
         a statistic this method does not produce stays absent."""
@@ -583,7 +431,7 @@ class Trainer:
         out, written_frac = rollout_metrics(
             rollout, student.logprobs, entropy, rewards, self.c.student_groups.dp_cp, kept
         )
-        out["prompts/skipped_too_long"] = float(self.c.skipped_prompts)
+        out["prompts/skipped_too_long"] = float(self.c.data.skipped)
         out["rollout/temperature"] = temperature_at(self.cfg.rollout, self.step_count)
         return out | self.method.rollout_metrics(self.step_count, written_frac)
 
@@ -595,65 +443,35 @@ class Trainer:
             replicas=self.c.student_groups.layout.dp, world_size=dist.get_world_size(),
         )  # fmt: skip
 
-    def evaluate(self) -> dict[str, float]:
-        """The held-out evaluation (megatron_gndpo/evaluation.py): greedy accuracy, and with
-        ``trainer.eval_samples`` the sampled accuracy and the reverse KL to the teacher."""
-        return evaluation.evaluate(self)
-
-    # ----------------------------------------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------
     def _run_state(self) -> dict[str, Any]:
         """What a checkpoint saves besides the weights and the optimizer (checkpoint/resume.py)."""
+        d = self.c.data
         return {  # the tokenizer first: another vocabulary is the cause to name
-            "tokenizer": self.tokenizer, "sampler": self.c.sampler, "scheduler": self.c.scheduler,
-            "stability": self.stability, "outlier_sampler": self.c.outlier_sampler,
+            "tokenizer": self.tokenizer, "sampler": d.sampler, "scheduler": self.c.scheduler,
+            "stability": self.stability, "outlier_sampler": d.outlier_sampler,
         }  # fmt: skip
 
-    def _maybe_save(self) -> None:
-        interval = self.cfg.checkpoint.save_interval
-        if interval and self.step_count % interval == 0:
-            self._save()
-
     def _save(self) -> None:
-        extra, files = run_state(self._run_state()), None  # files: the in-flight batches
-        if self.pipeline is not None:  # the batches sampled ahead go into the checkpoint
+        extra, files = {}, None  # files: the batches sampled ahead (rollout.disaggregate)
+        if self.pipeline is not None:
             replicas = self.c.student_groups.layout.dp
             extra["inflight"], files = self.pipeline.checkpoint(replicas)
-        save_checkpoint(
-            self.c.save_dir, self.step_count, self.c.ddp, optimizer=self.c.optimizer,
-            extra=extra, keep_last=self.cfg.checkpoint.keep_last, run_id=self.run_id,
-            model_config=self.cfg.model, tokenizer=self.cfg.data.tokenizer, extra_files=files,
+        self.checkpoints.save(
+            self.step_count, self.c.ddp, self.c.optimizer, self._run_state(), extra=extra,
+            extra_files=files,
         )  # fmt: skip
-
-    def _say(self, message: str) -> None:
-        if dist.get_rank() == 0:
-            print(message, flush=True)
-
-    def _describe_checkpoints(self) -> None:
-        """The architecture beside the checkpoints; written only once the run has started (a
-        failed resume leaves the old one)."""
-        if dist.get_rank() == 0:
-            describe_checkpoints(self.c.save_dir, self.cfg.model, self.cfg.model.vision)
 
     def _resume(self) -> dict[int, Any]:
         """Continue from the newest intact checkpoint of the plan (checkpoint.load, or the save
-        directory's latest), or start at step 0; then move aside what the run will not continue
-        (see checkpoint/resume.py). Returns the batches the checkpoint's run had sampled ahead
-        (rollout.disaggregate), by batch: (result, drawn prompts); empty when none."""
-        verify = self.cfg.checkpoint.verify
-        resumed = resume_from(
-            self._start,
-            lambda d: load_checkpoint(d, self.c.ddp, optimizer=self.c.optimizer, verify=verify),
-            say=self._warn,
-            verify=verify,
+        directory's latest), or start at step 0 (checkpoint/run.py). Returns the batches the
+        checkpoint's run had sampled ahead (rollout.disaggregate), by batch: (result, drawn
+        prompts); empty when none."""
+        metrics_file = Path(self.cfg.logging.run_dir) / METRICS_FILE
+        resumed = self.checkpoints.resume(
+            self.c.ddp, self.c.optimizer, self._run_state(), metrics_file
         )
-        self.run_id, self.step_count = resumed.run_id, resumed.step
-        if resumed.directory is not None:
-            restore_run_state(self._run_state(), resumed.meta["extra"], resumed.directory)
-        if dist.get_rank() == 0:
-            metrics = Path(self.cfg.logging.run_dir) / METRICS_FILE
-            moved = set_aside(self._start, resumed, metrics)
-            if moved is not None:
-                self._warn(f"moved what this run does not continue into {moved}; nothing deleted")
+        self.step_count = resumed.step
         if resumed.directory is None:
             return {}
         self._say(f"resumed from {resumed.directory} at step {self.step_count}")
@@ -675,6 +493,23 @@ class Trainer:
         )
         return {}
 
+    # -- console -----------------------------------------------------------------------------
+    def _skipped(self, why: str) -> None:
+        """Say on the console that the step now ending trains nothing, and why."""
+        self._warn(f"step {self.step_count + 1} skipped: {why}; the weights were not updated")
+
+    def _say(self, message: str) -> None:
+        if dist.get_rank() == 0:
+            print(message, flush=True)
+
     def _warn(self, message: str) -> None:
         if dist.get_rank() == 0:
             warn(message)
+
+
+def _routing_metrics(routing: RoutingPass | None) -> dict[str, float]:
+    """``moe/routing_mismatch`` of the step's old-log-prob pass (an MoE student on the built-in
+    engine without replay; collective, every rank alike)."""
+    if routing is None or routing.replay:
+        return {}
+    return mismatch_metrics([routing])

@@ -26,9 +26,9 @@ from megatron_gndpo.config import ConfigError, load_config
 from megatron_gndpo.config.schema import AlgorithmConfig
 from megatron_gndpo.data import alignment as al
 from megatron_gndpo.data.tokenizer import CharTokenizer, SentencePieceTokenizer, load_tokenizer
-from megatron_gndpo.engine.cross_tokenizer import NO_SPAN, CrossTokenizer, TeacherTokenizer
 from megatron_gndpo.engine.scoring import Scores
 from megatron_gndpo.methods import StepBatch, build_method
+from megatron_gndpo.teacher.cross_tokenizer import NO_SPAN, CrossTokenizer, TeacherTokenizer
 from tests.harness import run_distributed
 from tests.real import real_model_dir
 from tests.trainers import TINY, reset_megatron, snapshot, tiny_trainer
@@ -428,7 +428,7 @@ def test_the_span_methods_validate(estimator: str) -> None:
 
 
 def test_another_tokenizer_without_the_switch_names_it(sp: Any) -> None:
-    from megatron_gndpo.engine.setup import teacher_tokenizers
+    from megatron_gndpo.teacher.build import teacher_tokenizers
 
     path = str(Path(sp._path))
     cfg = load_config(TINY, [f"teacher.tokenizer={path}"])
@@ -460,9 +460,10 @@ def _trainer_runs(rank: int, world: int, run_dir: str, sp_model: str) -> dict[st
         trainer = tiny_trainer(f"{run_dir}/{name}", *teacher_tp2, *extra)
         prompts = trainer._next_prompts()
         rollout = trainer._sample(prompts)
-        routes = trainer.c.routes(prompts, rollout.prompt_index)
-        teacher, student, scored, metrics = trainer._score(rollout, routes, prompts)
-        targets, found = trainer._targets(rollout, teacher, student, None, routes, scored)
+        routes = trainer.c.teacher.routes(prompts, rollout.prompt_index)
+        both = trainer.c.scorer.score(rollout, prompts, routes, trainer.method)
+        teacher, student, scored, metrics = both.teacher, both.student, both.scored, both.metrics
+        targets, found = trainer._targets(rollout, both, None, routes)
         before = snapshot(trainer.c.student)
         steps = [trainer.step() for _ in range(2)]  # no checkpoint (save_interval 0)
         after = snapshot(trainer.c.student)

@@ -88,9 +88,10 @@ def _train(rank: int, world: int, run_dir: str, overrides: list[str], rollout: i
     """A whole run: the history and the final weights on trainer ranks, None on rollout ranks."""
     cfg = _config(run_dir, overrides, world)
     if rank >= world - rollout:
+        from megatron_gndpo.engine.probe import model_probe
         from megatron_gndpo.rollout.remote import RolloutWorker
 
-        RolloutWorker(cfg).run()
+        RolloutWorker(cfg, probe=model_probe).run()
         return None
     from megatron_gndpo.trainer import Trainer
 
@@ -137,9 +138,10 @@ def _stepwise(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any:
     and old log-probs are recomputed here from those snapshots."""
     cfg = _config(run_dir, overrides, world)
     if rank == world - 1:
+        from megatron_gndpo.engine.probe import model_probe
         from megatron_gndpo.rollout.remote import RolloutWorker
 
-        RolloutWorker(cfg).run()
+        RolloutWorker(cfg, probe=model_probe).run()
         return None
     from megatron_gndpo.engine.scoring import ScoreRequest
     from megatron_gndpo.trainer import Trainer
@@ -175,7 +177,7 @@ def _stepwise(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any:
         with torch.no_grad():
             for name, tensor in weights[version].items():
                 params[name].copy_(tensor)
-        return trainer._student_scores(rollout, ScoreRequest()).logprobs
+        return trainer.c.scorer.student(rollout, ScoreRequest())[0].logprobs
 
     out = {}
     for batch, record in seen.items():
@@ -273,9 +275,10 @@ def _corrupted(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any
 
     cfg = _config(run_dir, overrides, world)
     if rank == world - 1:
+        from megatron_gndpo.engine.probe import model_probe
         from megatron_gndpo.rollout.remote import RolloutWorker
 
-        worker = RolloutWorker(cfg)
+        worker = RolloutWorker(cfg, probe=model_probe)
         load = worker._load
 
         def bad_load(*args: Any) -> None:
@@ -283,8 +286,6 @@ def _corrupted(rank: int, world: int, run_dir: str, overrides: list[str]) -> Any
             with torch.no_grad():
                 next(worker.model.parameters()).mul_(3.0)
             if worker.probe is not None:  # the probe of what it now computes
-                from megatron_gndpo.weight_sync.check import model_probe
-
                 worker.probe = model_probe(worker.model, worker.groups, vocab_size=128)
 
         worker._load = bad_load  # type: ignore[method-assign]

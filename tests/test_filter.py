@@ -187,7 +187,7 @@ GROUPS = ("algorithm.estimator=grpo", "algorithm.filter.drop_zero_variance_group
 def _watched(trainer: Any, rewards: list[list[float]] | None = None) -> dict[str, Any]:
     """Record what the trainer's stages see; ``rewards``: this rank's rewards, step by step."""
     seen: dict[str, Any] = {"teacher": [], "student": 0, "rollouts": [], "kept": [], "adv": []}
-    teacher, student = trainer.c.teacher.score_batch, trainer._student_scores
+    teacher, student = trainer.c.teacher.score_batch, trainer.c.scorer.student
     sample, filtered, targets = trainer._sample, trainer._filter, trainer._targets
 
     def teacher_scores(tokens, lengths, request=None, **kw):  # type: ignore[no-untyped-def]
@@ -209,11 +209,11 @@ def _watched(trainer: Any, rewards: list[list[float]] | None = None) -> dict[str
 
     def targeted(rollout, *args):  # type: ignore[no-untyped-def]
         out = targets(rollout, *args)
-        seen["adv"].append((out[0].advantages, rollout.response_mask, args[2]))
+        seen["adv"].append((out[0].advantages, rollout.response_mask, args[1]))
         return out
 
     trainer.c.teacher.score_batch = teacher_scores
-    trainer._student_scores, trainer._sample = student_scores, sampled
+    trainer.c.scorer.student, trainer._sample = student_scores, sampled
     trainer._filter, trainer._targets = filtering, targeted
     if rewards is not None:
         given = iter(rewards)

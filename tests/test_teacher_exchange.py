@@ -26,7 +26,7 @@ PAIRS = {
 
 
 def _exchange(rank: int, world: int) -> dict[str, object]:
-    from megatron_gndpo.engine.teacher import rows_from_students, rows_to_students
+    from megatron_gndpo.parallel.exchange import rows_from_students, rows_to_students
     from megatron_gndpo.parallel.groups import ParallelLayout, build_groups
 
     out: dict[str, object] = {}
@@ -69,7 +69,8 @@ def _row_tiles(row: int) -> torch.Tensor | None:
 
 def _images_to_teacher(n, share, teacher, student) -> bool:  # type: ignore[no-untyped-def]
     """The trainer's image path: tiles made dense, moved, and cut back per row."""
-    from megatron_gndpo.engine.teacher import _dense_images, rows_from_students
+    from megatron_gndpo.parallel.exchange import rows_from_students
+    from megatron_gndpo.teacher.local import _dense_images
 
     s, d = student.coords(torch.distributed.get_rank())["dp"], teacher.coords["dp"]
     dense = _dense_images([_row_tiles(r) for r in range(s * n, (s + 1) * n)], torch.device("cpu"))

@@ -67,6 +67,7 @@ def _routed_run(rank: int, world: int, run_dir: str, prompts: str) -> dict[str, 
     cpu.enable()
     from megatron_gndpo.config import load_config
     from megatron_gndpo.engine.scoring import ScoreRequest
+    from megatron_gndpo.scorer import ScoredRollout
     from megatron_gndpo.trainer import Trainer
 
     out: dict[str, object] = {}
@@ -85,13 +86,14 @@ def _routed_run(rank: int, world: int, run_dir: str, prompts: str) -> dict[str, 
         teachers = trainer.c.teacher
         prompts_now = trainer._next_prompts()
         rollout = trainer._sample(prompts_now)
-        routes = trainer.c.routes(prompts_now, rollout.prompt_index)
+        routes = teachers.routes(prompts_now, rollout.prompt_index)
         request = ScoreRequest(top_k=3)
         mixed = teachers.score_batch(rollout.tokens, rollout.lengths, request, routes=routes)
         alone = [s.score_batch(rollout.tokens, rollout.lengths, request) for s in teachers.scorers]
         sources = [prompts_now[int(i)].example.source for i in rollout.prompt_index]
-        student = trainer._student_scores(rollout, trainer.method.student_request(mixed))
-        targets, metrics = trainer._targets(rollout, mixed, student, None, routes)
+        student, _ = trainer.c.scorer.student(rollout, trainer.method.student_request(mixed))
+        scored = ScoredRollout(mixed, student, rollout.response_mask, {})
+        targets, metrics = trainer._targets(rollout, scored, None, routes)
         out[stats] = {
             "routes": routes, "sources": sources, "mixed": mixed, "alone": alone,
             "mask": rollout.response_mask, "advantages": targets.advantages, "metrics": metrics,
@@ -241,7 +243,7 @@ def test_rules_of_several_teachers(overrides: tuple[str, ...], message: str) -> 
 
 def test_a_prompt_naming_no_teacher_is_an_error_with_its_line(tmp_path: Path) -> None:
     from megatron_gndpo.data.datasets import EncodedPrompt
-    from megatron_gndpo.engine.setup import _check_routes, routing_of
+    from megatron_gndpo.teacher.build import check_routes, routing_of
 
     path = tmp_path / "p.jsonl"
     path.write_text(
@@ -257,7 +259,7 @@ def test_a_prompt_naming_no_teacher_is_an_error_with_its_line(tmp_path: Path) ->
     assert routing is not None and routing.of(examples[0].source, "") == 0  # the default
     names_none = r"p.jsonl:2: data.teacher_key \(data_source\)='physics' names no teacher"
     with pytest.raises(DataError, match=names_none + r"; the teachers take \['arithmetic', "):
-        _check_routes(routing, encoded)
+        check_routes(routing, encoded)
 
 
 def test_builtin_mixed_prompts_carry_their_set_as_routing_value() -> None:

@@ -427,18 +427,18 @@ def _offpolicy_steps(rank: int, world: int, root: str) -> dict[str, object]:
     for name, (overrides, shift) in runs.items():
         trainer = tiny_trainer(f"{root}/{name}", *(f"algorithm.offpolicy.{o}" for o in overrides))
         start = snapshot(trainer.c.student)
-        score = trainer._score
+        score = trainer.c.scorer.score
 
-        def scored(rollout, routes, prompts, shift=shift, score=score):  # type: ignore[no-untyped-def]
-            teacher, student, mask, found = score(rollout, routes, prompts)
+        def scored(rollout, prompts, routes, *args, shift=shift, score=score, **kw):  # type: ignore[no-untyped-def]
+            both = score(rollout, prompts, routes, *args, **kw)
             if shift is not None:
-                push = torch.zeros_like(student.logprobs)
+                push = torch.zeros_like(both.student.logprobs)
                 push[:, ::2] = shift
-                logprobs = student.logprobs + push
+                logprobs = both.student.logprobs + push
                 rollout.sampler_logprobs = torch.where(rollout.sampled_mask, logprobs, 0.0)
-            return teacher, student, mask, found
+            return both
 
-        trainer._score = scored  # type: ignore[method-assign]
+        trainer.c.scorer.score = scored  # type: ignore[method-assign]
         metrics = trainer.step()
         out[name] = {"start": start, "end": snapshot(trainer.c.student), "metrics": metrics}
         trainer.c.logger.close()

@@ -169,10 +169,10 @@ def _one_rank(rank: int, world: int, root: str, family: str, tied: bool) -> dict
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
+    from megatron_gndpo.engine.probe import check_engine
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
     from megatron_gndpo.weight_sync import sync_weights
-    from megatron_gndpo.weight_sync.check import check_engine
 
     cfg = _model_cfg(family, tied=tied)
     net, groups = _student(cfg, world)
@@ -238,10 +238,10 @@ def _moe(rank: int, world: int, root: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
+    from megatron_gndpo.engine.probe import check_engine
     from megatron_gndpo.rollout import vllm_moe
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.weight_sync import sync_weights
-    from megatron_gndpo.weight_sync.check import check_engine
 
     cfg = _moe_cfg()
     net, groups = _student(cfg, world, ep=world)  # each rank holds 4 / world experts
@@ -391,10 +391,10 @@ def _layout(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
+    from megatron_gndpo.engine.probe import check_engine
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
     from megatron_gndpo.weight_sync import sync_weights
-    from megatron_gndpo.weight_sync.check import check_engine
 
     tp, pp = LAYOUTS[name]
     cfg = _model_cfg("llama" if name == "tp2pp2" else "qwen2", tied=name != "tp2pp2")
@@ -436,8 +436,9 @@ def _corrupted(rank: int, world: int, root: str) -> dict[str, Any]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
+    from megatron_gndpo.engine.probe import check_engine
     from megatron_gndpo.weight_sync import iter_hf_weights, sync_weights
-    from megatron_gndpo.weight_sync.check import WeightSyncError, check_engine
+    from megatron_gndpo.weight_sync.check import WeightSyncError
 
     cfg = _model_cfg("qwen2", tied=True)
     net, groups = _student(cfg, world)
@@ -688,14 +689,14 @@ def _served_vs_colocated(rank: int, world: int, root: str, url: str) -> dict[str
     from megatron_gndpo.checkpoint.dist import load_checkpoint
     from megatron_gndpo.config.schema import TeacherServerConfig
     from megatron_gndpo.engine.scoring import ScoreRequest
-    from megatron_gndpo.engine.served_teacher import ServedTeacher
-    from megatron_gndpo.engine.teacher import TeacherScorer
     from megatron_gndpo.models.logprob_head import TokenLogProbs
+    from megatron_gndpo.teacher.local import LocalTeacher
+    from megatron_gndpo.teacher.served import ServedTeacher
 
     cfg = _model_cfg("qwen3", tied=True)
     net, groups = _student(cfg, world)
     load_checkpoint(Path(root) / "checkpoints", net)
-    local = TeacherScorer(net, groups, groups, head=TokenLogProbs(VOCAB), token_budget=512,
+    local = LocalTeacher(net, groups, groups, head=TokenLogProbs(VOCAB), token_budget=512,
                           pack=False)  # fmt: skip
     served = ServedTeacher(TeacherServerConfig(url=url, rows_per_request=2), groups)
     tokens = torch.randint(0, VOCAB, (5, 24), generator=torch.Generator().manual_seed(4))
@@ -841,13 +842,13 @@ def _vlm(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
 
     from megatron_gndpo.config.schema import RolloutConfig
     from megatron_gndpo.data.images import ImageLayout
+    from megatron_gndpo.engine.probe import check_engine
+    from megatron_gndpo.engine.scoring import score_multimodal
     from megatron_gndpo.models.logprob_head import TokenLogProbs
     from megatron_gndpo.models.vlm import rollout_image_embeddings
-    from megatron_gndpo.models.vlm_scoring import score_multimodal
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator, write_engine_config
     from megatron_gndpo.weight_sync import sync_weights
-    from megatron_gndpo.weight_sync.check import check_engine
     from tests.internvl import IMAGE, VOCAB, prompt_images, tiny_image, tiny_prompts
 
     net, groups, model, vision = _vlm_student(world, seed=7)
@@ -934,8 +935,8 @@ def _serve_vlm_export(rank: int, world: int, root: str) -> dict[str, float]:
     from megatron_gndpo.checkpoint.dist import load_checkpoint
     from megatron_gndpo.config.schema import RolloutConfig
     from megatron_gndpo.data.images import ImageLayout
+    from megatron_gndpo.engine.scoring import score_multimodal
     from megatron_gndpo.models.logprob_head import TokenLogProbs
-    from megatron_gndpo.models.vlm_scoring import score_multimodal
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.vllm_engine import VisionInput, VLLMGenerator
     from tests.internvl import IMAGE, VOCAB, tiny_prompts

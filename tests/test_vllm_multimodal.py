@@ -254,9 +254,9 @@ def _sample_and_score(rank: int, world: int, root: str) -> dict[str, Any]:
     cpu.enable()
     sys.modules.update(internvl_modules())
     from megatron_gndpo.config.schema import ParallelConfig
+    from megatron_gndpo.engine.scoring import score_multimodal
     from megatron_gndpo.models.logprob_head import TokenLogProbs
     from megatron_gndpo.models.vlm import build_vlm, rollout_image_embeddings
-    from megatron_gndpo.models.vlm_scoring import score_multimodal
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
     from megatron_gndpo.rollout.vllm_engine import VLLMGenerator
     from megatron_gndpo.weight_sync import sync_weights

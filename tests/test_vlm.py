@@ -92,7 +92,7 @@ def _reference_logprobs(model, groups, tokens, lengths, images):  # type: ignore
     """Each row alone through the pipeline, full (gathered) logits, log-probs picked by hand."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_gndpo.engine.scoring import schedule_groups
+    from megatron_gndpo.parallel.groups import schedule_groups
 
     rows = []
     for r, n in enumerate(lengths.tolist()):
@@ -233,9 +233,9 @@ def _vlm_checks(rank: int, world: int, tp: int, pp: int) -> dict[str, object]:
     from megatron_gndpo.compat import cpu
 
     cpu.enable()
+    from megatron_gndpo.engine.scoring import score_multimodal
     from megatron_gndpo.models.logprob_head import TokenLogProbs
     from megatron_gndpo.models.vlm import build_vlm
-    from megatron_gndpo.models.vlm_scoring import score_multimodal
     from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
 
     groups = build_student_groups(ParallelLayout(world, tp=tp, pp=pp), seed=7)
@@ -357,8 +357,8 @@ def _generate_with_images(rank: int, world: int) -> dict[str, object]:
                 expected[row, t] = logp[t - 1, ids[0, t]]
     # The trainer's scoring of the same rows: with the placeholder excluded (as the trainer's
     # heads do for a VLM) it is the sampler's distribution; over the whole vocabulary it is not
+    from megatron_gndpo.engine.scoring import score_multimodal
     from megatron_gndpo.models.logprob_head import TokenLogProbs
-    from megatron_gndpo.models.vlm_scoring import score_multimodal
 
     row_images = [images[int(i)] for i in rollout.prompt_index]
     scored = {}

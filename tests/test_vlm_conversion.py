@@ -187,8 +187,8 @@ def _hf_token_logprobs(model: Any, tokens: torch.Tensor, lengths: torch.Tensor,
 
 
 def _score(net: Any, groups: Any, rows: Any) -> torch.Tensor | None:
+    from megatron_gndpo.engine.scoring import score_multimodal
     from megatron_gndpo.models.logprob_head import TokenLogProbs
-    from megatron_gndpo.models.vlm_scoring import score_multimodal
 
     tokens, lengths, images = rows
     head = TokenLogProbs(vocab_size=VOCAB)

@@ -444,7 +444,7 @@ def _served_request_problem(method: Any) -> str:
     import torch
 
     from megatron_gndpo.engine.scoring import Scores
-    from megatron_gndpo.engine.served_teacher import unsupported_asks
+    from megatron_gndpo.teacher.served import unsupported_asks
 
     one = torch.zeros(1, 1)
     student = Scores(one, topk_ids=torch.zeros(1, 1, 1, dtype=torch.long), hidden=one[..., None])

@@ -35,7 +35,7 @@ teacher's decoded text differs from the student's. The two texts are then matche
 character (``difflib``), spans close only where both sides agree on the position, and a span
 whose two texts differ is **dropped**: its student tokens get no teacher score.
 
-Pure Python: no torch, no model. ``engine/cross_tokenizer.py`` builds the teacher's rows and the
+Pure Python: no torch, no model. ``teacher/cross_tokenizer.py`` builds the teacher's rows and the
 span tensors from these alignments; ``algorithms/cross_tokenizer.py`` holds the span math.
 """
 

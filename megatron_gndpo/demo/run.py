@@ -394,7 +394,7 @@ def run_method(cfg: Config) -> MethodRun:
     started = time.perf_counter()
     try:
         trainer = Trainer(cfg)
-        eval_problems = len(trainer.c.eval_prompts)
+        eval_problems = len(trainer.c.data.eval)
         start: dict[str, Any] = {"step": 0, **trainer.evaluate()}
         steps = [{"step": i + 1, **m} for i, m in enumerate(trainer.train())]
         history = [start, *steps]

@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo import seeding
-from megatron_gndpo.engine.routing import RoutingPass
 from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
-from megatron_gndpo.parallel.groups import ParallelGroups
+from megatron_gndpo.models.routing import RoutingPass
+from megatron_gndpo.parallel.groups import ParallelGroups, schedule_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,20 +264,6 @@ def _packed_micro_batch(
     return _MicroBatch(rows, tokens, positions, targets, mask_11LL, segments, extras, hidden)
 
 
-def schedule_groups(groups: ParallelGroups, model_config: Any) -> dict[str, Any]:
-    """The process-group arguments of megatron's schedules for a model on ``groups``.
-
-    The model's own pipeline group, not megatron's global one: the teacher has its own layout.
-    Build it once per model and reuse it (it creates a P2P communicator).
-    """
-    kwargs: dict[str, Any] = {"pg_collection": groups.pg_collection()}
-    if groups.layout.pp > 1:
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        kwargs["p2p_communicator"] = P2PCommunicator(groups.pp, model_config)
-    return kwargs
-
-
 def score_tokens(
     model: Any,
     groups: ParallelGroups,
@@ -318,7 +304,7 @@ def score_batch(
     0 at t = 0 and at padding.
     ``images``: for a vision-language model, each row's image tiles (None for a row without);
     the ids already hold their placeholders, so positions are those of the ids.
-    ``routing``: an MoE model's routers replay or record the rows' experts (engine/routing.py).
+    ``routing``: an MoE model's routers replay or record the rows' experts (models/routing.py).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -421,6 +407,44 @@ def score_batch(
                 # what position t predicts belongs to token t + 1
                 getattr(out, name)[row, 1:n] = value[index, start : start + n - 1].cpu()
     return out.to(tokens_BS.device)
+
+
+def score_multimodal(
+    model: Any,
+    groups: ParallelGroups,
+    tokens_BS: torch.Tensor,
+    lengths_B: torch.Tensor,
+    images: Sequence[torch.Tensor | None],
+    *,
+    head: TokenLogProbs,
+    token_budget: int,
+) -> torch.Tensor | None:
+    """Log-probs of every text token given its prefix and images, float32 ``[B, S]``.
+
+    ``out[b, t] = log p(tokens[b, t] | tokens[b, :t], images of row b)`` for
+    ``1 <= t < lengths[b]`` where ``tokens[b, t]`` is not an image placeholder; 0 at image
+    positions, at t = 0 and at padding. ``images[b]`` is row b's tiles ``[N_b, 3, H, W]`` (None
+    without images). Every rank of the model's layout calls it with the same rows; ranks off the
+    last stage get None. The trainer's scoring (:func:`score_batch` with ``images``)
+    with the image positions zeroed. Each row's ids hold its images' expanded placeholders
+    (``data/images.py``), so a response that starts right after an image gets the log-prob of
+    its first token from the last image position (which megatron's LLaVA labels path drops).
+    """
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if len(images) != tokens_BS.shape[0]:
+        raise ValueError(
+            f"expected one image entry per row: {tokens_BS.shape[0]} rows, {len(images)} entries"
+        )
+    scores = score_batch(
+        model, groups, tokens_BS, lengths_B, head=head, token_budget=token_budget, images=images
+    )
+    if scores is None:
+        return None
+    out_BS = scores.logprobs
+    image_token_id = get_attr_wrapped_model(model, "image_token_index")
+    out_BS[tokens_BS == image_token_id] = 0.0  # an image position has no token log-prob
+    return out_BS
 
 
 def pad_id_for(image_token_id: int) -> int:

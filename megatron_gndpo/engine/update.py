@@ -29,7 +29,6 @@ from megatron_gndpo.algorithms.losses import (
     ppo_clip_loss,
 )
 from megatron_gndpo.config.schema import AlgorithmConfig
-from megatron_gndpo.engine import routing
 from megatron_gndpo.engine.moe import router_loss_metrics, router_loss_scale
 from megatron_gndpo.engine.optimizer import step_optimizer
 from megatron_gndpo.engine.scoring import (
@@ -38,32 +37,42 @@ from megatron_gndpo.engine.scoring import (
     row_images,
     sequence_multiple,
 )
+from megatron_gndpo.models import routing
 from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
 
 
 @dataclasses.dataclass
-class UpdateBatch:
-    """This rank's rows for the update, in the scoring convention.
+class Targets:
+    """A method's per-token inputs of the update beyond the tokens and the old log-probs
+    (``methods/``: each method's ``targets``), in the scoring convention.
 
-    Beyond the policy gradient (see ``algorithms/guidance.py`` for the per-token loss
-    ``w·g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H``): ``is_weights`` w, the off-policy correction's
-    importance weights (``algorithms/offpolicy.py``; None: 1), ``pg_mask`` g (None: every
-    response token), the distillation target ``aux_ids`` / ``aux_logq`` on ``aux_mask`` d with
-    weight ``aux_coef`` λ, and the entropy bonus ``entropy_coef`` β. w and g scale only the
-    policy-gradient term, never the token count the loss is divided by.
+    The update forms ``g·PG(A) + λ·d·Σ_k q (log q − log π_θ) − β·H`` per token
+    (``algorithms/guidance.py``).
+    """
+
+    advantages: torch.Tensor  # [n, S] float32: A
+    pg_mask: torch.Tensor | None = None  # [n, S]: g, tokens in the policy gradient (None: all)
+    aux_ids: torch.Tensor | None = None  # [n, S, K] int64: ids of the distillation target q
+    aux_logq: torch.Tensor | None = None  # [n, S, K] float32: log q on those ids
+    aux_mask: torch.Tensor | None = None  # [n, S]: d, tokens with the distillation term
+    aux_coef: float = 0.0  # λ
+    entropy_coef: float = 0.0  # β
+
+
+@dataclasses.dataclass
+class UpdateBatch:
+    """This rank's rows for the update, in the scoring convention: the sampled ``tokens``, the
+    student's log-probs at the rollout weights, the method's :class:`Targets`, and
+    ``is_weights`` w, the off-policy correction's importance weights (``algorithms/offpolicy.py``;
+    None: 1), which scale only the policy-gradient term, never the token count the loss is
+    divided by.
     """
 
     tokens: torch.Tensor  # [n, S] int64
     old_logprobs: torch.Tensor  # [n, S] float32
-    advantages: torch.Tensor  # [n, S] float32
+    targets: Targets
     response_mask: torch.Tensor  # [n, S] bool
-    pg_mask: torch.Tensor | None = None  # [n, S]
     is_weights: torch.Tensor | None = None  # [n, S] float32
-    aux_ids: torch.Tensor | None = None  # [n, S, K] int64
-    aux_logq: torch.Tensor | None = None  # [n, S, K] float32
-    aux_mask: torch.Tensor | None = None  # [n, S]
-    aux_coef: float = 0.0
-    entropy_coef: float = 0.0
     images: list[torch.Tensor | None] | None = None  # per row: its image tiles (a VLM)
     # [n, S, L, k]: an MoE student's routers replay these experts (rollout routing replay)
     routing: torch.Tensor | None = None
@@ -71,7 +80,8 @@ class UpdateBatch:
     @property
     def plain(self) -> bool:
         """Only the policy gradient: the head computes the sampled tokens' log-probs alone."""
-        return self.pg_mask is None and self.aux_ids is None and self.entropy_coef == 0.0
+        t = self.targets
+        return t.pg_mask is None and t.aux_ids is None and t.entropy_coef == 0.0
 
 
 def _shift(x_nS: torch.Tensor) -> torch.Tensor:
@@ -120,9 +130,10 @@ def _micro_batches(
 ) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of ``size`` rows, each cut after its last response token and padded to a
     multiple of ``multiple`` positions (the TP size under sequence parallelism)."""
+    t = batch.targets
     optional = {
-        "pg_mask": batch.pg_mask, "is_weights": batch.is_weights, "aux_ids": batch.aux_ids,
-        "aux_logq": batch.aux_logq, "aux_mask": batch.aux_mask,
+        "pg_mask": t.pg_mask, "is_weights": batch.is_weights, "aux_ids": t.aux_ids,
+        "aux_logq": t.aux_logq, "aux_mask": t.aux_mask,
     }  # fmt: skip
     out = []
     for start in range(0, len(rows), size):
@@ -138,7 +149,7 @@ def _micro_batches(
             "positions": positions.expand_as(tokens),
             "targets": _shift(tokens),
             "old": _shift(_columns(batch.old_logprobs[idx], width)),
-            "adv": _shift(_columns(batch.advantages[idx], width)),
+            "adv": _shift(_columns(t.advantages[idx], width)),
             "mask": _shift(_columns(mask, width)),
         }
         mb |= {k: _shift(_columns(v[idx], width)) for k, v in optional.items() if v is not None}
@@ -169,13 +180,14 @@ def token_loss(
         loss = loss * mb["is_weights"]
     if "pg_mask" in mb:
         loss = torch.where(mb["pg_mask"].bool(), loss, 0.0)
-    if isinstance(output, Scores) and "aux_ids" in mb and batch.aux_coef:
+    t = batch.targets
+    if isinstance(output, Scores) and "aux_ids" in mb and t.aux_coef:
         extra = required(output.extra_logprobs, "the log-probs at aux_ids")
         kl = forward_kl_to_targets(extra, mb["aux_logq"])
-        loss = loss + batch.aux_coef * torch.where(mb["aux_mask"].bool(), kl, 0.0)
+        loss = loss + t.aux_coef * torch.where(mb["aux_mask"].bool(), kl, 0.0)
         info["aux"] = kl.detach()
-    if isinstance(output, Scores) and batch.entropy_coef:
-        loss = loss - batch.entropy_coef * required(output.entropy, "the entropy")
+    if isinstance(output, Scores) and t.entropy_coef:
+        loss = loss - t.entropy_coef * required(output.entropy, "the entropy")
     return loss, info
 
 
@@ -306,4 +318,4 @@ _REPORTED = {"ratio/mean": "ratio", "clip/frac": "clipped", "guidance/kl_mean": 
 
 
 def _wants_entropy(batch: UpdateBatch) -> bool:
-    return batch.entropy_coef != 0.0
+    return batch.targets.entropy_coef != 0.0

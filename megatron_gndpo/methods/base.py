@@ -19,22 +19,7 @@ import torch
 from megatron_gndpo.algorithms.stats import global_sum
 from megatron_gndpo.config.schema import AlgorithmConfig, Config
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores
-
-
-@dataclasses.dataclass
-class Targets:
-    """Per-token inputs of the update beyond the tokens and the old log-probs.
-
-    ``engine/update.py`` forms ``g·PG(A) + λ·d·Σ_k q (log q − log π_θ) − β·H`` per token.
-    """
-
-    advantages: torch.Tensor  # [n, S] float32
-    pg_mask: torch.Tensor | None = None  # [n, S]: tokens in the policy gradient (None: all)
-    aux_ids: torch.Tensor | None = None  # [n, S, K] int64: ids of the distillation target q
-    aux_logq: torch.Tensor | None = None  # [n, S, K] float32: log q on those ids
-    aux_mask: torch.Tensor | None = None  # [n, S]: tokens with the distillation term
-    aux_coef: float = 0.0  # λ
-    entropy_coef: float = 0.0  # β
+from megatron_gndpo.engine.update import Targets
 
 
 @dataclasses.dataclass(frozen=True)

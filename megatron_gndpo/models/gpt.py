@@ -129,7 +129,7 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.tensor_parallel,
         # megatron's RouterReplay on every router: inert until told to record or replay
-        # (engine/routing.py: the sampler's experts, rollout routing replay)
+        # (models/routing.py: the sampler's experts, rollout routing replay)
         moe_enable_routing_replay=True,
     )
 

@@ -415,3 +415,17 @@ def _check_matches_megatron(groups: ParallelGroups) -> None:
                 f"megatron-core placed rank {groups.rank} in {field} group {theirs}, the layout "
                 f"arithmetic says {ours}: this megatron-core version changed its rank order"
             )
+
+
+def schedule_groups(groups: ParallelGroups, model_config: Any) -> dict[str, Any]:
+    """The process-group arguments of megatron's schedules for a model on ``groups``.
+
+    The model's own pipeline group, not megatron's global one: the teacher has its own layout.
+    Build it once per model and reuse it (it creates a P2P communicator).
+    """
+    kwargs: dict[str, Any] = {"pg_collection": groups.pg_collection()}
+    if groups.layout.pp > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        kwargs["p2p_communicator"] = P2PCommunicator(groups.pp, model_config)
+    return kwargs

@@ -6,13 +6,13 @@ Legend: N = sequences (prompts x samples per prompt), S = padded sequence length
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from megatron_gndpo.config.schema import RolloutConfig
-from megatron_gndpo.data.datasets import PromptImages
+from megatron_gndpo.data.datasets import EncodedPrompt, PromptImages, tiles_of
 from megatron_gndpo.seeding import sample_seed
 
 
@@ -61,7 +61,7 @@ class Rollout:
     # per row, its prompt's image tiles [n, 3, H, W] (a vision model's rollout); None: text only
     images: list[torch.Tensor | None] | None = None
     # [N, S, L, k] int16: an MoE student's experts at each position as the sampler routed them
-    # (this pipeline stage's MoE layers; engine/routing.py); None: not recorded
+    # (this pipeline stage's MoE layers; models/routing.py); None: not recorded
     routing: torch.Tensor | None = None
 
     @property
@@ -81,9 +81,39 @@ class Rollout:
     def response_lengths(self) -> torch.Tensor:
         return self.lengths - self.prompt_lengths
 
+    def responses(self) -> list[list[int]]:
+        """Each row's response ids (its stop token included when it finished)."""
+        return [
+            self.tokens[i, int(self.prompt_lengths[i]) : int(n)].tolist()
+            for i, n in enumerate(self.lengths.tolist())
+        ]
+
+
+class EngineWeights(Protocol):
+    """A rollout engine's own copy of the student's weights (vLLM): what a weight sync pushes
+    into (``weight_sync/``) and what the check after it probes (``weight_sync/check.py``)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        """Take full Hugging Face-named tensors (whole layers a call)."""
+        ...
+
+    def weight_parts(self) -> frozenset[str] | None:
+        """The parts of a vision-language student it takes weights of (None: all of them)."""
+        ...
+
+    def prompt_logprobs(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Its log-probs of ``tokens[1:]``, each given the tokens before it."""
+        ...
+
 
 class Generator(Protocol):
-    """What the trainer needs from a rollout engine."""
+    """What the trainer needs from a rollout engine: samples, and the engine's lifecycle.
+
+    An engine samples from the trained weights themselves (the built-in generator: no copy to
+    update, nothing to free: :class:`InPlaceGenerator`), or holds its own copy
+    (:meth:`own_weights`; vLLM): then the trainer wakes it, pushes the weights after each update
+    and lets it sleep after sampling, so its memory goes to scoring and training.
+    """
 
     def generate(
         self,
@@ -100,6 +130,54 @@ class Generator(Protocol):
         images (a vision-language model; their placeholders are in the ids); None: text only.
         """
         ...
+
+    def sleep(self) -> None:
+        """Free what the engine holds between rollouts (after sampling)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Take back what :meth:`sleep` freed (before the weights are pushed)."""
+        ...
+
+    def own_weights(self) -> EngineWeights | None:
+        """The engine's own copy of the weights, which the trainer updates after each step;
+        None when it samples from the trained weights themselves."""
+        ...
+
+
+class InPlaceGenerator:
+    """The lifecycle of an engine that samples from the trained weights themselves: there is
+    no copy to update and nothing to free between rollouts."""
+
+    def sleep(self) -> None:
+        return None
+
+    def wake_up(self) -> None:
+        return None
+
+    def own_weights(self) -> EngineWeights | None:
+        return None
+
+
+def generate_for(
+    generator: Generator,
+    prompts: Sequence[EncodedPrompt],
+    params: SamplingParams,
+    seeds: Sequence[int],
+    *,
+    vision: bool,
+    ids: Sequence[Sequence[int]] | None = None,
+) -> Rollout:
+    """``generator``'s rollout of encoded ``prompts`` (``ids``: their ids, maybe extended; by
+    default their own); a vision-language student (``vision``) gets the prompts' images and its
+    rows carry their tiles (``Rollout.images``)."""
+    ids = [list(p.ids) for p in prompts] if ids is None else ids
+    if not vision:
+        return generator.generate(ids, params, seeds=seeds)
+    images = [p.images for p in prompts]
+    rollout = generator.generate(ids, params, seeds=seeds, images=images)
+    rollout.images = [tiles_of(images[int(i)]) for i in rollout.prompt_index]
+    return rollout
 
 
 def text_only(images: Sequence[PromptImages | None] | None, engine: str) -> None:

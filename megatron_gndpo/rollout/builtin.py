@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.data.datasets import PromptImages
-from megatron_gndpo.engine import routing
-from megatron_gndpo.engine.scoring import schedule_groups
+from megatron_gndpo.models import routing
 from megatron_gndpo.models.logprob_head import output_inputs
-from megatron_gndpo.parallel.groups import ParallelGroups
+from megatron_gndpo.parallel.groups import ParallelGroups, schedule_groups
 from megatron_gndpo.rollout.base import (
+    InPlaceGenerator,
     Rollout,
     RowStreams,
     SamplingParams,
@@ -139,13 +139,13 @@ class _Rows:
         )
 
 
-class MegatronGenerator:
+class MegatronGenerator(InPlaceGenerator):
     """:class:`Generator` on a megatron-core GPTModel (the student's, or any model + groups).
 
     ``max_batch_rows`` caps how many rows decode together (None: all at once); the others wait
     and take the slots of finished rows (the lean decoder only). ``decoder`` picks the decoding
     path (module docstring). ``record_routing``: an MoE model's rollouts carry each token's
-    experts (``Rollout.routing``, engine/routing.py; the lock-step path, which MoE models take).
+    experts (``Rollout.routing``, models/routing.py; the lock-step path, which MoE models take).
     """
 
     def __init__(
@@ -176,6 +176,16 @@ class MegatronGenerator:
         self._cached_decoder: CachedDecoder | None = None
         # built once: a decode runs one schedule per token
         self._schedule_groups = schedule_groups(groups, model.config)
+
+    @classmethod
+    def for_model(cls, model: Any, groups: ParallelGroups, tokenizer: Any) -> MegatronGenerator:
+        """A generator for ``model`` (or its DDP wrapper) on ``groups`` that samples the ids of
+        ``tokenizer`` and pads with its pad id, up to the model's own sequence length."""
+        inner = getattr(model, "module", model)
+        return cls(
+            inner, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+            max_sequence_length=int(inner.max_sequence_length),
+        )  # fmt: skip
 
     def generate(
         self,

@@ -18,10 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_gndpo.data.prompt_sets import Drawn
 from megatron_gndpo.rollout.base import Rollout, SamplingParams
 from megatron_gndpo.rollout.remote import RemoteRollouts, Result, save_inflight
-
-Drawn = tuple[str, list[int]]  # a batch's prompts: their prompt set and indices (checkpointed)
 
 
 class RolloutPipeline:

@@ -23,7 +23,7 @@ StudentGenerate = Callable[[list[list[int]], SamplingParams, list[int]], Rollout
 
 
 class PrefixWriter(Protocol):
-    """The teacher, as :class:`~megatron_gndpo.engine.teacher.TeacherScorer` generates."""
+    """The teacher, as :class:`~megatron_gndpo.teacher.local.LocalTeacher` generates."""
 
     def generate(
         self,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,15 @@ from megatron_gndpo.weight_sync.buckets import bucketed
 from megatron_gndpo.weight_sync.check import (
     WeightSyncError,
     check_due,
-    model_probe,
     probe_difference,
     probe_tokens,
     tolerance_of,
 )
 from megatron_gndpo.weight_sync.sync import DEFAULT_BUCKET_BYTES
+
+# The student's log-probs of the weight-sync probe (``engine/probe.py``'s ``model_probe``): a
+# scoring pass, which the entry points hand in (rollout/ runs no scoring of its own).
+ModelProbe = Callable[..., torch.Tensor]
 
 INFLIGHT_DIR = "inflight"  # in a checkpoint's step directory: the batches sampled ahead
 
@@ -115,11 +118,14 @@ class RemoteRollouts:
     """The trainer's end of the pipeline; every trainer rank holds one and calls every method
     in the same order (:meth:`publish` and :meth:`take` run collectives over the trainer)."""
 
-    def __init__(self, cfg: Config, student: Any, groups: ParallelGroups) -> None:
+    def __init__(
+        self, cfg: Config, student: Any, groups: ParallelGroups, *, probe: ModelProbe
+    ) -> None:
         b = bridge()
         assert b is not None, "rollout.disaggregate needs init_distributed(rollout_ranks=...)"
         self.bridge: Bridge = b
         self.cfg, self.student, self.groups = cfg, student, groups
+        self.model_probe = probe
         p = placement_of(cfg, b)
         self.rollout_ranks = list(range(p.trainer_ranks, p.world_size))
         coords = groups.coords
@@ -162,7 +168,7 @@ class RemoteRollouts:
             for flat in flats:
                 self.bridge.broadcast(flat)  # the rollout ranks take it when they are done
         if check:  # the trainer's own probe of these weights, compared when a batch returns
-            self.probes[version] = model_probe(
+            self.probes[version] = self.model_probe(
                 self.student, self.groups, vocab_size=self.cfg.model.vocab_size
             )
         self.version = version
@@ -293,16 +299,16 @@ def load_inflight(directory: Path, replica: int) -> dict[int, tuple[Result, Any]
 class RolloutWorker:
     """A rollout rank: builds the student's copy and the generator, then serves the trainer."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, probe: ModelProbe) -> None:
+        from megatron_gndpo.checks.vocab import scoring_vocab
         from megatron_gndpo.data import load_tokenizer
-        from megatron_gndpo.engine.setup import scoring_vocab
         from megatron_gndpo.models.build import build_model
         from megatron_gndpo.parallel.groups import build_student_groups
         from megatron_gndpo.rollout.builtin import MegatronGenerator
 
         b = bridge()
         assert b is not None, "a rollout rank needs init_distributed(rollout_ranks=...)"
-        self.bridge, self.cfg = b, cfg
+        self.bridge, self.cfg, self.model_probe = b, cfg, probe
         p = placement_of(cfg, b)
         d = cfg.rollout.disaggregate
         self.parallel = dataclasses.replace(
@@ -367,7 +373,7 @@ class RolloutWorker:
             tp=self.parallel.tensor_parallel, tp_rank=self.groups.coords["tp"],
         )  # fmt: skip
         if check:
-            self.probe = model_probe(self.model, self.groups, vocab_size=vocab)
+            self.probe = self.model_probe(self.model, self.groups, vocab_size=vocab)
 
     def _receive(self, buckets: list[list[_Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The broadcast's buckets in order, each as (Hugging Face name, tensor) views of it."""

@@ -536,6 +536,10 @@ class VLLMGenerator:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
 
+    def own_weights(self) -> VLLMGenerator:
+        """The engine's own copy of the student's weights (the trainer syncs it each step)."""
+        return self
+
     def weight_parts(self) -> frozenset[str] | None:
         """The parts of a VLM the next sync must send (None: a text model, every weight).
 

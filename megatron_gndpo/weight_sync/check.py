@@ -7,9 +7,9 @@ the engine holds its weights repacked, fused and sharded. What it computes can: 
 log-probs of a fixed probe sequence are compared with the trainer's own for the same tokens, a
 forward pass of :data:`PROBE_LENGTH` tokens on each side.
 
-Every rank of the job calls :func:`check_engine` (the trainer's scoring pass runs collectives over
-the model's groups, and the verdict is agreed by one all-reduce); ranks without an engine pass
-None.
+The trainer's side of the comparison is a scoring pass (``engine/probe.py``: ``model_probe``,
+``check_engine``); this module holds the probe, the tolerance and the verdict, which one
+all-reduce makes the same on every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.errors import UserError
-from megatron_gndpo.parallel.groups import ParallelGroups
 
 # Long enough that every layer and a spread of vocabulary rows take part, short enough to cost
 # nothing beside a rollout.
@@ -49,30 +48,6 @@ def probe_tokens(vocab_size: int, excluded_ids: Sequence[int] = ()) -> list[int]
     generator = torch.Generator().manual_seed(20261201)
     picks = torch.randint(0, len(allowed), (PROBE_LENGTH,), generator=generator)
     return [allowed[int(i)] for i in picks]
-
-
-def model_probe(
-    model: Any,
-    groups: ParallelGroups,
-    *,
-    vocab_size: int,
-    excluded_ids: Sequence[int] = (),
-    vision_language: bool = False,
-) -> torch.Tensor:
-    """``model``'s log-probs ``[PROBE_LENGTH - 1]`` (fp32, CPU) of the probe's tokens after the
-    first, on every rank of its groups (a scoring pass: collective over them)."""
-    from megatron_gndpo.engine.scoring import broadcast_from_last_stage, score_batch
-    from megatron_gndpo.models.logprob_head import TokenLogProbs
-
-    tokens = probe_tokens(vocab_size, excluded_ids)
-    tokens_BS = torch.tensor([tokens])
-    lengths = torch.tensor([len(tokens)])
-    scores = score_batch(
-        model, groups, tokens_BS, lengths, head=TokenLogProbs(vocab_size),
-        token_budget=len(tokens), images=[None] if vision_language else None,
-    )  # fmt: skip
-    ours = None if scores is None else scores.logprobs
-    return broadcast_from_last_stage(ours, tokens_BS.shape, groups)[0, 1:].float().cpu()
 
 
 def probe_difference(theirs: torch.Tensor, ours: torch.Tensor) -> float:
@@ -113,33 +88,3 @@ def agree(diff: float, tolerance: float, *, group: Any = None) -> dict[str, floa
             "rollout.weight_sync_check=never disables the check"
         )
     return {"weight_sync/check_logprob_diff": value}
-
-
-def check_engine(
-    engine: ProbedEngine | None,
-    model: Any,
-    groups: ParallelGroups,
-    *,
-    vocab_size: int,
-    tolerance: float,
-    excluded_ids: Sequence[int] = (),
-    vision_language: bool = False,
-) -> dict[str, float]:
-    """Compare ``engine``'s probe log-probs with ``model``'s; raise :class:`WeightSyncError`
-    on every rank when any engine differs by more than ``tolerance`` (mean per token) or is not
-    finite. Returns ``weight_sync/check_logprob_diff`` (the largest difference of any engine).
-
-    ``vocab_size``: the model's vocabulary as the engine sees it (the HF config's
-    ``vocab_size``: the engine normalises over all of it, so the trainer does too).
-    ``vision_language``: ``model`` is a VLM (the probe is text: its language model alone);
-    ``excluded_ids`` never appear in the probe (a VLM's image placeholder needs an image).
-    """
-    ours = model_probe(
-        model, groups, vocab_size=vocab_size, excluded_ids=excluded_ids,
-        vision_language=vision_language,
-    )  # fmt: skip
-    diff = 0.0
-    if engine is not None:
-        tokens = probe_tokens(vocab_size, excluded_ids)
-        diff = probe_difference(engine.prompt_logprobs(tokens), ours)
-    return agree(diff, tolerance)

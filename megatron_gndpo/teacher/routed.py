@@ -3,7 +3,7 @@
 A prompt names its teacher in the field ``data.teacher_key`` (``data_source``-style, one of a
 teacher's name or ``sources``); a prompt without it goes to ``data.default_teacher``. Each row
 of a step is scored by its prompt's teacher alone: every rank runs the teachers one after
-another, each on its own layout (:class:`~megatron_gndpo.engine.teacher.TeacherScorer`), so at
+another, each on its own layout (:class:`~megatron_gndpo.teacher.base.Teacher`), so at
 most one teacher's activations exist at a time. A teacher receives this rank's rows routed to
 it, padded with one-token rows to the most any rank has (a teacher replica scores an equal share
 of the step); the pad rows are dropped again and every row keeps its own teacher's scores.
@@ -16,18 +16,17 @@ Legend: n = rows of this student rank, S = padded positions, m = rows a teacher 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.data.datasets import PromptImages
+from megatron_gndpo.data.datasets import EncodedPrompt, PromptImages
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores
-from megatron_gndpo.engine.teacher import TeacherScorer
 from megatron_gndpo.errors import DataError
 from megatron_gndpo.rollout.base import SamplingParams
+from megatron_gndpo.teacher.base import Teacher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,29 +52,31 @@ class Routing:
 
 
 class TeacherSet:
-    """The run's teachers; :meth:`score_batch` scores each row with its own teacher."""
+    """The run's teachers; :meth:`score_batch` scores each row with its prompt's teacher
+    (``routing``: which that is; None with one teacher)."""
 
     def __init__(
         self,
-        scorers: Sequence[TeacherScorer],
-        names: Sequence[str],
+        teachers: Sequence[Teacher],
         *,
         weights: Sequence[float] | None = None,
         pad_ids: Sequence[int] | None = None,
+        routing: Routing | None = None,
     ) -> None:
-        if len(scorers) != len(names) or not scorers:
-            raise ValueError(f"{len(scorers)} teachers for {len(names)} names")
-        self.scorers = list(scorers)
-        self.names = tuple(names)
-        self.weights = tuple(weights) if weights is not None else (1.0,) * len(scorers)
+        if not teachers:
+            raise ValueError("a TeacherSet needs at least one teacher")
+        self.scorers = list(teachers)
+        self.names = tuple(t.name for t in teachers)
+        self.weights = tuple(weights) if weights is not None else (1.0,) * len(teachers)
         # each teacher's padding id (its own tokenizer's with teacher.cross_tokenizer)
-        self.pad_ids = tuple(pad_ids) if pad_ids is not None else (0,) * len(scorers)
+        self.pad_ids = tuple(pad_ids) if pad_ids is not None else (0,) * len(teachers)
+        self.routing = routing
 
     def __len__(self) -> int:
         return len(self.scorers)
 
     @property
-    def only(self) -> TeacherScorer:
+    def only(self) -> Any:
         """The one teacher (what needs a single teacher: TrOPD's generation, tests)."""
         if len(self.scorers) != 1:
             raise ValueError(f"this run has {len(self.scorers)} teachers, not one")
@@ -84,6 +85,13 @@ class TeacherSet:
     @property
     def model(self) -> Any:
         return self.only.model
+
+    def routes(self, prompts: Sequence[EncodedPrompt], prompt_index: torch.Tensor) -> torch.Tensor:
+        """Teacher index ``[n]`` of each rollout row (row ``i``: ``prompts[prompt_index[i]]``)."""
+        if self.routing is None:
+            return torch.zeros(prompt_index.shape, dtype=torch.long)
+        of = [self.routing.of(p.example.source, p.example.where) for p in prompts]
+        return torch.tensor([of[int(i)] for i in prompt_index], dtype=torch.long)
 
     def nonfinite(
         self, logprobs_nS: torch.Tensor, mask_nS: torch.Tensor, routes_n: torch.Tensor
@@ -154,13 +162,9 @@ class TeacherSet:
         return tokens, lengths
 
 
-def _rows_per_rank(most: int, scorer: TeacherScorer) -> int:
-    """``most`` rounded up so that the teacher's replicas split the step's rows evenly:
-    ``m · dp_student`` rows must be a multiple of the teacher's data-parallel size."""
-    if most == 0 or scorer.same_layout:
-        return most
-    dp_s, dp_t = scorer.student_groups.layout.dp, scorer.groups.layout.dp
-    step = dp_t // math.gcd(dp_s, dp_t)
+def _rows_per_rank(most: int, teacher: Teacher) -> int:
+    """``most`` rounded up so that the teacher's replicas split the step's rows evenly."""
+    step = teacher.rows_multiple()
     return -(-most // step) * step
 
 

@@ -65,9 +65,8 @@ def probe_ids(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
 
 
 class ServedTeacher:
-    """:meth:`score_batch` of a teacher behind ``server.url``; every rank calls it."""
-
-    same_layout = True  # no rows move between layouts: each replica queries for its own rows
+    """:meth:`score_batch` of a teacher behind ``server.url``; every rank calls it
+    (a :class:`~megatron_gndpo.teacher.base.Teacher`)."""
 
     def __init__(
         self,
@@ -95,6 +94,10 @@ class ServedTeacher:
             )
         if self.queries and self.served_model is None:
             self.served_model = self._single_model()
+
+    def rows_multiple(self) -> int:
+        """1: no rows move between layouts, each replica queries for its own rows."""
+        return 1
 
     # ------------------------------------------------------------------------------- scoring
     def score_batch(

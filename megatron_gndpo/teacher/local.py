@@ -1,14 +1,10 @@
-"""Teacher scoring on the teacher's own layout, for the student's rows.
+"""A teacher on its own layout, in this job: it scores the student's rows with its own TP/PP.
 
 The student's data-parallel ranks each hold their own rollout rows; the teacher's replicas
 (a different TP/PP, hence a different data-parallel size) each score an equal share of the whole
-step batch. Token ids are small, so the exchange is two all-gathers of ids and one of
-log-probs:
-
-1. every rank gathers the step batch over the student's data-parallel group (in student-DP order);
-2. teacher replica ``d`` scores rows ``[d·N/dp_t, (d+1)·N/dp_t)`` with its forward-only schedule;
-   its last stage shares the result with the other stages of its pipeline;
-3. the teacher's data-parallel group gathers the shares, and each rank keeps its student rows.
+step batch, moved point to point (``parallel/exchange.py``): teacher replica ``d`` scores rows
+``[d·N/dp_t, (d+1)·N/dp_t)`` with its forward-only schedule, its last stage shares the result
+with the other stages of its pipeline, and each student rank receives its own rows back.
 
 When the teacher has the student's layout, replica ``d`` of the teacher is replica ``d`` of the
 student on the same ranks, and each rank scores its own rows with no exchange at all (this is
@@ -20,7 +16,7 @@ Legend: n = rows of this student rank, N = rows of the step, S = padded position
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
 from typing import Any
 
 import torch
@@ -29,128 +25,10 @@ import torch.distributed as dist
 from megatron_gndpo.data.datasets import PromptImages
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores, broadcast_scores, score_batch
 from megatron_gndpo.models.logprob_head import TokenLogProbs
-from megatron_gndpo.parallel.groups import ParallelGroups, ParallelLayout
+from megatron_gndpo.parallel.exchange import rows_from_students, rows_to_students
+from megatron_gndpo.parallel.groups import ParallelGroups
 from megatron_gndpo.rollout.base import Generator, SamplingParams
 from megatron_gndpo.seeding import replica_seed
-
-# A block of rows one rank receives: (sending rank, first global row, end global row).
-_Block = tuple[int, int, int]
-
-
-def _move_rows(
-    rows: torch.Tensor,
-    held: Callable[[int], tuple[int, int]],
-    wanted: Callable[[int], tuple[int, int]],
-    blocks: Callable[[int], list[_Block]],
-) -> torch.Tensor:
-    """Rows between two data-parallel layouts, point to point; every rank calls it.
-
-    ``rows`` are the global rows ``held(me)``; the result the rows ``wanted(me)``, assembled from
-    ``blocks(me)``. A rank sends every other rank the blocks that name it as the sender (a copy
-    for its own), so each rank receives only its rows, never the whole step.
-    """
-    me, world = dist.get_rank(), dist.get_world_size()
-    mine, want = held(me), wanted(me)
-    out = torch.empty((want[1] - want[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-    ops = []
-    for src, lo, hi in blocks(me):
-        into = out[lo - want[0] : hi - want[0]]
-        if src == me:
-            into.copy_(rows[lo - mine[0] : hi - mine[0]])
-        else:
-            ops.append(dist.P2POp(dist.irecv, into, src))
-    for peer in range(world):
-        for src, lo, hi in blocks(peer) if peer != me else ():
-            if src == me:
-                part = rows[lo - mine[0] : hi - mine[0]].contiguous()
-                ops.append(dist.P2POp(dist.isend, part, peer))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    return out
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
-    lo, hi = max(a[0], b[0]), min(a[1], b[1])
-    return (lo, hi) if lo < hi else None
-
-
-def rows_from_students(
-    rows: torch.Tensor, share: int, groups: ParallelGroups, student_layout: ParallelLayout
-) -> torch.Tensor:
-    """This teacher rank's ``share`` rows ``[share, ...]`` of the step, from the student ranks.
-
-    The inverse of :func:`rows_to_students`: the student rank with data-parallel coordinate
-    ``s`` holds rows ``[s * n, (s + 1) * n)`` in ``rows [n, ...]`` (every rank of a student
-    replica holds the same rows); teacher replica ``d`` (``groups``) scores rows
-    ``[d * share, (d + 1) * share)``. Teacher rank ``j`` of its replica takes each block from
-    member ``j mod size`` of the student replica holding it, so the sends spread over the
-    student replica's ranks and a rank receives only its rows (not the step's, as an all-gather
-    would, images included). Every rank calls it.
-    """
-    n, teacher = rows.shape[0], groups.layout
-    students, teachers = _replicas(student_layout), _replicas(teacher)
-
-    def held(rank: int) -> tuple[int, int]:
-        s = student_layout.coords(rank)["dp"]
-        return s * n, (s + 1) * n
-
-    def wanted(rank: int) -> tuple[int, int]:
-        d = teacher.coords(rank)["dp"]
-        return d * share, (d + 1) * share
-
-    def blocks(rank: int) -> list[_Block]:
-        j = teachers[teacher.coords(rank)["dp"]].index(rank)
-        out = []
-        for s, members in students.items():
-            span = _overlap(wanted(rank), (s * n, (s + 1) * n))
-            if span is not None:
-                out.append((members[j % len(members)], *span))
-        return out
-
-    return _move_rows(rows, held, wanted, blocks)
-
-
-def rows_to_students(
-    share_rows: torch.Tensor, n: int, groups: ParallelGroups, student_layout: ParallelLayout
-) -> torch.Tensor:
-    """This rank's ``n`` student rows ``[n, ...]``, from the teacher replicas' shares.
-
-    Teacher replica ``d`` (``groups``) holds rows ``[d * share, (d + 1) * share)`` of the step in
-    ``share_rows``; the student rank with data-parallel coordinate ``s`` (``student_layout``)
-    scores rows ``[s * n, (s + 1) * n)`` and takes them from the members of its own teacher DP
-    group (one rank of every replica, so every share): a rank receives its ``n`` rows, not the
-    step's (an all-gather would move ``N x S x K`` values to every rank for top-k outputs).
-    Every rank calls it.
-    """
-    share, teacher = share_rows.shape[0], groups.layout
-    dp_groups = {rank: members for members in teacher.groups(("dp",)) for rank in members}
-
-    def held(rank: int) -> tuple[int, int]:
-        d = teacher.coords(rank)["dp"]
-        return d * share, (d + 1) * share
-
-    def wanted(rank: int) -> tuple[int, int]:
-        s = student_layout.coords(rank)["dp"]
-        return s * n, (s + 1) * n
-
-    def blocks(rank: int) -> list[_Block]:
-        out = []
-        for peer in dp_groups[rank]:
-            span = _overlap(held(peer), wanted(rank))
-            if span is not None:
-                out.append((peer, *span))
-        return out
-
-    return _move_rows(share_rows, held, wanted, blocks)
-
-
-def _replicas(layout: ParallelLayout) -> dict[int, list[int]]:
-    """Global ranks of each data-parallel replica of ``layout``, by replica, in rank order."""
-    out: dict[int, list[int]] = {}
-    for rank in range(layout.world_size):
-        out.setdefault(layout.coords(rank)["dp"], []).append(rank)
-    return out
 
 
 def _dense_images(
@@ -176,8 +54,9 @@ def _dense_images(
     return dense, counts
 
 
-class TeacherScorer:
-    """Scores the student's rows with the frozen teacher on the teacher's own groups."""
+class LocalTeacher:
+    """Scores the student's rows with the frozen teacher on the teacher's own groups
+    (a :class:`~megatron_gndpo.teacher.base.Teacher`)."""
 
     def __init__(
         self,
@@ -189,7 +68,9 @@ class TeacherScorer:
         token_budget: int,
         pack: bool,
         generator: Generator | None = None,
+        name: str = "teacher",
     ) -> None:
+        self.name = name
         self.model = model
         self.groups = groups
         self.student_groups = student_groups
@@ -199,6 +80,13 @@ class TeacherScorer:
         # the same layout: the same ranks hold the same rows and vocabulary shards
         self.same_layout = groups.layout == student_groups.layout
         self.generator = generator  # a MegatronGenerator on the teacher (TrOPD's guidance)
+
+    def rows_multiple(self) -> int:
+        """``m · dp_student`` rows must be a multiple of the teacher's data-parallel size."""
+        if self.same_layout:
+            return 1
+        dp_s, dp_t = self.student_groups.layout.dp, self.groups.layout.dp
+        return dp_t // math.gcd(dp_s, dp_t)
 
     def generate(
         self,
@@ -216,7 +104,7 @@ class TeacherScorer:
         do their image tiles.
         """
         if self.generator is None:
-            raise RuntimeError("this teacher was built without a generator (see engine/setup.py)")
+            raise RuntimeError("this teacher was built without a generator (see teacher/build.py)")
         student_dp, teacher_dp = self.student_groups.dp, self.groups.dp
         if self.same_layout:
             return self._responses(prompts, params, seeds, images)
