@@ -19,18 +19,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.checkpoint.dist import load_checkpoint
-from megatron_gndpo.checks import layout_of
-from megatron_gndpo.checks.vocab import check_top_k, scoring_vocab
+from megatron_gndpo.checks.vocab import check_top_k
 from megatron_gndpo.config import Config, save_dir, to_dict
 from megatron_gndpo.data import load_tokenizer
 from megatron_gndpo.data.prompt_sets import PromptSets, load_prompt_sets
 from megatron_gndpo.data.tokenizer import Tokenizer
+from megatron_gndpo.data.vocab import scoring_vocab
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from megatron_gndpo.logging import MetricsLogger, StageTimer, build_logger
 from megatron_gndpo.methods import build_method
 from megatron_gndpo.models.build import build_model
 from megatron_gndpo.models.logprob_head import TokenLogProbs
-from megatron_gndpo.parallel.groups import ParallelGroups, build_student_groups
+from megatron_gndpo.parallel.groups import ParallelGroups, build_student_groups, layout_of
 from megatron_gndpo.rollout.base import Generator
 from megatron_gndpo.rollout.build import build_generator, never_sampled
 from megatron_gndpo.scorer import RolloutScorer
@@ -125,7 +125,6 @@ def build_components(cfg: Config) -> Components:
     scorer = RolloutScorer(
         student, student_groups, head=head, teachers=teachers, cross=cross,
         token_budget=t.scoring_token_budget, pack=t.pack_sequences,
-        replay_routing=cfg.algorithm.routing_replay == "rollout",
     )  # fmt: skip
     return Components(
         cfg=cfg, tokenizer=tokenizer, vocab_size=vocab, student_groups=student_groups,

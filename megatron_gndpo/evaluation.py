@@ -42,6 +42,7 @@ def evaluate(
     scorer: RolloutScorer | None = None,
     samples: int = 0,
     seed: int = 0,
+    replay: bool = False,
     vision: bool = False,
 ) -> dict[str, float]:
     """Greedy accuracy on ``prompts`` (the whole held-out set; each data-parallel rank of
@@ -49,8 +50,8 @@ def evaluate(
     ``params.max_new_tokens`` stopping at ``params.stop_token_ids``. With ``samples`` k and a
     ``scorer``, also k samples per prompt at temperature 1 (``params``' other settings; seeds
     from ``seed`` and each prompt's place in the set): their accuracy and the per-token reverse
-    KL to the teacher. ``vision``: a vision-language student (the prompts' images go along).
-    Every rank calls it."""
+    KL to the teacher (``replay``: an MoE student's pass replays the sampler's experts).
+    ``vision``: a vision-language student (the prompts' images go along). Every rank calls it."""
     mine = list(prompts[groups.coords["dp"] :: groups.layout.dp])
     correct = torch.zeros(2, dtype=torch.float64)
     if mine:
@@ -64,7 +65,10 @@ def evaluate(
     # every replica must hold a prompt: the teacher's scoring spans all ranks
     if samples and scorer is not None and len(prompts) >= groups.layout.dp:
         sampling = dataclasses.replace(params, temperature=1.0, samples_per_prompt=samples)
-        out |= _sampled(generator, tokenizer, prompts, groups, sampling, scorer, seed, vision)
+        out |= _sampled(
+            generator, tokenizer, prompts, groups, sampling, scorer, seed, replay=replay,
+            vision=vision,
+        )  # fmt: skip
     return out
 
 
@@ -76,6 +80,8 @@ def _sampled(
     params: SamplingParams,
     scorer: RolloutScorer,
     seed: int,
+    *,
+    replay: bool,
     vision: bool,
 ) -> dict[str, float]:
     """:func:`sampled_eval_metrics` of ``params.samples_per_prompt`` samples of each of this
@@ -87,7 +93,7 @@ def _sampled(
     rollout = generate_for(generator, mine, params, seeds, vision=vision)
     rewards = rollout_rewards(rollout, mine, tokenizer)
     routes = scorer.teachers.routes(mine, rollout.prompt_index)
-    scored = scorer.score(rollout, mine, routes)
+    scored = scorer.score(rollout, mine, routes, replay=replay)
     spans = {}
     if scorer.cross is not None:  # the span scores on the student's tokens
         spans = {f"eval/{k}": scored.metrics[k] for k in ("xtok/span_kl", "xtok/kl_per_token")}

@@ -83,12 +83,10 @@ class RolloutScorer:
         cross: CrossTokenizer | None,
         token_budget: int,
         pack: bool,
-        replay_routing: bool = False,
     ) -> None:
         self.student_model, self.groups, self.head = student, groups, head
         self.teachers, self.cross = teachers, cross
         self.token_budget, self.pack = token_budget, pack
-        self.replay_routing = replay_routing  # algorithm.routing_replay=rollout
 
     def score(
         self,
@@ -98,19 +96,21 @@ class RolloutScorer:
         order: ScoringOrder = PLAIN,
         *,
         seed: int = 0,
+        replay: bool = False,
         timer: Any = None,
     ) -> ScoredRollout:
         """Row ``i`` (prompt ``prompts[prompt_index[i]]``) scored by teacher ``routes[i]`` and
         by the student, in ``order``'s order with its requests; ``seed``: the step's (a teacher
-        that samples draws from it). ``timer``: a stage timer, which gets ``cross_tokenizer``,
-        ``teacher_logprobs`` and ``old_logprobs`` (None: untimed)."""
+        that samples draws from it); ``replay``: an MoE student replays the sampler's experts
+        (``algorithm.routing_replay=rollout``). ``timer``: a stage timer, which gets
+        ``cross_tokenizer``, ``teacher_logprobs`` and ``old_logprobs`` (None: untimed)."""
         time = timer.time if timer is not None else _untimed
         student, routing = None, None
         with time("cross_tokenizer"):  # the teachers' own rows (or the student's)
             rows, tokens, lengths = teacher_input(self.cross, rollout, prompts, routes)
         if order.student_first:
             with time("old_logprobs"):
-                student, routing = self.student(rollout, order.student_request(None))
+                student, routing = self.student(rollout, order.student_request(None), replay)
         with time("teacher_logprobs"):
             request = order.teacher_request(student, seed)
             if request is not None and request.full_kl:  # the student's output shard meets it
@@ -120,7 +120,7 @@ class RolloutScorer:
             )
         if student is None:
             with time("old_logprobs"):
-                student, routing = self.student(rollout, order.student_request(teacher))
+                student, routing = self.student(rollout, order.student_request(teacher), replay)
         student.hidden = None  # [n, S, H]: used by the teacher's pass only
         mask = rollout.response_mask
         if self.cross is None or rows is None:
@@ -131,16 +131,16 @@ class RolloutScorer:
             )
         return ScoredRollout(teacher, student, scored, metrics, routing)
 
-    def student(self, rollout: Rollout, request: ScoreRequest) -> tuple[Scores, RoutingPass | None]:
+    def student(
+        self, rollout: Rollout, request: ScoreRequest, replay: bool = False
+    ) -> tuple[Scores, RoutingPass | None]:
         """The student's scores of the rollout at its current weights, on every stage, and the
-        pass's routing (an MoE student whose sampler recorded its experts: compared with, or
-        replaying, them)."""
+        pass's routing (an MoE student whose sampler recorded its experts: compared with them,
+        or replaying them with ``replay``)."""
         routing = None
         if rollout.routing is not None:
             lengths = rollout.lengths.tolist()
-            routing = RoutingPass(
-                self.student_model, lengths, rollout.routing, replay=self.replay_routing
-            )
+            routing = RoutingPass(self.student_model, lengths, rollout.routing, replay=replay)
         scores = score_batch(
             self.student_model, self.groups, rollout.tokens, rollout.lengths, head=self.head,
             token_budget=self.token_budget, pack=self.pack, request=request,

@@ -177,7 +177,10 @@ class Trainer:
             routes = c.teacher.routes(prompts, rollout.prompt_index)  # [n]: each row's teacher
             # timed inside, in the method's order; scored.scored: the tokens the teacher scored
             seed = seeding.step_seed(self.cfg.trainer.seed, self.step_count)
-            scored = c.scorer.score(rollout, prompts, routes, self.method, seed=seed, timer=timer)
+            scored = c.scorer.score(
+                rollout, prompts, routes, self.method, seed=seed, replay=self._replays(),
+                timer=timer,
+            )  # fmt: skip
             metrics |= scored.metrics
             bad = c.teacher.nonfinite(scored.teacher.logprobs, scored.scored, routes)
             if bad:  # before any use
@@ -251,9 +254,13 @@ class Trainer:
         c, t = self.c, self.cfg.trainer
         return evaluation.evaluate(
             c.generator, c.tokenizer, c.data.eval, c.student_groups, self.params,
-            scorer=c.scorer, samples=t.eval_samples, seed=t.seed,
+            scorer=c.scorer, samples=t.eval_samples, seed=t.seed, replay=self._replays(),
             vision=self.cfg.model.vision is not None,
         )  # fmt: skip
+
+    def _replays(self) -> bool:
+        """An MoE student's passes replay the sampler's experts (algorithm.routing_replay)."""
+        return self.cfg.algorithm.routing_replay == "rollout"
 
     # -- rollout -----------------------------------------------------------------------------
     def _next_prompts(self) -> list[EncodedPrompt]:
@@ -356,7 +363,7 @@ class Trainer:
         is_weights: torch.Tensor | None = None,
     ) -> dict[str, float]:
         c, t = self.c, self.cfg.trainer
-        replayed = rollout.routing if self.cfg.algorithm.routing_replay == "rollout" else None
+        replayed = rollout.routing if self._replays() else None
         steps = run_update(
             c.ddp, c.optimizer, c.scheduler,
             UpdateBatch(

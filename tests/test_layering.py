@@ -1,7 +1,8 @@
 """The package's layering rules (docs/DESIGN.md, "Package layout"), read from the source.
 
 Every ``import`` of ``megatron_gndpo`` counts, at module level or inside a function (a deferred
-import is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run).
+import is still a dependency) or under ``if TYPE_CHECKING:`` (a type a module names is a
+dependency of its design, even when it is not imported at run time).
 """
 
 from __future__ import annotations
@@ -17,22 +18,11 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
-    skipped: set[ast.AST] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {n for stmt in node.body for n in ast.walk(stmt)}
-    return skipped
-
-
 def _imports(path: Path, modules: set[str]) -> set[str]:
     """The package's modules ``path`` imports (``from a import b``: ``a.b`` when a module)."""
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_only(tree)
     out: set[str] = set()
     for node in ast.walk(tree):
-        if node in skipped:
-            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "megatron_gndpo"}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -68,7 +58,9 @@ def _violations(source: str, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_graph_is_read() -> None:
     assert "megatron_gndpo.methods.base" in GRAPH["megatron_gndpo.methods"]
-    assert "megatron_gndpo.engine.scoring" in GRAPH["megatron_gndpo.trainer"]
+    assert "megatron_gndpo.engine.update" in GRAPH["megatron_gndpo.trainer"]
+    # an import under TYPE_CHECKING counts
+    assert "megatron_gndpo.config.schema" in GRAPH["megatron_gndpo.logging.throughput"]
 
 
 def test_algorithms_import_no_engine_config_loop_or_compat() -> None:
@@ -95,6 +87,46 @@ def test_nothing_imports_the_cli_and_only_entry_points_import_the_trainer() -> N
     assert [m for m, targets in GRAPH.items() if "megatron_gndpo.cli" in targets] == []
     users = {m for m, targets in GRAPH.items() if "megatron_gndpo.trainer" in targets}
     assert {m for m in users if not _under(m, "megatron_gndpo.demo")} <= {"megatron_gndpo.cli"}
+
+
+def test_only_the_trainer_imports_the_composition_root() -> None:
+    """``components.py`` builds everything; nothing it builds reaches back for it."""
+    users = {m for m, targets in GRAPH.items() if "megatron_gndpo.components" in targets}
+    assert users <= {"megatron_gndpo.trainer"}, sorted(users)
+
+
+# What each floor may not reach up to: the runtime top (trainer, evaluation, both models'
+# passes, the composition root) and the floors above it.
+_TOP = (
+    "megatron_gndpo.trainer", "megatron_gndpo.components", "megatron_gndpo.evaluation",
+    "megatron_gndpo.scorer", "megatron_gndpo.cli", "megatron_gndpo.demo", "megatron_gndpo.prune",
+)  # fmt: skip
+
+
+def test_engine_keeps_to_scoring_and_the_update() -> None:
+    """``engine/`` (scoring, the update, the optimizer) knows no method, check, teacher or
+    rollout engine: they call it, never the reverse."""
+    forbidden = (
+        "megatron_gndpo.methods", "megatron_gndpo.checks", "megatron_gndpo.teacher",
+        "megatron_gndpo.rollout", *_TOP,
+    )  # fmt: skip
+    assert _violations("megatron_gndpo.engine", forbidden) == []
+
+
+def test_the_teacher_package_never_imports_the_trainer_or_the_methods() -> None:
+    forbidden = ("megatron_gndpo.methods", *_TOP)
+    assert _violations("megatron_gndpo.teacher", forbidden) == []
+
+
+def test_models_rollout_and_weight_sync_import_nothing_above_them() -> None:
+    """The floors the engine stands on: no scoring or update (``engine/``), no teacher, method
+    or config check; what they need from above is handed in (e.g. the weight-sync probe)."""
+    forbidden = (
+        "megatron_gndpo.engine", "megatron_gndpo.teacher", "megatron_gndpo.methods",
+        "megatron_gndpo.checks", *_TOP,
+    )  # fmt: skip
+    for floor in ("models", "rollout", "weight_sync", "parallel", "data", "algorithms"):
+        assert _violations(f"megatron_gndpo.{floor}", forbidden) == [], floor
 
 
 def test_methods_import_no_trainer_checks_or_cli() -> None:
@@ -127,6 +159,23 @@ def _a_circle() -> list[str]:
 
 def test_no_import_circles() -> None:
     assert _a_circle() == []
+
+
+def test_no_benchmark_imports_another() -> None:
+    """Benchmarks share code through the package (or ``benchmarks/common.py``), never by
+    importing each other."""
+    folder = PACKAGE.parent / "benchmarks"
+    scripts = {p.stem for p in folder.glob("*.py")} - {"common"}
+    found = []
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module.split(".")[0]]
+            found += [f"{path.name} imports {n}" for n in names if n in scripts]
+    assert found == []
 
 
 def test_training_code_never_imports_the_real_model_fetch() -> None:

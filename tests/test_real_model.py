@@ -291,10 +291,10 @@ def test_bf16_logprob_difference_is_reported(
 def test_chat_template_eos_and_pad_through_data_tokenizer(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from megatron_gndpo.checks.vocab import scoring_vocab
     from megatron_gndpo.config import load_config
     from megatron_gndpo.data.datasets import encode_prompts, load_prompts
     from megatron_gndpo.data.tokenizer import HFTokenizer, load_tokenizer
+    from megatron_gndpo.data.vocab import scoring_vocab
 
     hf_dir = real_model_dir()
     texts = ["What is 12 + 7?", "Écris « bonjour » ☕ en trois langues.\nMerci !"]

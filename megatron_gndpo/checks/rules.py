@@ -28,21 +28,7 @@ from megatron_gndpo.config.schema import (
 )
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.methods import build_method, method_problems
-from megatron_gndpo.parallel.groups import ParallelLayout
-
-
-def layout_of(parallel: ParallelConfig, world_size: int) -> ParallelLayout:
-    """The ParallelLayout of a config section, with the config's key names in the error."""
-    try:
-        return ParallelLayout(
-            world_size=world_size,
-            tp=parallel.tensor_parallel,
-            pp=parallel.pipeline_parallel,
-            cp=parallel.context_parallel,
-            ep=parallel.expert_parallel,
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+from megatron_gndpo.parallel.groups import layout_of
 
 
 def _one_of(problems: list[str], key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -1,8 +1,8 @@
-"""The tokenizer against the models: which ids both score, and what each teacher's must be.
+"""The tokenizers against the models: what each teacher's must be, and the top-k that fit.
 
-Run at start-up by the composition root (``components.py``) and the rollout ranks, before any
-model is built: a teacher whose tokenizer differs from the student's, a vocabulary one of the
-models cannot score, or a top-k larger than the scored ids fail here with the fix.
+Run at start-up by the composition root (``components.py``) before any model is built: a
+teacher whose tokenizer differs from the student's, a vocabulary its model cannot score, or a
+top-k larger than the scored ids (``data/vocab.py``) fail here with the fix.
 """
 
 from __future__ import annotations
@@ -11,28 +11,6 @@ from megatron_gndpo.config import Config, ConfigError
 from megatron_gndpo.config.schema import teacher_sections
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.methods import build_method
-
-
-def scoring_vocab(cfg: Config, tokenizer: Tokenizer) -> int:
-    """The ids both models' distributions are restricted to; checked against both models."""
-    vocab = cfg.data.vocab_size if cfg.data.vocab_size is not None else tokenizer.vocab_size
-    if tokenizer.vocab_size > vocab:
-        raise ConfigError(
-            f"the tokenizer produces {tokenizer.vocab_size} ids but data.vocab_size is {vocab}; "
-            "raise data.vocab_size or leave it null"
-        )
-    models = [("model", cfg.model)]
-    # a teacher with its own tokenizer is checked against it (check_teacher_tokenizer)
-    sections = [(key, t) for key, t in teacher_sections(cfg) if not t.cross_tokenizer]
-    models += [(f"{key}.model", t.model) for key, t in sections]
-    for name, model in models:
-        if model.vocab_size < vocab:
-            raise ConfigError(
-                f"{name}.vocab_size ({model.vocab_size}) is smaller than the tokenizer's "
-                f"vocabulary ({vocab}): it cannot score every token id; use a model built for "
-                "this tokenizer"
-            )
-    return vocab
 
 
 def check_top_k(cfg: Config, vocab: int) -> None:

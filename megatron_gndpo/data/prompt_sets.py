@@ -77,7 +77,7 @@ def encoded_prompts(
             answer_key=d.answer_key,
             image_key=d.image_key,
             source_key=key,
-        )  # fmt: skip
+        )
     ]
     encoded = [
         EncodedPrompt(_text_example(r.example), r.ids, _prompt_images(r))

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo import seeding
+from megatron_gndpo.models.inputs import forward_args
 from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
 from megatron_gndpo.models.routing import RoutingPass
 from megatron_gndpo.parallel.groups import ParallelGroups, schedule_groups
@@ -306,8 +307,48 @@ def score_batch(
     the ids already hold their placeholders, so positions are those of the ids.
     ``routing``: an MoE model's routers replay or record the rows' experts (models/routing.py).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    lengths = _checked_lengths(tokens_BS, lengths_B, request)
+    if images is not None and pack:
+        raise ValueError("rows with images are scored padded, not packed (pack_sequences=false)")
+    device = next(model.parameters()).device
+    micro_batches = _micro_batches(
+        model, tokens_BS, lengths, token_budget=token_budget, pack=pack, request=request,
+        images=images,
+    )  # fmt: skip
+    # an MoE model's EP ranks exchange tokens in every forward: equally many micro-batches on
+    # each (idle ones repeat the last, their results dropped)
+    count = groups.expert_max(len(micro_batches), device)
+    idle = dataclasses.replace(micro_batches[-1], segments=[])
+    micro_batches += [idle] * (count - len(micro_batches))
 
+    def forward_step(data_iterator: Any, net: Any) -> tuple[Any, Any]:
+        mb = next(data_iterator)
+        mask = None if mb.attention_mask is None else mb.attention_mask.to(device)
+        tiles = None if mb.images is None else mb.images.to(device)
+        inputs = forward_args(
+            mb.tokens.to(device), mb.positions.to(device), mask, vision=images is not None,
+            images=tiles,
+        )  # fmt: skip
+        b, s = mb.tokens.shape
+        if routing is not None:
+            routing.before(mb.segments, b, s, device)
+        output = net(
+            *inputs, output_processor=head, output_processor_context=mb.context(request, device)
+        )
+        if routing is not None:
+            routing.after(mb.segments, b, s)
+        return output, lambda output, non_loss_data=True: _detached(output)
+
+    outputs = _forward_only(model, groups, micro_batches, forward_step, routing)
+    if not groups.is_last_stage:
+        return None
+    return _assembled(outputs, micro_batches, lengths, request, tokens_BS)
+
+
+def _checked_lengths(
+    tokens_BS: torch.Tensor, lengths_B: torch.Tensor, request: ScoreRequest | None
+) -> list[int]:
+    """The rows' lengths, once the shapes of the tokens, lengths and extra ids agree."""
     if tokens_BS.dim() != 2 or lengths_B.shape != tokens_BS.shape[:1]:
         raise ValueError(
             f"expected tokens [B, S] and lengths [B], got {tuple(tokens_BS.shape)} and "
@@ -322,53 +363,55 @@ def score_batch(
     lengths = [int(n) for n in lengths_B.tolist()]
     if any(n < 1 or n > tokens_BS.shape[1] for n in lengths):
         raise ValueError(f"every length must be in [1, {tokens_BS.shape[1]}], got {lengths}")
+    return lengths
+
+
+def _micro_batches(
+    model: Any,
+    tokens_BS: torch.Tensor,
+    lengths: list[int],
+    *,
+    token_budget: int,
+    pack: bool,
+    request: ScoreRequest | None,
+    images: Sequence[torch.Tensor | None] | None,
+) -> list[_MicroBatch]:
+    """The rows in micro-batches of at most ``token_budget`` tokens, padded or packed; a VLM's
+    rows padded with an id that is not its image placeholder, each with its rows' tiles."""
     plan = plan_packed if pack else plan_padded
-    make = _packed_micro_batch if pack else _padded_micro_batch
-    extra_cpu = None if extra is None else extra.cpu()
+    extra = None if request is None or request.extra_ids is None else request.extra_ids.cpu()
     kl_hidden = None if request is None or request.kl_hidden is None else request.kl_hidden.cpu()
-    if images is not None and pack:
-        raise ValueError("rows with images are scored padded, not packed (pack_sequences=false)")
-    multiple = sequence_multiple(model)
-    if images is None:
-        micro_batches = [
-            make(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, multiple=multiple)
+    multiple, tokens = sequence_multiple(model), tokens_BS.cpu()
+    if pack:
+        return [
+            _packed_micro_batch(tokens, lengths, rows, extra, kl_hidden, multiple=multiple)
             for rows in plan(lengths, token_budget)
         ]
-    else:  # a VLM: padding must not be its image placeholder; the rows' tiles come along
+    pad = 0
+    if images is not None:
         from megatron.core.utils import get_attr_wrapped_model
 
         pad = pad_id_for(get_attr_wrapped_model(model, "image_token_index"))
-        micro_batches = [
-            _padded_micro_batch(tokens_BS.cpu(), lengths, rows, extra_cpu, kl_hidden, pad, multiple)
-            for rows in plan(lengths, token_budget)
-        ]
-        for mb in micro_batches:
+    out = [
+        _padded_micro_batch(tokens, lengths, rows, extra, kl_hidden, pad, multiple)
+        for rows in plan(lengths, token_budget)
+    ]
+    if images is not None:
+        for mb in out:
             mb.images = row_images(images, mb.rows)
-    device = next(model.parameters()).device
-    # an MoE model's EP ranks exchange tokens in every forward: equally many micro-batches on
-    # each (idle ones repeat the last, their results dropped)
-    count = groups.expert_max(len(micro_batches), device)
-    idle = dataclasses.replace(micro_batches[-1], segments=[])
-    micro_batches += [idle] * (count - len(micro_batches))
+    return out
 
-    def forward_step(data_iterator: Any, net: Any) -> tuple[Any, Any]:
-        mb = next(data_iterator)
-        inputs = [
-            mb.tokens.to(device),
-            mb.positions.to(device),
-            None if mb.attention_mask is None else mb.attention_mask.to(device),
-        ]
-        if images is not None:  # a vision-language model takes the images first
-            inputs.insert(0, None if mb.images is None else mb.images.to(device))
-        b, s = mb.tokens.shape
-        if routing is not None:
-            routing.before(mb.segments, b, s, device)
-        output = net(
-            *inputs, output_processor=head, output_processor_context=mb.context(request, device)
-        )
-        if routing is not None:
-            routing.after(mb.segments, b, s)
-        return output, lambda output, non_loss_data=True: _detached(output)
+
+def _forward_only(
+    model: Any,
+    groups: ParallelGroups,
+    micro_batches: list[_MicroBatch],
+    forward_step: Any,
+    routing: RoutingPass | None,
+) -> list[Any]:
+    """megatron-core's forward-only schedule over ``micro_batches`` on the model's own groups,
+    in eval mode and without gradients; the last stage's outputs (none elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     was_training = model.training
     model.eval()
@@ -377,21 +420,31 @@ def score_batch(
             routing.active() if routing else contextlib.nullcontext()
         )
         with torch.no_grad(), routers:
-            outputs = get_forward_backward_func(pp_size=groups.layout.pp)(
-                forward_step_func=forward_step,
-                data_iterator=iter(micro_batches),
-                model=[model],
-                num_microbatches=len(micro_batches),
-                seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-                micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
-                forward_only=True,
-                collect_non_loss_data=True,
-                **schedule_groups(groups, model.config),
+            return list(
+                get_forward_backward_func(pp_size=groups.layout.pp)(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(micro_batches),
+                    model=[model],
+                    num_microbatches=len(micro_batches),
+                    seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+                    micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+                    forward_only=True,
+                    collect_non_loss_data=True,
+                    **schedule_groups(groups, model.config),
+                )
             )
     finally:
         model.train(was_training)
-    if not groups.is_last_stage:
-        return None
+
+
+def _assembled(
+    outputs: list[Any],
+    micro_batches: list[_MicroBatch],
+    lengths: list[int],
+    request: ScoreRequest | None,
+    tokens_BS: torch.Tensor,
+) -> Scores:
+    """The micro-batches' outputs back in their rows, each value at the token it scores."""
     template = (request or ScoreRequest()).template(*tokens_BS.shape)
     if request is not None and request.hidden and outputs:
         hidden_bLH = required(outputs[0].hidden, "hidden")

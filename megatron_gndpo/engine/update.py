@@ -38,6 +38,7 @@ from megatron_gndpo.engine.scoring import (
     sequence_multiple,
 )
 from megatron_gndpo.models import routing
+from megatron_gndpo.models.inputs import forward_args
 from megatron_gndpo.models.logprob_head import ScoreContext, Scores, TokenLogProbs
 
 
@@ -239,9 +240,10 @@ def run_update(
                 context = ScoreContext(
                     mb["targets"], extra_ids=mb.get("aux_ids"), entropy=_wants_entropy(batch)
                 )
-            inputs = [mb["tokens"], mb["positions"], None]
-            if batch.images is not None:  # a vision-language model takes the images first
-                inputs.insert(0, mb.get("images"))
+            inputs = forward_args(
+                mb["tokens"], mb["positions"], None, vision=batch.images is not None,
+                images=mb.get("images"),
+            )  # fmt: skip
             if "routing" in mb:
                 routing.set_targets(replays, mb["routing"], device)
             output = net(*inputs, output_processor=head, output_processor_context=context)

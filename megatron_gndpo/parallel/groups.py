@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megatron_gndpo.config.loader import ConfigError
+from megatron_gndpo.config.schema import ParallelConfig
 from megatron_gndpo.parallel.distributed import collective_timeout
 
 if TYPE_CHECKING:
@@ -429,3 +431,18 @@ def schedule_groups(groups: ParallelGroups, model_config: Any) -> dict[str, Any]
 
         kwargs["p2p_communicator"] = P2PCommunicator(groups.pp, model_config)
     return kwargs
+
+
+def layout_of(parallel: ParallelConfig, world_size: int) -> ParallelLayout:
+    """The :class:`ParallelLayout` of a config section (``parallel``, ``teacher.parallel``...)
+    on ``world_size`` ranks, with the config's key names in the error."""
+    try:
+        return ParallelLayout(
+            world_size=world_size,
+            tp=parallel.tensor_parallel,
+            pp=parallel.pipeline_parallel,
+            cp=parallel.context_parallel,
+            ep=parallel.expert_parallel,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err

@@ -90,7 +90,7 @@ class _Tensor:
 
 
 def trainer_layout(cfg: Config, trainer_ranks: int) -> ParallelLayout:
-    from megatron_gndpo.checks import layout_of
+    from megatron_gndpo.parallel.groups import layout_of
 
     return layout_of(cfg.parallel, trainer_ranks)
 
@@ -300,8 +300,8 @@ class RolloutWorker:
     """A rollout rank: builds the student's copy and the generator, then serves the trainer."""
 
     def __init__(self, cfg: Config, *, probe: ModelProbe) -> None:
-        from megatron_gndpo.checks.vocab import scoring_vocab
         from megatron_gndpo.data import load_tokenizer
+        from megatron_gndpo.data.vocab import scoring_vocab
         from megatron_gndpo.models.build import build_model
         from megatron_gndpo.parallel.groups import build_student_groups
         from megatron_gndpo.rollout.builtin import MegatronGenerator

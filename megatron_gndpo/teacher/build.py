@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_gndpo.checkpoint.dist import load_checkpoint
-from megatron_gndpo.checks import layout_of
 from megatron_gndpo.checks.vocab import check_teacher_tokenizer
 from megatron_gndpo.config import Config, TeacherConfig
 from megatron_gndpo.config.schema import teacher_sections
@@ -24,7 +23,7 @@ from megatron_gndpo.data.datasets import EncodedPrompt
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.models.build import build_teacher
 from megatron_gndpo.models.logprob_head import TokenLogProbs
-from megatron_gndpo.parallel.groups import ParallelGroups, build_groups
+from megatron_gndpo.parallel.groups import ParallelGroups, build_groups, layout_of
 from megatron_gndpo.rollout.builtin import MegatronGenerator
 from megatron_gndpo.teacher.base import Teacher
 from megatron_gndpo.teacher.cross_tokenizer import CrossTokenizer, TeacherTokenizer
