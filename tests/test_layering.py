@@ -136,3 +136,8 @@ def test_training_code_never_imports_the_real_model_fetch() -> None:
     users = {m for m, targets in GRAPH.items() if targets & fetch}
     assert users <= fetch, sorted(users - fetch)
     assert "megatron_gndpo.checkpoint.gguf_to_hf" in GRAPH["megatron_gndpo.checkpoint.real_models"]
+
+
+def test_parallel_never_imports_the_job_lifecycle() -> None:
+    """``job/`` (watchdog, forced exit, run lock) builds on ``parallel/``, not the reverse."""
+    assert _violations("megatron_gndpo.parallel", ("megatron_gndpo.job",)) == []
