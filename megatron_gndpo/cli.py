@@ -273,7 +273,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(planner.format_memory(cfg, memory, hw))
     print("\n".join(warnings) if warnings else "every rank fits")
     if split.rollout_ranks:
-        from megatron_gndpo.plan_disaggregated import format_disaggregated
+        from megatron_gndpo.plan.disaggregated import format_disaggregated
 
         print(format_disaggregated(cfg, args.world_size, hw))
     else:
