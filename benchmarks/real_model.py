@@ -44,10 +44,10 @@ from common import VLLMPeer, git, host_info, one_process_world, sync, table, wai
 
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.convert import HFCheckpoint, fill_from_hf, read_hf_config
-from megatron_gndpo.checkpoint.real_models import SMOLLM2_135M, fetch
 from megatron_gndpo.config.schema import ParallelConfig
 from megatron_gndpo.engine.scoring import score_tokens
 from megatron_gndpo.models.logprob_head import TokenLogProbs
+from megatron_gndpo.real.fetch import SMOLLM2_135M, fetch
 from megatron_gndpo.rollout.base import SamplingParams
 from megatron_gndpo.rollout.builtin import MegatronGenerator
 
