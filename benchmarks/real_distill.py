@@ -62,6 +62,8 @@ from typing import Any
 
 import torch
 
+from megatron_gndpo.parallel.world import one_process_world
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -216,7 +218,7 @@ class Evaluator:
 
 
 # ---------------------------------------------------------------------------------------------
-# The world, the models and the runs
+# The models and the runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,23 +284,6 @@ def teacher_scorer(teacher: Any, groups: Any, vocab: int, budget: int) -> Teache
     return score
 
 
-class World:
-    """One run's megatron state: the student's groups (global), torn down on exit."""
-
-    def __init__(self, seed: int) -> None:
-        from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
-
-        self.groups = build_student_groups(ParallelLayout(1), seed=seed)
-
-    def __enter__(self) -> World:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-
-
 def kd_data(rollout: Any, tokenizer: Any, questions: Sequence[Question]) -> dict[str, Any]:
     """The teacher's answers of ``rollout`` as SFT sequences (prompt ids + response ids, its
     ``<|im_end|>`` included when it wrote one), with how good they are."""
@@ -329,9 +314,9 @@ def prepare(s: Settings, tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
     questions = load_questions(EVAL_DATA)
     train = load_questions(run_config(s, "kd", SEED).data.train)
     train_ids = [tokenizer.apply_chat_template(q.prompt) for q in train]
-    with World(SEED) as world:
-        teacher = load_model(s.teacher, world.groups, frozen=True)
-        generator = generator_for(teacher, world.groups, tokenizer)
+    with one_process_world(seed=SEED) as groups:
+        teacher = load_model(s.teacher, groups, frozen=True)
+        generator = generator_for(teacher, groups, tokenizer)
         ids = [tokenizer.apply_chat_template(q.prompt) for q in questions]
         answers = greedy_answers(generator, ids, tokenizer, max_new_tokens)
         greedy = generator.generate(
@@ -421,20 +406,20 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
     started = time.perf_counter()
     curve = []
     model_cfg = read_model_config(s.student, resolve(s.student))
-    with World(seed) as world:
+    with one_process_world(seed=seed) as groups:
         m = build_sft_model(
-            model_cfg, ParallelConfig(), world.groups,
+            model_cfg, ParallelConfig(), groups,
             cfg.optimizer, vocab_size=tokenizer.vocab_size, steps=s.steps, seed=seed,
             init=resolve(s.student),
         )  # fmt: skip
         budget = cfg.trainer.scoring_token_budget
-        teacher = teacher_scorer(load_model(s.teacher, world.groups, frozen=True), world.groups,
+        teacher = teacher_scorer(load_model(s.teacher, groups, frozen=True), groups,
                                  tokenizer.vocab_size, budget)  # fmt: skip
-        generator = generator_for(m.model, world.groups, tokenizer)
+        generator = generator_for(m.model, groups, tokenizer)
 
         def measure(step: int, metrics: dict[str, float] | None = None) -> None:
             if step == 0 or step % s.eval_interval == 0 or step == s.steps:
-                curve.append({"step": step, **evaluate(m.model, world.groups, generator, teacher)})
+                curve.append({"step": step, **evaluate(m.model, groups, generator, teacher)})
                 _say(method, seed, curve[-1])
 
         measure(0)
@@ -477,13 +462,13 @@ def measure_starts(s: Settings, starts: dict[str, Path], evaluate: Evaluator,
                    tokenizer: Any, budget: int) -> list[dict[str, Any]]:  # fmt: skip
     """Each pruned student of ``starts`` measured as it is (step 0 of a run from it)."""
     out = []
-    with World(SEED) as world:
-        teacher = teacher_scorer(load_model(s.teacher, world.groups, frozen=True), world.groups,
+    with one_process_world(seed=SEED) as groups:
+        teacher = teacher_scorer(load_model(s.teacher, groups, frozen=True), groups,
                                  tokenizer.vocab_size, budget)  # fmt: skip
         for name, path in starts.items():
             started = time.perf_counter()
-            net = load_model(path, world.groups, frozen=True)
-            found = evaluate(net, world.groups, generator_for(net, world.groups, tokenizer),
+            net = load_model(path, groups, frozen=True)
+            found = evaluate(net, groups, generator_for(net, groups, tokenizer),
                              teacher)  # fmt: skip
             prune = path / "prune.json"
             layers = json.loads(prune.read_text())["keep_layers"] if prune.is_file() else None
@@ -611,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron_gndpo.compat import notices
     from megatron_gndpo.config.loader import load_config
     from megatron_gndpo.data.tokenizer import load_tokenizer
-    from megatron_gndpo.demo.run import demo_world
+    from megatron_gndpo.parallel.world import distributed_world
 
     notices.quiet_known_notices()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
@@ -634,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(str(s.tokenizer))
     max_new, budget = example.rollout.max_response_length, example.trainer.scoring_token_budget
-    with demo_world():
+    with distributed_world(alone="the benchmark"):
         teacher = prepare(s, tokenizer, max_new)
         answers = Answers(**teacher["answers"])
         evaluate = Evaluator(tokenizer, load_questions(EVAL_DATA), answers, max_new, budget)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import foreign_config, hf_mapping, interop
 from megatron_gndpo.checkpoint.dist import (
@@ -320,19 +319,6 @@ def check_dtype(dtype: str | None) -> None:
         raise ConversionError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
 
 
-def export_groups() -> tuple[ParallelGroups, bool]:
-    """TP=1/PP=1 groups over the current world; True when megatron's global state was created."""
-    from megatron.core import parallel_state
-
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
-
-    world = dist.get_world_size()
-    layout = ParallelLayout(world)
-    if not parallel_state.model_parallel_is_initialized():
-        return build_student_groups(layout), True
-    return build_groups(layout, name="export"), False
-
-
 def _write_safetensors(
     tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int
 ) -> list[str]:
@@ -453,14 +439,9 @@ def export_checkpoint(
 
     Every rank loads; rank 0 writes. Starts (and ends) a one-process world when none exists.
     """
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+    from megatron_gndpo.parallel.world import one_process_world
 
-    started = not dist.is_initialized()
-    if started:
-        init_distributed()
-    created_state = False
-    try:
-        groups, created_state = export_groups()
+    with one_process_world(reuse=True) as groups:
         net = build(groups)
         load_checkpoint(step, net)
         # named as GPTModel names them, whichever class ``build`` built (models/naming.py)
@@ -484,11 +465,4 @@ def export_checkpoint(
             (out / "config.json").write_text(json.dumps(config, indent=2))
             copy_side_files(side_files, out)
         barrier()
-    finally:
-        if created_state:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-        if started:
-            shutdown_distributed()
     return Path(out_dir)

@@ -311,22 +311,11 @@ def prepare_multimodal(
     ``on_step(name, step, metrics)`` runs after every SFT step. Initialises (and then shuts down)
     a one-process world when none exists; the megatron parallel state it builds is destroyed
     before it returns."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron_gndpo.parallel.world import distributed_world, one_process_world
 
-    from megatron_gndpo.compat import cpu
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
-
-    owns_world = not dist.is_initialized()
-    env = init_distributed()
-    try:
-        if env.world_size != 1:
-            raise RuntimeError(f"the demo prepares its models in one process, not {env.world_size}")
-        cpu.enable_if_no_cuda()
+    with distributed_world(alone="the demo"):
         task = build_visual_task(cache_dir)
-        groups = build_student_groups(ParallelLayout(1), seed=0)
-        try:
+        with one_process_world(seed=0) as groups:
             pretrained = pretrain_encoder(
                 Path(cache_dir) / "vlm_encoder", vision_config(), student_recipe().model, groups,
                 task.sft, task.held_out, encoder,
@@ -345,11 +334,6 @@ def prepare_multimodal(
                 )
             if isinstance(student, PrunedVisionRecipe):
                 prepared.append(prepare_pruned_vlm(cache_dir, prepared[0], task, groups, student))
-        finally:
-            parallel_state.destroy_model_parallel()
-    finally:
-        if owns_world:
-            shutdown_distributed()
     return prepared[0], prepared[1], task
 
 

@@ -23,4 +23,3 @@ def forced_exit(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             _ON_FORCED_EXIT.pop()()
     os._exit(code)
-

@@ -30,14 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.convert import (
     HF_CONFIG_FILE,
     VISION_CONFIG_FILE,
     describe_checkpoints,
-    export_groups,
     read_model_config,
     source_dtype,
 )
@@ -167,7 +165,7 @@ def prune_checkpoint(
     started and ended here if none).
     """
     from megatron_gndpo.models.build import build_model
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+    from megatron_gndpo.parallel.world import one_process_world
 
     out = Path(out)
     check_output(out, overwrite)
@@ -208,18 +206,9 @@ def prune_checkpoint(
             "prune it in depth only (leave out --ffn-hidden-size)"
         )
 
-    started = not dist.is_initialized()
-    if started:
-        init_distributed()
-    created_state = False
-    try:
-        if dist.get_world_size() != 1:
-            raise PruneError(
-                f"prune runs as one process, not {dist.get_world_size()}: start it without a "
-                "launcher (the teacher loads at TP=1/PP=1 whatever layout it was saved at)"
-            )
+    # the teacher loads at TP=1/PP=1 whatever layout it was saved at
+    with one_process_world(reuse=True, alone="prune") as groups:
         began = time.perf_counter()
-        groups, created_state = export_groups()
         net = build_model(model, ParallelConfig(), groups)
         load_checkpoint(step, net, vocab_size=tokenizer.vocab_size)
         net.eval()
@@ -265,13 +254,6 @@ def prune_checkpoint(
         )  # fmt: skip
         del net, teacher_state
         _write(result, student, base, overwrite)
-    finally:
-        if created_state:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-        if started:
-            shutdown_distributed()
     return result
 
 
