@@ -78,8 +78,7 @@ def prepare(cache: Path, quick: bool) -> dict[str, Any]:
         out["char_teacher"] = models.prepare(
             cache, char_teacher_recipe(quick), groups, char_task, new_tokens=CHAR_NEW_TOKENS
         )
-        out["sp_teacher"] = models.prepare_teacher(cache, groups, task,
-                                                   recipe=models.teacher_recipe(quick))  # fmt: skip
+        out["sp_teacher"] = models.prepare(cache, models.teacher_recipe(quick), groups, task)
         out["student"] = models.prepare_pruned(cache, out["sp_teacher"], task, groups)
         out["prepare_seconds"] = time.perf_counter() - started
     for key in ("char_teacher", "sp_teacher", "student"):

@@ -145,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import real_distill as rd
 
     from megatron_gndpo import seeding
+    from megatron_gndpo.checkpoint.load import load_model
     from megatron_gndpo.compat import notices
     from megatron_gndpo.data.tokenizer import load_tokenizer
     from megatron_gndpo.parallel.world import one_process_world
@@ -156,8 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = rd.sampling(args.max_new_tokens, tokenizer.eos_id, 1.0, rd.EVAL_SAMPLES)
     found: dict[str, Any] = {"student": str(args.student), "max_new_tokens": args.max_new_tokens}
     with one_process_world(seed=rd.SEED, alone="the benchmark") as groups:
-        teacher = rd.load_model(args.teacher, groups, frozen=True)
-        student = rd.load_model(args.student, groups, frozen=True)
+        teacher = load_model(args.teacher, groups, frozen=True)
+        student = load_model(args.student, groups, frozen=True)
         for who in samplers:
             net = student if who == "student" else teacher
             rollout = rd.generator_for(net, groups, tokenizer).generate(

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from megatron_gndpo.checkpoint.load import load_model
 from megatron_gndpo.parallel.world import one_process_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,10 +243,13 @@ def estimator(method: str) -> str:
 
 
 def run_config(s: Settings, method: str, seed: int) -> Any:
-    """The example config at ``s``'s paths, for ``method`` (gndpo/opd) or KD's optimizer."""
+    """The example config at ``s``'s paths, for ``method`` (gndpo/opd) or KD's optimizer; each
+    model's depth and width are its own checkpoint's (a student pruned to another depth than
+    the example's needs no ``model.num_layers`` override)."""
     from megatron_gndpo.config.loader import load_config
 
     ours = [
+        *_architecture("model", s.student), *_architecture("teacher.model", s.teacher),
         f"checkpoint.init={s.student}", f"teacher.load={s.teacher}",
         f"data.tokenizer={s.tokenizer}", f"trainer.steps={s.steps}", f"trainer.seed={seed}",
         f"algorithm.estimator={estimator(method)}",
@@ -257,17 +261,13 @@ def run_config(s: Settings, method: str, seed: int) -> Any:
                        + list(s.overrides))  # fmt: skip
 
 
-def load_model(checkpoint: Path, groups: Any, *, frozen: bool) -> Any:
-    """A converted or pruned checkpoint's model at TP=1/PP=1, architecture from beside it."""
-    from megatron_gndpo.checkpoint.convert import read_model_config
-    from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.build import build_model, build_teacher
+def _architecture(section: str, checkpoint: Path) -> list[str]:
+    """Overrides of ``section`` giving the depth and width the checkpoint was saved with."""
+    from megatron_gndpo.checkpoint.convert import saved_model
 
-    build = build_teacher if frozen else build_model
-    net = build(read_model_config(checkpoint, resolve(checkpoint)), ParallelConfig(), groups)
-    load_checkpoint(resolve(checkpoint), net)
-    return net
+    model = saved_model(checkpoint).model
+    return [f"{section}.num_layers={model.num_layers}",
+            f"{section}.ffn_hidden_size={model.ffn_hidden_size}"]  # fmt: skip
 
 
 def teacher_scorer(teacher: Any, groups: Any, vocab: int, budget: int) -> TeacherLogprobs:
@@ -394,7 +394,7 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
     as many sequences a step as a trainer step samples, the trainer's optimizer; evaluated like
     the trainer's runs. ``save``: a checkpoint root the trained student is written to (a model
     the trainer's ``checkpoint.init`` loads)."""
-    from megatron_gndpo.checkpoint.convert import read_model_config
+    from megatron_gndpo.checkpoint.convert import describe_checkpoints, saved_model
     from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.engine.scoring import sequence_multiple
@@ -405,7 +405,7 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
     sequences = [SFTSequence(tuple(d["tokens"]), d["prompt_length"]) for d in data]
     started = time.perf_counter()
     curve = []
-    model_cfg = read_model_config(s.student, resolve(s.student))
+    model_cfg = saved_model(s.student).model
     with one_process_world(seed=seed) as groups:
         m = build_sft_model(
             model_cfg, ParallelConfig(), groups,
@@ -433,6 +433,7 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
             shutil.rmtree(save, ignore_errors=True)
             save_checkpoint(save, s.steps, m.model, model_config=model_cfg,
                             tokenizer=str(s.tokenizer))  # fmt: skip
+            describe_checkpoints(save, model_cfg)  # the next stage reads its architecture
     per_sequence = statistics.fmean(len(q.tokens) - q.prompt_length for q in sequences)
     return {"method": method, "seed": seed, "curve": curve,
             "seconds": time.perf_counter() - started,

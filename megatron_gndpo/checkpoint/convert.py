@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -314,6 +314,35 @@ def source_dtype(step: Path, model: ModelConfig) -> Dtype:
     return next((name for name, d in _TORCH_DTYPES.items() if d == most), model.params_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedModel:
+    """What a checkpoint holds, read from its files (nothing built)."""
+
+    step: Path  # the step directory that loads (the newest, given a root)
+    root: Path  # the directory beside which its descriptions lie (model_config.yaml, tokenizer)
+    model: ModelConfig
+
+
+def saved_model(
+    path: str | Path,
+    model: ModelConfig | None = None,
+    *,
+    dtype: Dtype | Literal["saved"] | None = None,
+) -> SavedModel:
+    """The checkpoint at ``path`` (a root or a step directory) and its architecture: ``model``
+    when given, else what is beside it (:func:`read_model_config`). ``dtype``: the parameters'
+    dtype to build in; ``"saved"``: the one its weights were saved in (:func:`source_dtype`: the
+    load is then exact); None: as the architecture says. A missing or corrupt checkpoint is a
+    ``CheckpointError``, raised before anything is built."""
+    step = resolve(path)
+    root = Path(path) if step != Path(path) else step.parent
+    model = model if model is not None else read_model_config(root, step)
+    if dtype is not None:
+        saved = source_dtype(step, model) if dtype == "saved" else dtype
+        model = dataclasses.replace(model, params_dtype=saved)
+    return SavedModel(step=step, root=root, model=model)
+
+
 def check_dtype(dtype: str | None) -> None:
     if dtype is not None and dtype not in _TORCH_DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
@@ -390,12 +419,9 @@ def convert_mcore_to_hf(
     from megatron_gndpo.models.build import build_model
 
     check_dtype(dtype)
-    step = resolve(mcore_root)  # a CheckpointError before anything is built
-    # The checkpoint root (beside which conversion wrote its config and tokenizer files).
-    base = Path(mcore_root) if step != Path(mcore_root) else step.parent
-    model = model if model is not None else read_model_config(base, step)
     # Built in the saved dtype, so the load is exact and only the export casts.
-    model = dataclasses.replace(model, params_dtype=source_dtype(step, model))
+    saved = saved_model(mcore_root, model, dtype="saved")
+    step, base, model = saved.step, saved.root, saved.model
     dtype = dtype or model.params_dtype
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     source = source_hf_config(base, tok_dir, step)
