@@ -158,6 +158,7 @@ def sampling(max_new_tokens: int, eos_id: int, temperature: float, k: int = 1) -
 def greedy_answers(generator: Any, ids: Sequence[Sequence[int]], tokenizer: Any,
                    max_new_tokens: int) -> Answers:  # fmt: skip
     """The generator's model's greedy answer to each prompt (``ids``, chat-templated)."""
+    # TODO(house): shared greedy decode
     params = sampling(max_new_tokens, tokenizer.eos_id, 0.0)
     return _answers(generator.generate(ids, params, seeds=[0] * len(ids)), tokenizer)
 

@@ -24,7 +24,7 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -67,20 +67,26 @@ class DemoTask:
     eval: list[chains.Problem]  # held-out problems (builtin:chains_eval)
 
     def describe(self) -> dict[str, Any]:
-        """What a cached model depends on besides its recipe (the data by content)."""
-        return {
-            "difficulty": self.difficulty,
-            "tokenizer": self.tokenizer.fingerprint(),
-            "sft": _digest(self.sft),
-            "eval": _digest(self.eval),
-        }
+        return describe_task(self.difficulty, self.tokenizer, _digest(self.sft), _digest(self.eval))
+
+
+def describe_task(difficulty: int, tokenizer: Tokenizer, sft: str, held_out: str) -> dict[str, Any]:
+    """What a cached model depends on besides its recipe: the task's data by content (``sft``,
+    ``held_out``: digests of the supervised and held-out problems)."""
+    return {"difficulty": difficulty, "tokenizer": tokenizer.fingerprint(), "sft": sft,
+            "eval": held_out}  # fmt: skip
+
+
+def digest(chunks: Iterable[bytes]) -> str:
+    """The SHA-256 of ``chunks`` one after another (hex)."""
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def _digest(problems: list[chains.Problem]) -> str:
-    h = hashlib.sha256()
-    for p in problems:
-        h.update(f"{p.prompt}\t{p.solution}\n".encode())
-    return h.hexdigest()
+    return digest(f"{p.prompt}\t{p.solution}\n".encode() for p in problems)
 
 
 def build_task(cache_dir: str | Path, difficulty: int = chains.DEFAULT_DIFFICULTY) -> DemoTask:
@@ -251,18 +257,27 @@ def prepare(
         trained.model, groups, tokenizer, task.eval,
         max_new_tokens=new_tokens or max_new_tokens(task.difficulty),
     )  # fmt: skip
-    meta = {
-        "key": key,
-        "recipe": to_dict(recipe),
-        "task": task.describe(),
-        "accuracy": accuracy,
-        "sft_seconds": sft_seconds,
-        "eval_seconds": time.perf_counter() - started,
-        "world_size": groups.layout.world_size,
-        "losses": [m["loss"] for m in history],
-    }
+    meta = sft_meta(
+        key, recipe, task.describe(), accuracy=accuracy, sft_seconds=sft_seconds,
+        eval_seconds=time.perf_counter() - started, history=history,
+        world_size=groups.layout.world_size,
+    )  # fmt: skip
     save_prepared(directory, recipe.steps, trained.model, meta, recipe.model)
     return _prepared(directory, recipe.name, recipe.model, meta, cached=False)
+
+
+def sft_meta(
+    key: str,
+    recipe: Any,
+    task: dict[str, Any],
+    *,
+    history: list[dict[str, float]],
+    **measured: Any,
+) -> dict[str, Any]:
+    """The ``model.json`` of a model made by SFT: its cache key, recipe (a dataclass) and task
+    description, what was ``measured`` (accuracy, wall times) and its loss at every step."""
+    losses = [m["loss"] for m in history]
+    return {"key": key, "recipe": to_dict(recipe), "task": task, **measured, "losses": losses}
 
 
 def cache_key(payload: dict[str, Any]) -> str:

@@ -52,11 +52,14 @@ from megatron_gndpo.demo.models import (
     PreparedModel,
     Recipe,
     cache_key,
+    describe_task,
+    digest,
     language_model,
     load_meta,
     measured,
     pruned_cache_key,
     save_prepared,
+    sft_meta,
     sft_optimizer,
 )
 from megatron_gndpo.demo.tokenizer import MODEL_FILE, task_corpus, train_tokenizer
@@ -104,24 +107,20 @@ class VisualTask:
     encoder: PretrainedEncoder | None = None  # the shared frozen encoder, once pretrained
 
     def describe(self) -> dict[str, Any]:
-        """What a cached model depends on besides its recipe (the data by content)."""
-        return {
-            "difficulty": self.difficulty,
-            "tokenizer": self.tokenizer.fingerprint(),
-            "sft": _digest(self.sft),
-            "eval": _file_digest(self.eval_prompts),
-        }
+        return describe_task(
+            self.difficulty, self.tokenizer, _digest(self.sft), _file_digest(self.eval_prompts)
+        )
 
     def eval_examples(self) -> list[MultimodalExample]:
         return load_multimodal_prompts(str(self.eval_prompts))
 
 
 def _digest(problems: Sequence[visual.VisualProblem]) -> str:
-    h = hashlib.sha256()
-    for p in problems:
-        h.update(f"{p.prompt}\t{p.solution}\t".encode())
-        h.update(p.image.tobytes())
-    return h.hexdigest()
+    return digest(
+        part
+        for p in problems
+        for part in (f"{p.prompt}\t{p.solution}\t".encode(), p.image.tobytes())
+    )
 
 
 def _file_digest(path: Path) -> str:
@@ -355,15 +354,10 @@ def prepare_vlm(
     accuracy = greedy_accuracy_multimodal(
         trained.model, groups, tokenizer, rows, max_new_tokens=task.max_response_length
     )
-    meta = {
-        "key": key,
-        "recipe": to_dict(recipe),
-        "task": task.describe(),
-        "accuracy": accuracy,
-        "sft_seconds": sft_seconds,
-        "eval_seconds": time.perf_counter() - started,
-        "losses": [m["loss"] for m in history],
-    }
+    meta = sft_meta(
+        key, recipe, task.describe(), accuracy=accuracy, sft_seconds=sft_seconds,
+        eval_seconds=time.perf_counter() - started, history=history,
+    )  # fmt: skip
     save_prepared(directory, recipe.steps, trained.model, meta, recipe.model, recipe.vision)
     return _prepared(directory, recipe, meta, cached=False)
 
@@ -442,6 +436,7 @@ def greedy_accuracy_multimodal(
     """Fraction of ``rows`` whose greedy response (KV-cached, images prefilled) states the
     reference answer (:func:`megatron_gndpo.rewards.verifiable.reward`). One model replica:
     every rank of its layout decodes every row."""
+    # TODO(house): shared greedy decode
     from megatron_gndpo.rewards.verifiable import reward
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.multimodal import MultimodalGenerator

@@ -121,7 +121,7 @@ def teacher_sequences(
 ) -> list[tuple[list[int], int]]:
     """Each prompt in the chat template followed by the teacher's greedy answer (ids, prompt
     length)."""
-    # TODO(house): shared greedy decode (demo/evaluate.py greedy_texts decodes the same way)
+    # TODO(house): shared greedy decode (demo/evaluate.py's greedy_texts is the same loop)
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
 
@@ -186,7 +186,12 @@ def prune_checkpoint(
             )
         batches = calibration_batches(sequences, pad_id=tokenizer.pad_id, batch_size=BATCH_SIZE)
         vocab = tokenizer.vocab_size
-        choice = _choose_layers(net, batches, num_layers, keep_layers, importance, vocab)
+        if keep_layers is None:
+            choice = select_layers(
+                net, batches, num_layers=num_layers, vocab_size=vocab, importance=importance
+            )
+        else:
+            choice = _given_layers(net, batches, keep_layers, importance, vocab)
         neurons = None
         if ffn_hidden_size is not None:  # measured on the kept layers, as the student runs
             with only_layers(net, choice.keep):
@@ -265,23 +270,14 @@ def _check_request(
     return num_layers
 
 
-def _choose_layers(
-    net: Any,
-    batches: Any,
-    num_layers: int,
-    keep_layers: Sequence[int] | None,
-    importance: Importance,
-    vocab: int,
+def _given_layers(
+    net: Any, batches: Any, keep: Sequence[int], importance: Importance, vocab: int
 ) -> LayerChoice:
-    """The layers the search keeps, or the given ones with the KL of keeping only them."""
-    if keep_layers is None:
-        return select_layers(
-            net, batches, num_layers=num_layers, vocab_size=vocab, importance=importance
-        )
+    """The layers ``keep`` the user chose, with the KL of keeping only them."""
     reference = reference_logprobs(net, batches, vocab)
-    with only_layers(net, keep_layers):
+    with only_layers(net, keep):
         kl = kl_from_reference(net, batches, reference, vocab)
-    return LayerChoice(tuple(keep_layers), importance, {"given": True}, kl)
+    return LayerChoice(tuple(keep), importance, {"given": True}, kl)
 
 
 def _build_student(
