@@ -36,3 +36,23 @@ def test_one_process_world_starts_and_tears_down_both() -> None:
             assert parallel_state.model_parallel_is_initialized()
         assert dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
     assert not dist.is_initialized()
+
+
+def _refused_in_two(rank: int, world: int) -> str:
+    from megatron_gndpo.errors import DistributedStartError
+    from megatron_gndpo.parallel.world import distributed_world
+
+    try:
+        with distributed_world(alone="the test"):
+            return "entered"
+    except DistributedStartError as err:
+        assert dist.is_initialized()  # the launcher's world is not this one's to end
+        return str(err)
+
+
+@pytest.mark.distributed
+def test_a_larger_world_is_refused_naming_who_needs_one_process() -> None:
+    from tests.harness import run_distributed
+
+    said = run_distributed(_refused_in_two, 2)
+    assert said == ["the test runs as one process, not 2: start it without a launcher"] * 2

@@ -231,7 +231,7 @@ def estimate_memory(
 ) -> list[RankMemory]:
     """Per-rank memory of every (student stage, teacher stage) pair that some trainer rank
     holds. With rollout ranks apart (rollout.disaggregate) the layouts cover the first
-    world - R ranks and these generate nothing (plan_disaggregated.py has the rollout ranks)."""
+    world - R ranks and these generate nothing (plan/disaggregated.py has the rollout ranks)."""
     split = rank_split(cfg, world_size)
     world_size = split.trainer_ranks
     s_layout = layout_of(cfg.parallel, world_size)
