@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmark scripts: timing, memory, a one-process megatron world, peers.
+"""Shared helpers of the benchmark scripts: timing, memory, the process's megatron world, peers.
 
 The peer baselines live in ``shared/bench/peer_step.py`` beside the checkout (or wherever
 ``--peer`` points); a benchmark imports it to measure the peer in the same run.
@@ -6,6 +6,7 @@ The peer baselines live in ``shared/bench/peer_step.py`` beside the checkout (or
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -53,15 +54,16 @@ def peak_gib(fn: Callable[[], object]) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def one_process_world(tp: int = 1, seed: int = 1234):  # type: ignore[no-untyped-def]
-    """torch.distributed with one rank and the student's megatron groups (CPU compat if no GPU)."""
-    from megatron_gndpo.compat import cpu
-    from megatron_gndpo.parallel.distributed import init_distributed
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+# A benchmark's world lasts as long as its process: entered once, never left.
+_PROCESS_WORLD = contextlib.ExitStack()
 
-    env = init_distributed()
-    cpu.enable_if_no_cuda()
-    return build_student_groups(ParallelLayout(env.world_size, tp=tp), seed=seed)
+
+def process_world(seed: int = 1234):  # type: ignore[no-untyped-def]
+    """The package's one-process world (torch.distributed, CPU compat if no GPU, the student's
+    megatron groups seeded with ``seed``) for the rest of this process; returns the groups."""
+    from megatron_gndpo.parallel.world import one_process_world
+
+    return _PROCESS_WORLD.enter_context(one_process_world(seed=seed))
 
 
 def load_peer(path: str | None) -> ModuleType | None:
@@ -107,7 +109,7 @@ def build_model(args: Any, max_positions: int, *, gpu: bool):  # type: ignore[no
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.models.gpt import build_gpt
 
-    groups = one_process_world()
+    groups = process_world()
     model = build_gpt(model_config(args, max_positions, gpu=gpu), ParallelConfig(), groups)
     return groups, model.cuda() if gpu else model
 

@@ -66,27 +66,21 @@ def char_teacher_recipe(quick: bool) -> Any:
 
 def prepare(cache: Path, quick: bool) -> dict[str, Any]:
     """The SP task, the character teacher, the SP teacher and the SP student (cached)."""
-    from megatron.core import parallel_state
-
     from megatron_gndpo.data.tokenizer import CharTokenizer
     from megatron_gndpo.demo import models
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
+    from megatron_gndpo.parallel.world import one_process_world
 
     task = models.build_task(cache)
     char_task = dataclasses.replace(task, tokenizer=CharTokenizer())
-    groups = build_student_groups(ParallelLayout(1), seed=0)
     out: dict[str, Any] = {"task": task}
-    try:
+    with one_process_world(seed=0) as groups:
         started = time.perf_counter()
         out["char_teacher"] = models.prepare(
             cache, char_teacher_recipe(quick), groups, char_task, new_tokens=CHAR_NEW_TOKENS
         )
-        out["sp_teacher"] = models.prepare_teacher(cache, groups, task,
-                                                   recipe=models.teacher_recipe(quick))  # fmt: skip
+        out["sp_teacher"] = models.prepare(cache, models.teacher_recipe(quick), groups, task)
         out["student"] = models.prepare_pruned(cache, out["sp_teacher"], task, groups)
         out["prepare_seconds"] = time.perf_counter() - started
-    finally:
-        parallel_state.destroy_model_parallel()
     for key in ("char_teacher", "sp_teacher", "student"):
         m = out[key]
         how = "cached" if m.cached else f"trained {m.sft_seconds:.0f} s"
@@ -96,12 +90,13 @@ def prepare(cache: Path, quick: bool) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_gndpo.config.schema import TeacherConfig
-    from megatron_gndpo.demo.run import demo_world, method_config, run_method, settings
+    from megatron_gndpo.demo.run import method_config, run_method, settings
+    from megatron_gndpo.parallel.world import distributed_world
 
     out_dir, cache = Path(args.out), Path(args.cache_dir or Path(args.out) / "cache")
     started = time.perf_counter()
     results: dict[str, Any] = {"runs": {}}
-    with demo_world():
+    with distributed_world(alone="the benchmark"):
         prepared = prepare(cache, args.quick)
         s = settings(args.quick)
         s = dataclasses.replace(s, steps=args.steps or s.steps, eval_samples=4)

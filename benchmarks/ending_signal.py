@@ -145,9 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import real_distill as rd
 
     from megatron_gndpo import seeding
+    from megatron_gndpo.checkpoint.load import load_model
     from megatron_gndpo.compat import notices
     from megatron_gndpo.data.tokenizer import load_tokenizer
-    from megatron_gndpo.demo.run import demo_world
+    from megatron_gndpo.parallel.world import one_process_world
 
     notices.quiet_known_notices()
     tokenizer = load_tokenizer(str(args.tokenizer or args.teacher))
@@ -155,12 +156,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids = [tokenizer.apply_chat_template(q.prompt) for q in questions]
     params = rd.sampling(args.max_new_tokens, tokenizer.eos_id, 1.0, rd.EVAL_SAMPLES)
     found: dict[str, Any] = {"student": str(args.student), "max_new_tokens": args.max_new_tokens}
-    with demo_world(), rd.World(rd.SEED) as world:
-        teacher = rd.load_model(args.teacher, world.groups, frozen=True)
-        student = rd.load_model(args.student, world.groups, frozen=True)
+    with one_process_world(seed=rd.SEED, alone="the benchmark") as groups:
+        teacher = load_model(args.teacher, groups, frozen=True)
+        student = load_model(args.student, groups, frozen=True)
         for who in samplers:
             net = student if who == "student" else teacher
-            rollout = rd.generator_for(net, world.groups, tokenizer).generate(
+            rollout = rd.generator_for(net, groups, tokenizer).generate(
                 ids, params, seeds=seeding.eval_seeds(rd.SEED, 0, len(ids))
             )
             found[f"{who}_samples"] = measure(teacher, student, rollout, tokenizer.eos_id)

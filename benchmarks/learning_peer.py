@@ -224,9 +224,10 @@ def export_hf(prepared: Any, target: Path, vocab_size: int) -> Path:
 
 def export_models(cache_dir: Path, out: Path, quick: bool) -> tuple[Any, Any, Any, Path, Path]:
     """The demo's teacher and pruned student (prepared or reused) and their HF exports."""
-    from megatron_gndpo.demo.run import demo_world, prepare_models, settings
+    from megatron_gndpo.demo.run import prepare_models, settings
+    from megatron_gndpo.parallel.world import distributed_world
 
-    with demo_world():
+    with distributed_world(alone="the benchmark"):
         teacher, student, task = prepare_models(cache_dir, settings(quick))
         vocab = task.tokenizer.vocab_size
         teacher_dir = export_hf(teacher, out / "hf" / "teacher", vocab)
@@ -243,10 +244,11 @@ def run_ours(cache_dir: Path, out: Path, teacher: Any, student: Any, task: Any,
              s: PeerSettings, quick: bool, who: str = "ours") -> list[dict[str, Any]]:  # fmt: skip
     """Our trainer with ``OURS[who]`` on each seed: its evaluations (step 0 and every
     interval)."""
-    from megatron_gndpo.demo.run import demo_world, method_config, run_method, settings
+    from megatron_gndpo.demo.run import method_config, run_method, settings
+    from megatron_gndpo.parallel.world import distributed_world
 
     runs = []
-    with demo_world():
+    with distributed_world(alone="the benchmark"):
         for seed in s.seeds:
             base = dataclasses.replace(
                 settings(quick, seed), steps=s.steps, eval_interval=s.eval_interval,

@@ -62,6 +62,9 @@ from typing import Any
 
 import torch
 
+from megatron_gndpo.checkpoint.load import load_model
+from megatron_gndpo.parallel.world import one_process_world
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -155,6 +158,7 @@ def sampling(max_new_tokens: int, eos_id: int, temperature: float, k: int = 1) -
 def greedy_answers(generator: Any, ids: Sequence[Sequence[int]], tokenizer: Any,
                    max_new_tokens: int) -> Answers:  # fmt: skip
     """The generator's model's greedy answer to each prompt (``ids``, chat-templated)."""
+    # TODO(house): shared greedy decode
     params = sampling(max_new_tokens, tokenizer.eos_id, 0.0)
     return _answers(generator.generate(ids, params, seeds=[0] * len(ids)), tokenizer)
 
@@ -216,7 +220,7 @@ class Evaluator:
 
 
 # ---------------------------------------------------------------------------------------------
-# The world, the models and the runs
+# The models and the runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,10 +244,13 @@ def estimator(method: str) -> str:
 
 
 def run_config(s: Settings, method: str, seed: int) -> Any:
-    """The example config at ``s``'s paths, for ``method`` (gndpo/opd) or KD's optimizer."""
+    """The example config at ``s``'s paths, for ``method`` (gndpo/opd) or KD's optimizer; each
+    model's depth and width are its own checkpoint's (a student pruned to another depth than
+    the example's needs no ``model.num_layers`` override)."""
     from megatron_gndpo.config.loader import load_config
 
     ours = [
+        *_architecture("model", s.student), *_architecture("teacher.model", s.teacher),
         f"checkpoint.init={s.student}", f"teacher.load={s.teacher}",
         f"data.tokenizer={s.tokenizer}", f"trainer.steps={s.steps}", f"trainer.seed={seed}",
         f"algorithm.estimator={estimator(method)}",
@@ -255,17 +262,13 @@ def run_config(s: Settings, method: str, seed: int) -> Any:
                        + list(s.overrides))  # fmt: skip
 
 
-def load_model(checkpoint: Path, groups: Any, *, frozen: bool) -> Any:
-    """A converted or pruned checkpoint's model at TP=1/PP=1, architecture from beside it."""
-    from megatron_gndpo.checkpoint.convert import read_model_config
-    from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve
-    from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.models.build import build_model, build_teacher
+def _architecture(section: str, checkpoint: Path) -> list[str]:
+    """Overrides of ``section`` giving the depth and width the checkpoint was saved with."""
+    from megatron_gndpo.checkpoint.convert import saved_model
 
-    build = build_teacher if frozen else build_model
-    net = build(read_model_config(checkpoint, resolve(checkpoint)), ParallelConfig(), groups)
-    load_checkpoint(resolve(checkpoint), net)
-    return net
+    model = saved_model(checkpoint).model
+    return [f"{section}.num_layers={model.num_layers}",
+            f"{section}.ffn_hidden_size={model.ffn_hidden_size}"]  # fmt: skip
 
 
 def teacher_scorer(teacher: Any, groups: Any, vocab: int, budget: int) -> TeacherLogprobs:
@@ -280,23 +283,6 @@ def teacher_scorer(teacher: Any, groups: Any, vocab: int, budget: int) -> Teache
         return out
 
     return score
-
-
-class World:
-    """One run's megatron state: the student's groups (global), torn down on exit."""
-
-    def __init__(self, seed: int) -> None:
-        from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
-
-        self.groups = build_student_groups(ParallelLayout(1), seed=seed)
-
-    def __enter__(self) -> World:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
 
 
 def kd_data(rollout: Any, tokenizer: Any, questions: Sequence[Question]) -> dict[str, Any]:
@@ -329,9 +315,9 @@ def prepare(s: Settings, tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
     questions = load_questions(EVAL_DATA)
     train = load_questions(run_config(s, "kd", SEED).data.train)
     train_ids = [tokenizer.apply_chat_template(q.prompt) for q in train]
-    with World(SEED) as world:
-        teacher = load_model(s.teacher, world.groups, frozen=True)
-        generator = generator_for(teacher, world.groups, tokenizer)
+    with one_process_world(seed=SEED) as groups:
+        teacher = load_model(s.teacher, groups, frozen=True)
+        generator = generator_for(teacher, groups, tokenizer)
         ids = [tokenizer.apply_chat_template(q.prompt) for q in questions]
         answers = greedy_answers(generator, ids, tokenizer, max_new_tokens)
         greedy = generator.generate(
@@ -409,7 +395,7 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
     as many sequences a step as a trainer step samples, the trainer's optimizer; evaluated like
     the trainer's runs. ``save``: a checkpoint root the trained student is written to (a model
     the trainer's ``checkpoint.init`` loads)."""
-    from megatron_gndpo.checkpoint.convert import read_model_config
+    from megatron_gndpo.checkpoint.convert import describe_checkpoints, saved_model
     from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.engine.scoring import sequence_multiple
@@ -420,21 +406,21 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
     sequences = [SFTSequence(tuple(d["tokens"]), d["prompt_length"]) for d in data]
     started = time.perf_counter()
     curve = []
-    model_cfg = read_model_config(s.student, resolve(s.student))
-    with World(seed) as world:
+    model_cfg = saved_model(s.student).model
+    with one_process_world(seed=seed) as groups:
         m = build_sft_model(
-            model_cfg, ParallelConfig(), world.groups,
+            model_cfg, ParallelConfig(), groups,
             cfg.optimizer, vocab_size=tokenizer.vocab_size, steps=s.steps, seed=seed,
             init=resolve(s.student),
         )  # fmt: skip
         budget = cfg.trainer.scoring_token_budget
-        teacher = teacher_scorer(load_model(s.teacher, world.groups, frozen=True), world.groups,
+        teacher = teacher_scorer(load_model(s.teacher, groups, frozen=True), groups,
                                  tokenizer.vocab_size, budget)  # fmt: skip
-        generator = generator_for(m.model, world.groups, tokenizer)
+        generator = generator_for(m.model, groups, tokenizer)
 
         def measure(step: int, metrics: dict[str, float] | None = None) -> None:
             if step == 0 or step % s.eval_interval == 0 or step == s.steps:
-                curve.append({"step": step, **evaluate(m.model, world.groups, generator, teacher)})
+                curve.append({"step": step, **evaluate(m.model, groups, generator, teacher)})
                 _say(method, seed, curve[-1])
 
         measure(0)
@@ -448,6 +434,7 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
             shutil.rmtree(save, ignore_errors=True)
             save_checkpoint(save, s.steps, m.model, model_config=model_cfg,
                             tokenizer=str(s.tokenizer))  # fmt: skip
+            describe_checkpoints(save, model_cfg)  # the next stage reads its architecture
     per_sequence = statistics.fmean(len(q.tokens) - q.prompt_length for q in sequences)
     return {"method": method, "seed": seed, "curve": curve,
             "seconds": time.perf_counter() - started,
@@ -477,13 +464,13 @@ def measure_starts(s: Settings, starts: dict[str, Path], evaluate: Evaluator,
                    tokenizer: Any, budget: int) -> list[dict[str, Any]]:  # fmt: skip
     """Each pruned student of ``starts`` measured as it is (step 0 of a run from it)."""
     out = []
-    with World(SEED) as world:
-        teacher = teacher_scorer(load_model(s.teacher, world.groups, frozen=True), world.groups,
+    with one_process_world(seed=SEED) as groups:
+        teacher = teacher_scorer(load_model(s.teacher, groups, frozen=True), groups,
                                  tokenizer.vocab_size, budget)  # fmt: skip
         for name, path in starts.items():
             started = time.perf_counter()
-            net = load_model(path, world.groups, frozen=True)
-            found = evaluate(net, world.groups, generator_for(net, world.groups, tokenizer),
+            net = load_model(path, groups, frozen=True)
+            found = evaluate(net, groups, generator_for(net, groups, tokenizer),
                              teacher)  # fmt: skip
             prune = path / "prune.json"
             layers = json.loads(prune.read_text())["keep_layers"] if prune.is_file() else None
@@ -611,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron_gndpo.compat import notices
     from megatron_gndpo.config.loader import load_config
     from megatron_gndpo.data.tokenizer import load_tokenizer
-    from megatron_gndpo.demo.run import demo_world
+    from megatron_gndpo.parallel.world import distributed_world
 
     notices.quiet_known_notices()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
@@ -634,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(str(s.tokenizer))
     max_new, budget = example.rollout.max_response_length, example.trainer.scoring_token_budget
-    with demo_world():
+    with distributed_world(alone="the benchmark"):
         teacher = prepare(s, tokenizer, max_new)
         answers = Answers(**teacher["answers"])
         evaluate = Evaluator(tokenizer, load_questions(EVAL_DATA), answers, max_new, budget)

@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import VLLMPeer, git, host_info, one_process_world, sync, table, wait_for_idle
+from common import VLLMPeer, git, host_info, process_world, sync, table, wait_for_idle
 
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.convert import HFCheckpoint, fill_from_hf, read_hf_config
-from megatron_gndpo.checkpoint.real_models import SMOLLM2_135M, fetch
 from megatron_gndpo.config.schema import ParallelConfig
 from megatron_gndpo.engine.scoring import score_tokens
 from megatron_gndpo.models.logprob_head import TokenLogProbs
+from megatron_gndpo.real.fetch import SMOLLM2_135M, fetch
 from megatron_gndpo.rollout.base import SamplingParams
 from megatron_gndpo.rollout.builtin import MegatronGenerator
 
@@ -152,7 +152,7 @@ def _ours(hf_dir: Path) -> tuple[Any, Any, Any]:
     from megatron_gndpo.models.gpt import build_gpt
 
     cfg = hf_mapping.model_config_from_hf(read_hf_config(hf_dir))
-    groups = one_process_world()
+    groups = process_world()
     model = build_gpt(cfg, ParallelConfig(), groups)
     with HFCheckpoint(hf_dir) as hf:
         fill_from_hf(model, hf, cfg, tp=1, tp_rank=0)

@@ -49,7 +49,7 @@ from megatron_gndpo.prune import cli as prune_cli
 from megatron_gndpo.version import __version__
 
 if TYPE_CHECKING:
-    from megatron_gndpo.runlock import RunLock
+    from megatron_gndpo.job.runlock import RunLock
 
 _EPILOG_HEAD = """\
 Every configuration field (set in the YAML file or as section.key=value overrides):
@@ -273,7 +273,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(planner.format_memory(cfg, memory, hw))
     print("\n".join(warnings) if warnings else "every rank fits")
     if split.rollout_ranks:
-        from megatron_gndpo.plan_disaggregated import format_disaggregated
+        from megatron_gndpo.plan.disaggregated import format_disaggregated
 
         print(format_disaggregated(cfg, args.world_size, hw))
     else:
@@ -310,12 +310,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gndpo.checks import check_paths
     from megatron_gndpo.compat import cpu, notices
     from megatron_gndpo.config import check_environment
+    from megatron_gndpo.job.watchdog import Watchdog, report_error
     from megatron_gndpo.parallel.distributed import (
         DEFAULT_TIMEOUT_S,
-        Watchdog,
         barrier,
         init_distributed,
-        report_error,
         shutdown_distributed,
     )
 
@@ -373,7 +372,7 @@ def _lock_run_dirs(cfg: Config, rank: int) -> RunLock | None:
     elsewhere) for the job; every rank raises the same refusal when another run holds one."""
     import torch.distributed as dist
 
-    from megatron_gndpo.runlock import RunDirLockedError, RunLock
+    from megatron_gndpo.job.runlock import RunDirLockedError, RunLock
 
     run_dir = Path(cfg.logging.run_dir)
     dirs = [run_dir]
@@ -391,7 +390,7 @@ def _lock_run_dirs(cfg: Config, rank: int) -> RunLock | None:
     if refusal[0]:
         raise RunDirLockedError(refusal[0])
     if lock is not None:
-        from megatron_gndpo.parallel.distributed import on_forced_exit
+        from megatron_gndpo.job.exit import on_forced_exit
 
         on_forced_exit(lock.release)  # the watchdog's os._exit runs no finally
     return lock
@@ -414,7 +413,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from megatron_gndpo.compat import notices
     from megatron_gndpo.demo.report import summary_numbers, summary_table, verdict
     from megatron_gndpo.demo.run import SEED, run_demo
-    from megatron_gndpo.runlock import locked
+    from megatron_gndpo.job.runlock import locked
 
     if args.stability:
         return _cmd_demo_stability(args)
@@ -444,7 +443,7 @@ def _cmd_demo_stability(args: argparse.Namespace) -> int:
         stability_verdict,
         study_numbers,
     )
-    from megatron_gndpo.runlock import locked
+    from megatron_gndpo.job.runlock import locked
 
     run_dir = args.run_dir or Path("runs/demo_stability")
     notices.log_to(run_dir / notices.NOTICES_FILE)
@@ -519,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except UserError as err:
-        from megatron_gndpo.parallel.distributed import report_error
+        from megatron_gndpo.job.watchdog import report_error
 
         report_error(str(err))
         return 2

@@ -32,12 +32,8 @@ def main() -> int:
     mode, out = sys.argv[1], Path(sys.argv[2])
     import torch.distributed as dist
 
-    from megatron_gndpo.parallel.distributed import (
-        Watchdog,
-        init_distributed,
-        report_error,
-        shutdown_distributed,
-    )
+    from megatron_gndpo.job.watchdog import Watchdog, report_error
+    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
 
     env = init_distributed(backend="gloo", timeout_s=120)
     watchdog = Watchdog(env, HEARTBEAT_TIMEOUT_S)

@@ -246,3 +246,47 @@ def test_sft_at_any_layout_greedy_accuracy_and_model_cache(tmp_path: Path) -> No
     for per_rank in layouts:
         for name, values in per_rank.items():
             assert values == pytest.approx(r["layout_reference"], rel=1e-4), name
+
+
+def _hybrid_teacher_and_pruned_student(rank: int, world: int, cache: str) -> dict:
+    from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf, read_model_config
+    from megatron_gndpo.checkpoint.load import load_model
+    from megatron_gndpo.demo import models
+
+    groups, task = _world(world), _tiny_task(cache)
+    tiny = _tiny_recipe(steps=2, batch=8, micro=8)
+    recipe = dataclasses.replace(
+        tiny, name="tiny_hybrid", model=dataclasses.replace(tiny.model, model_class="hybrid")
+    )
+    teacher = models.prepare(cache, recipe, groups, task)
+    # the cached checkpoint describes itself: the export needs no --model-config
+    described = read_model_config(teacher.checkpoint)
+    convert_mcore_to_hf(teacher.checkpoint, f"{cache}/hf", family="llama")
+    # the pruned student's accuracy is measured on a HybridModel, as it was saved
+    prune = models.PruneRecipe("tiny_hybrid_pruned", num_layers=1, calibration_prompts=2)
+    student = models.prepare_pruned(cache, teacher, task, groups, prune)
+    frozen = load_model(teacher.checkpoint, groups, frozen=True)  # as a teacher loads
+    return {
+        "frozen": (
+            type(frozen).__name__,
+            frozen.training,
+            any(p.requires_grad for p in frozen.parameters()),
+        ),
+        "described": described,
+        "model": recipe.model,
+        "exported": sorted(p.name for p in Path(f"{cache}/hf").iterdir()),
+        "student_class": read_model_config(student.checkpoint).model_class,
+        "student_accuracy": student.accuracy,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_a_hybrid_demo_teacher_is_described_exported_and_pruned_as_one(tmp_path: Path) -> None:
+    r = run_distributed(_hybrid_teacher_and_pruned_student, 1, args=(str(tmp_path),))[0]
+    assert r["described"] == r["model"] and r["model"].model_class == "hybrid"
+    assert "config.json" in r["exported"] and "model.safetensors" in r["exported"]
+    assert r["student_class"] == "hybrid"
+    assert 0.0 <= r["student_accuracy"] <= 1.0
+    kind, training, trainable = r["frozen"]
+    assert "Hybrid" in kind and not training and not trainable

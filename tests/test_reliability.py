@@ -116,7 +116,7 @@ def test_a_rank_that_follows_a_crash_does_not_exit_as_if_an_error_was_printed(
     records the codes of the workers it stops, and a 2 among them would tell ``megatron-gndpo
     launch`` that an error was printed already, hiding which rank crashed (the real-Slurm
     kill test of a rollout rank, tests/test_slurm.py, failed so once)."""
-    from megatron_gndpo.parallel.distributed import FOLLOWED_A_CRASH_EXIT
+    from megatron_gndpo.job.watchdog import FOLLOWED_A_CRASH_EXIT
 
     proc = _torchrun("-m", "tests.dist_job", "crash", str(tmp_path), out=tmp_path)
     try:

@@ -41,7 +41,7 @@ def _holder(path: Path, **fields: Any) -> None:
 
 
 def test_a_run_directory_has_one_owner_and_a_stale_lock_is_taken_over(tmp_path: Path) -> None:
-    from megatron_gndpo.runlock import LOCK_FILE, RunDirLockedError, RunLock, stale_reason
+    from megatron_gndpo.job.runlock import LOCK_FILE, RunDirLockedError, RunLock, stale_reason
 
     said: list[str] = []
     lock = RunLock([tmp_path], "train", say=said.append)

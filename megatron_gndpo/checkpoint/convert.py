@@ -23,10 +23,9 @@ import math
 from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
-import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import foreign_config, hf_mapping, interop
 from megatron_gndpo.checkpoint.dist import (
@@ -315,22 +314,38 @@ def source_dtype(step: Path, model: ModelConfig) -> Dtype:
     return next((name for name, d in _TORCH_DTYPES.items() if d == most), model.params_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedModel:
+    """What a checkpoint holds, read from its files (nothing built)."""
+
+    step: Path  # the step directory that loads (the newest, given a root)
+    root: Path  # the directory beside which its descriptions lie (model_config.yaml, tokenizer)
+    model: ModelConfig
+
+
+def saved_model(
+    path: str | Path,
+    model: ModelConfig | None = None,
+    *,
+    dtype: Dtype | Literal["saved"] | None = None,
+) -> SavedModel:
+    """The checkpoint at ``path`` (a root or a step directory) and its architecture: ``model``
+    when given, else what is beside it (:func:`read_model_config`). ``dtype``: the parameters'
+    dtype to build in; ``"saved"``: the one its weights were saved in (:func:`source_dtype`: the
+    load is then exact); None: as the architecture says. A missing or corrupt checkpoint is a
+    ``CheckpointError``, raised before anything is built."""
+    step = resolve(path)
+    root = Path(path) if step != Path(path) else step.parent
+    model = model if model is not None else read_model_config(root, step)
+    if dtype is not None:
+        saved = source_dtype(step, model) if dtype == "saved" else dtype
+        model = dataclasses.replace(model, params_dtype=saved)
+    return SavedModel(step=step, root=root, model=model)
+
+
 def check_dtype(dtype: str | None) -> None:
     if dtype is not None and dtype not in _TORCH_DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; use one of {', '.join(_TORCH_DTYPES)}")
-
-
-def export_groups() -> tuple[ParallelGroups, bool]:
-    """TP=1/PP=1 groups over the current world; True when megatron's global state was created."""
-    from megatron.core import parallel_state
-
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_groups, build_student_groups
-
-    world = dist.get_world_size()
-    layout = ParallelLayout(world)
-    if not parallel_state.model_parallel_is_initialized():
-        return build_student_groups(layout), True
-    return build_groups(layout, name="export"), False
 
 
 def _write_safetensors(
@@ -404,12 +419,9 @@ def convert_mcore_to_hf(
     from megatron_gndpo.models.build import build_model
 
     check_dtype(dtype)
-    step = resolve(mcore_root)  # a CheckpointError before anything is built
-    # The checkpoint root (beside which conversion wrote its config and tokenizer files).
-    base = Path(mcore_root) if step != Path(mcore_root) else step.parent
-    model = model if model is not None else read_model_config(base, step)
     # Built in the saved dtype, so the load is exact and only the export casts.
-    model = dataclasses.replace(model, params_dtype=source_dtype(step, model))
+    saved = saved_model(mcore_root, model, dtype="saved")
+    step, base, model = saved.step, saved.root, saved.model
     dtype = dtype or model.params_dtype
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     source = source_hf_config(base, tok_dir, step)
@@ -453,14 +465,9 @@ def export_checkpoint(
 
     Every rank loads; rank 0 writes. Starts (and ends) a one-process world when none exists.
     """
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+    from megatron_gndpo.parallel.world import one_process_world
 
-    started = not dist.is_initialized()
-    if started:
-        init_distributed()
-    created_state = False
-    try:
-        groups, created_state = export_groups()
+    with one_process_world(reuse=True) as groups:
         net = build(groups)
         load_checkpoint(step, net)
         # named as GPTModel names them, whichever class ``build`` built (models/naming.py)
@@ -484,11 +491,4 @@ def export_checkpoint(
             (out / "config.json").write_text(json.dumps(config, indent=2))
             copy_side_files(side_files, out)
         barrier()
-    finally:
-        if created_state:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-        if started:
-            shutdown_distributed()
     return Path(out_dir)

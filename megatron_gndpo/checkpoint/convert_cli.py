@@ -233,7 +233,7 @@ def check_output(
     and, without ``overwrite``, any directory that is not empty. A ConversionError naming it."""
     from megatron_gndpo.checkpoint.dist import step_dir, training_steps
     from megatron_gndpo.errors import ConversionError
-    from megatron_gndpo.runlock import LOCK_FILE
+    from megatron_gndpo.job.runlock import LOCK_FILE
 
     out = Path(out)
     if out.exists() and not out.is_dir():

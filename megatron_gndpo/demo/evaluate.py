@@ -44,6 +44,7 @@ def greedy_texts(
     batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> list[str]:
     """The decoded greedy response to each prompt (all of them, on every rank that calls)."""
+    # TODO(house): shared greedy decode
     inner = getattr(model, "module", model)
     generator = MegatronGenerator(
         inner, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,

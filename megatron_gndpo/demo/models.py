@@ -1,17 +1,18 @@
 """The demo's task data, teacher and student, cached on disk.
 
-    task = build_task(cache_dir)                               # problems + tokenizer
-    teacher = prepare_teacher(cache_dir, groups, task)         # SFT until accurate (cached)
-    student = prepare_pruned(cache_dir, teacher, task, groups) # the teacher, layers dropped
-    # or prepare_student(cache_dir, groups, task)              # smaller, briefly fine-tuned
+    task = build_task(cache_dir)                                  # problems + tokenizer
+    teacher = prepare(cache_dir, teacher_recipe(), groups, task)  # SFT until accurate (cached)
+    student = prepare_pruned(cache_dir, teacher, task, groups)    # the teacher, layers dropped
+    # or prepare(cache_dir, student_recipe(), groups, task)       # smaller, briefly fine-tuned
     # teacher.checkpoint -> teacher.load, student.checkpoint -> checkpoint.init
 
 The teacher is described by a :class:`Recipe` (architecture, optimizer, steps, seed), a student
 made by SFT too; the default student is pruned from the teacher (:class:`PruneRecipe`: the
 layers kept are those whose removal moves the teacher least on its own answers, ``prune/``), as
-compression by distillation is done in practice. Each model's model-only checkpoint and a
-``model.json`` (recipe, held-out greedy accuracy, wall times) are written to ``CACHE/NAME/``; a
-later call with the same recipe, tokenizer, data (and teacher) reuses them. Every rank of the
+compression by distillation is done in practice. Each model's model-only checkpoint (its
+``model_config.yaml`` beside it, so ``convert mcore-to-hf`` needs no flags) and a ``model.json``
+(recipe, held-out greedy accuracy, wall times) are written to ``CACHE/NAME/``; a later call with
+the same recipe, tokenizer, data (and teacher) reuses them. Every rank of the
 model's layout calls these functions together (the groups are the student's: megatron-core's
 global parallel state), and rank 0 writes the files.
 """
@@ -23,13 +24,16 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from megatron_gndpo.checkpoint.dist import latest_step, save_checkpoint
+from megatron_gndpo.checkpoint.convert import describe_checkpoints
+from megatron_gndpo.checkpoint.dist import MODEL_CONFIG_FILE, latest_step, save_checkpoint
+from megatron_gndpo.checkpoint.load import load_model
 from megatron_gndpo.config import to_dict
 from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tasks import chains
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.demo.evaluate import greedy_accuracy
@@ -63,20 +67,26 @@ class DemoTask:
     eval: list[chains.Problem]  # held-out problems (builtin:chains_eval)
 
     def describe(self) -> dict[str, Any]:
-        """What a cached model depends on besides its recipe (the data by content)."""
-        return {
-            "difficulty": self.difficulty,
-            "tokenizer": self.tokenizer.fingerprint(),
-            "sft": _digest(self.sft),
-            "eval": _digest(self.eval),
-        }
+        return describe_task(self.difficulty, self.tokenizer, _digest(self.sft), _digest(self.eval))
+
+
+def describe_task(difficulty: int, tokenizer: Tokenizer, sft: str, held_out: str) -> dict[str, Any]:
+    """What a cached model depends on besides its recipe: the task's data by content (``sft``,
+    ``held_out``: digests of the supervised and held-out problems)."""
+    return {"difficulty": difficulty, "tokenizer": tokenizer.fingerprint(), "sft": sft,
+            "eval": held_out}  # fmt: skip
+
+
+def digest(chunks: Iterable[bytes]) -> str:
+    """The SHA-256 of ``chunks`` one after another (hex)."""
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def _digest(problems: list[chains.Problem]) -> str:
-    h = hashlib.sha256()
-    for p in problems:
-        h.update(f"{p.prompt}\t{p.solution}\n".encode())
-    return h.hexdigest()
+    return digest(f"{p.prompt}\t{p.solution}\n".encode() for p in problems)
 
 
 def build_task(cache_dir: str | Path, difficulty: int = chains.DEFAULT_DIFFICULTY) -> DemoTask:
@@ -104,7 +114,8 @@ class Recipe:
     seed: int
 
 
-def _model(num_layers: int, hidden: int, heads: int) -> ModelConfig:
+def language_model(num_layers: int, hidden: int, heads: int) -> ModelConfig:
+    """A demo language model's architecture (the multimodal demo's VLMs use it too)."""
     return ModelConfig(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -117,7 +128,8 @@ def _model(num_layers: int, hidden: int, heads: int) -> ModelConfig:
     )
 
 
-def _optimizer(lr: float, warmup_steps: int) -> OptimizerConfig:
+def sft_optimizer(lr: float, warmup_steps: int) -> OptimizerConfig:
+    """The demo models' SFT optimizer: cosine decay to a tenth, no weight decay."""
     return OptimizerConfig(
         lr=lr, min_lr=lr / 10, lr_schedule="cosine", warmup_steps=warmup_steps,
         weight_decay=0.0, clip_grad=1.0,
@@ -132,8 +144,8 @@ def teacher_recipe(quick: bool = False) -> Recipe:
     """
     return Recipe(
         name="teacher_quick" if quick else "teacher",
-        model=_model(4, 128, 4),
-        optimizer=_optimizer(3e-3, warmup_steps=20),
+        model=language_model(4, 128, 4),
+        optimizer=sft_optimizer(3e-3, warmup_steps=20),
         # 2 CPU cores shared with other jobs: 250 steps ~50 s (held-out 0.88), 450 ~90 s (1.00)
         steps=250 if quick else 450,
         batch_size=64,
@@ -146,8 +158,8 @@ def student_recipe() -> Recipe:
     """2 layers, hidden 64, fine-tuned briefly: it writes the format but gets facts wrong."""
     return Recipe(
         name="student",
-        model=_model(2, 64, 4),
-        optimizer=_optimizer(3e-3, warmup_steps=10),
+        model=language_model(2, 64, 4),
+        optimizer=sft_optimizer(3e-3, warmup_steps=10),
         # 150 steps (~10 s): it copies the chain but gets sums wrong (held-out 0.22). The gap is
         # training, not capacity: 200 steps reach 0.58, 250 0.73, 400 0.93
         steps=150,
@@ -160,7 +172,9 @@ def student_recipe() -> Recipe:
 def vllm_student_recipe() -> Recipe:
     """The student for ``demo --engine vllm``: 2 heads of 32 instead of 4 of 16 (vLLM's CPU
     attention takes head sizes of 32 and more), otherwise the same recipe, cached apart."""
-    return dataclasses.replace(student_recipe(), name="student_vllm", model=_model(2, 64, 2))
+    return dataclasses.replace(
+        student_recipe(), name="student_vllm", model=language_model(2, 64, 2)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,30 +221,6 @@ class PreparedModel:
     cached: bool  # reused from an earlier run
 
 
-def prepare_teacher(
-    cache_dir: str | Path,
-    groups: ParallelGroups,
-    task: DemoTask,
-    *,
-    recipe: Recipe | None = None,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
-) -> PreparedModel:
-    """The teacher of :func:`teacher_recipe` (or ``recipe``), trained or reused."""
-    return prepare(cache_dir, recipe or teacher_recipe(), groups, task, on_step=on_step)
-
-
-def prepare_student(
-    cache_dir: str | Path,
-    groups: ParallelGroups,
-    task: DemoTask,
-    *,
-    recipe: Recipe | None = None,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
-) -> PreparedModel:
-    """The student start of :func:`student_recipe` (or ``recipe``), trained or reused."""
-    return prepare(cache_dir, recipe or student_recipe(), groups, task, on_step=on_step)
-
-
 def prepare(
     cache_dir: str | Path,
     recipe: Recipe,
@@ -246,8 +236,8 @@ def prepare(
     sized for the demo tokenizer (a character-level model needs about three times more).
     """
     directory = Path(cache_dir) / recipe.name
-    key = _cache_key(recipe, task)
-    cached = _load_meta(directory, key)
+    key = cache_key({"version": _CACHE_VERSION, "recipe": to_dict(recipe), "task": task.describe()})
+    cached = load_meta(directory, key, recipe.model)
     if cached is not None:
         return _prepared(directory, recipe.name, recipe.model, cached, cached=True)
 
@@ -267,34 +257,77 @@ def prepare(
         trained.model, groups, tokenizer, task.eval,
         max_new_tokens=new_tokens or max_new_tokens(task.difficulty),
     )  # fmt: skip
-    eval_seconds = time.perf_counter() - started
-
-    if rank() == 0:
-        shutil.rmtree(directory, ignore_errors=True)
-    barrier()
-    save_checkpoint(directory / _CHECKPOINT, recipe.steps, trained.model)
-    meta = {
-        "key": key,
-        "recipe": to_dict(recipe),
-        "task": task.describe(),
-        "accuracy": accuracy,
-        "sft_seconds": sft_seconds,
-        "eval_seconds": eval_seconds,
-        "world_size": groups.layout.world_size,
-        "losses": [m["loss"] for m in history],
-    }
-    if rank() == 0:  # written last: its presence marks a complete cache entry
-        (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")
-    barrier()
+    meta = sft_meta(
+        key, recipe, task.describe(), accuracy=accuracy, sft_seconds=sft_seconds,
+        eval_seconds=time.perf_counter() - started, history=history,
+        world_size=groups.layout.world_size,
+    )  # fmt: skip
+    save_prepared(directory, recipe.steps, trained.model, meta, recipe.model)
     return _prepared(directory, recipe.name, recipe.model, meta, cached=False)
+
+
+def sft_meta(
+    key: str,
+    recipe: Any,
+    task: dict[str, Any],
+    *,
+    history: list[dict[str, float]],
+    **measured: Any,
+) -> dict[str, Any]:
+    """The ``model.json`` of a model made by SFT: its cache key, recipe (a dataclass) and task
+    description, what was ``measured`` (accuracy, wall times) and its loss at every step."""
+    losses = [m["loss"] for m in history]
+    return {"key": key, "recipe": to_dict(recipe), "task": task, **measured, "losses": losses}
+
+
+def cache_key(payload: dict[str, Any]) -> str:
+    """The key of a cached model: a digest of everything it depends on (recipe, data, teacher)."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def pruned_cache_key(teacher_dir: Path, recipe: Any, version: int) -> str:
     """The cache key of a student pruned by ``recipe`` (a dataclass) from the cached teacher
     in ``teacher_dir``: the recipe, the teacher's own key and the caller's cache version."""
     teacher_key = json.loads((teacher_dir / _META).read_text())["key"]
-    payload = {"version": version, "recipe": dataclasses.asdict(recipe), "teacher": teacher_key}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return cache_key(
+        {"version": version, "recipe": dataclasses.asdict(recipe), "teacher": teacher_key}
+    )
+
+
+def save_prepared(
+    directory: Path,
+    step: int,
+    net: Any,
+    meta: dict[str, Any],
+    model: ModelConfig,
+    vision: VisionConfig | None = None,
+) -> None:
+    """Replace the cache entry ``directory`` with ``net``'s model-only checkpoint at ``step``,
+    its architecture beside it and ``meta`` (:func:`finish_entry`)."""
+    if rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    barrier()
+    save_checkpoint(directory / _CHECKPOINT, step, net)
+    finish_entry(directory, meta, model, vision)
+
+
+def finish_entry(
+    directory: Path, meta: dict[str, Any], model: ModelConfig, vision: VisionConfig | None = None
+) -> None:
+    """Complete the cache entry ``directory`` whose checkpoint is written: the architecture
+    beside the checkpoint unless it is there (``prune`` writes its own), then ``meta``, last:
+    its presence marks a complete entry. Rank 0 writes."""
+    if rank() == 0:
+        _describe(directory / _CHECKPOINT, model, vision)
+        (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")
+    barrier()
+
+
+def _describe(checkpoint: Path, model: ModelConfig, vision: VisionConfig | None) -> None:
+    # model_config.yaml (and a VLM's vision_config.yaml): convert mcore-to-hf, prune and
+    # checkpoint.load_model read the architecture from it
+    if not (checkpoint / MODEL_CONFIG_FILE).is_file():
+        describe_checkpoints(checkpoint, model, vision)
 
 
 def prepare_pruned(
@@ -314,7 +347,7 @@ def prepare_pruned(
     model = dataclasses.replace(teacher.model, num_layers=recipe.num_layers)
     if recipe.ffn_hidden_size is not None:
         model = dataclasses.replace(model, ffn_hidden_size=recipe.ffn_hidden_size)
-    cached = _load_meta(directory, key)
+    cached = load_meta(directory, key, model)
     if cached is not None:
         return _prepared(directory, recipe.name, model, cached, cached=True)
     if rank() == 0:
@@ -330,30 +363,21 @@ def prepare_pruned(
     )  # fmt: skip
     prune_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    accuracy = _checkpoint_accuracy(model, directory / _CHECKPOINT, groups, task)
+    accuracy = _checkpoint_accuracy(directory / _CHECKPOINT, groups, task)
     meta = {
         "key": key, "recipe": dataclasses.asdict(recipe), "teacher": teacher.name,
         "keep_layers": list(result.choice.keep), "calibration_kl": result.kl,
         "accuracy": accuracy, "sft_seconds": prune_seconds,
         "eval_seconds": time.perf_counter() - started, "losses": [],
     }  # fmt: skip
-    if rank() == 0:  # written last: its presence marks a complete cache entry
-        (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")
-    barrier()
+    finish_entry(directory, meta, model)
     return _prepared(directory, recipe.name, model, meta, cached=False)
 
 
-def _checkpoint_accuracy(
-    model: ModelConfig, checkpoint: Path, groups: ParallelGroups, task: DemoTask
-) -> float:
-    """Held-out greedy accuracy of the model saved at ``checkpoint``."""
-    from megatron_gndpo.checkpoint.dist import load_checkpoint
-    from megatron_gndpo.models.gpt import build_gpt
-
-    parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)
-    net = build_gpt(model, parallel, groups)
-    load_checkpoint(checkpoint, net)
-    net.eval()
+def _checkpoint_accuracy(checkpoint: Path, groups: ParallelGroups, task: DemoTask) -> float:
+    """Held-out greedy accuracy of the model saved at ``checkpoint`` (its own architecture:
+    a HybridModel's checkpoint loads as one)."""
+    net = load_model(checkpoint, groups)
     return greedy_accuracy(
         net, groups, task.tokenizer, task.eval, max_new_tokens=max_new_tokens(task.difficulty)
     )
@@ -366,29 +390,35 @@ def keep_layers(student: PreparedModel) -> list[int] | None:
     return None if kept is None else [int(i) for i in kept]
 
 
-def _cache_key(recipe: Recipe, task: DemoTask) -> str:
-    payload = {"version": _CACHE_VERSION, "recipe": to_dict(recipe), "task": task.describe()}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def _load_meta(directory: Path, key: str) -> dict[str, Any] | None:
+def load_meta(
+    directory: Path, key: str, model: ModelConfig, vision: VisionConfig | None = None
+) -> dict[str, Any] | None:
+    """The ``model.json`` of a complete cache entry made under ``key``, else None. An entry
+    made before the architecture was written beside its checkpoint gets it now."""
     meta_file = directory / _META
     if not meta_file.is_file() or latest_step(directory / _CHECKPOINT) is None:
         return None
     meta: dict[str, Any] = json.loads(meta_file.read_text())
-    return meta if meta.get("key") == key else None
+    if meta.get("key") != key:
+        return None
+    if rank() == 0:
+        _describe(directory / _CHECKPOINT, model, vision)
+    barrier()
+    return meta
+
+
+def measured(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """A cache entry's checkpoint and measurements, as :class:`PreparedModel` holds them."""
+    return {
+        "checkpoint": directory / _CHECKPOINT,
+        "accuracy": float(meta["accuracy"]),
+        "sft_seconds": float(meta["sft_seconds"]),
+        "eval_seconds": float(meta["eval_seconds"]),
+        "losses": [float(x) for x in meta["losses"]],
+    }
 
 
 def _prepared(
     directory: Path, name: str, model: ModelConfig, meta: dict[str, Any], *, cached: bool
 ) -> PreparedModel:
-    return PreparedModel(
-        name=name,
-        checkpoint=directory / _CHECKPOINT,
-        model=model,
-        accuracy=float(meta["accuracy"]),
-        sft_seconds=float(meta["sft_seconds"]),
-        eval_seconds=float(meta["eval_seconds"]),
-        losses=[float(x) for x in meta["losses"]],
-        cached=cached,
-    )
+    return PreparedModel(name=name, model=model, cached=cached, **measured(directory, meta))

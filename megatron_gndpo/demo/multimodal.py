@@ -34,9 +34,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_gndpo.checkpoint.dist import latest_step, save_checkpoint
+from megatron_gndpo.checkpoint.load import load_model
 from megatron_gndpo.config import to_dict
-from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_gndpo.config.schema import ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.images import (
     ImageLayout,
@@ -48,7 +48,20 @@ from megatron_gndpo.data.images import (
 from megatron_gndpo.data.tasks import visual
 from megatron_gndpo.data.tokenizer import SentencePieceTokenizer, Tokenizer
 from megatron_gndpo.demo.encoder import EncoderRecipe, PretrainedEncoder, pretrain_encoder
-from megatron_gndpo.demo.models import pruned_cache_key
+from megatron_gndpo.demo.models import (
+    PreparedModel,
+    Recipe,
+    cache_key,
+    describe_task,
+    digest,
+    language_model,
+    load_meta,
+    measured,
+    pruned_cache_key,
+    save_prepared,
+    sft_meta,
+    sft_optimizer,
+)
 from megatron_gndpo.demo.tokenizer import MODEL_FILE, task_corpus, train_tokenizer
 from megatron_gndpo.engine.sft_vlm import encode_sft_multimodal, vlm_sft_train
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -63,10 +76,7 @@ TRAIN_PROMPTS = 256  # as builtin:visual
 EVAL_PROMPTS = 64  # as builtin:visual_eval
 # The tokenizer's <unk>: never produced on the task's text (checked on every encoded row).
 IMAGE_TOKEN_ID = 3
-MAX_POSITIONS = 128
 
-_META = "model.json"
-_CHECKPOINT = "checkpoint"
 _TASK_DIR = "visual_task"
 # Bump when the way a cached model or prompt file is made changes beyond what its key shows.
 _CACHE_VERSION = 1
@@ -97,24 +107,20 @@ class VisualTask:
     encoder: PretrainedEncoder | None = None  # the shared frozen encoder, once pretrained
 
     def describe(self) -> dict[str, Any]:
-        """What a cached model depends on besides its recipe (the data by content)."""
-        return {
-            "difficulty": self.difficulty,
-            "tokenizer": self.tokenizer.fingerprint(),
-            "sft": _digest(self.sft),
-            "eval": _file_digest(self.eval_prompts),
-        }
+        return describe_task(
+            self.difficulty, self.tokenizer, _digest(self.sft), _file_digest(self.eval_prompts)
+        )
 
     def eval_examples(self) -> list[MultimodalExample]:
         return load_multimodal_prompts(str(self.eval_prompts))
 
 
 def _digest(problems: Sequence[visual.VisualProblem]) -> str:
-    h = hashlib.sha256()
-    for p in problems:
-        h.update(f"{p.prompt}\t{p.solution}\t".encode())
-        h.update(p.image.tobytes())
-    return h.hexdigest()
+    return digest(
+        part
+        for p in problems
+        for part in (f"{p.prompt}\t{p.solution}\t".encode(), p.image.tobytes())
+    )
 
 
 def _file_digest(path: Path) -> str:
@@ -192,37 +198,11 @@ def vision_config(**overrides: Any) -> VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class VisionRecipe:
-    """How one demo VLM is made: its architecture and its supervised fine-tuning."""
+class VisionRecipe(Recipe):
+    """How one demo VLM is made: a text demo model's recipe (the language model and its
+    supervised fine-tuning) and the image encoder and projector."""
 
-    name: str
-    model: ModelConfig
     vision: VisionConfig
-    optimizer: OptimizerConfig
-    steps: int
-    batch_size: int
-    micro_batch_size: int
-    seed: int
-
-
-def _language_model(num_layers: int, hidden: int, heads: int) -> ModelConfig:
-    return ModelConfig(
-        num_layers=num_layers,
-        hidden_size=hidden,
-        ffn_hidden_size=4 * hidden,
-        num_attention_heads=heads,
-        vocab_size=128,  # >= the tokenizer's pieces (checked when the model is built)
-        make_vocab_size_divisible_by=64,
-        max_position_embeddings=MAX_POSITIONS,
-        params_dtype="fp32",
-    )
-
-
-def _optimizer(lr: float, warmup_steps: int) -> OptimizerConfig:
-    return OptimizerConfig(
-        lr=lr, min_lr=lr / 10, lr_schedule="cosine", warmup_steps=warmup_steps,
-        weight_decay=0.0, clip_grad=1.0,
-    )  # fmt: skip
 
 
 def teacher_recipe(quick: bool = False) -> VisionRecipe:
@@ -232,9 +212,9 @@ def teacher_recipe(quick: bool = False) -> VisionRecipe:
     """
     return VisionRecipe(
         name="vlm_teacher_quick" if quick else "vlm_teacher",
-        model=_language_model(4, 128, 4),
+        model=language_model(4, 128, 4),
         vision=vision_config(),
-        optimizer=_optimizer(3e-3, warmup_steps=20),
+        optimizer=sft_optimizer(3e-3, warmup_steps=20),
         # 2 shared CPU cores: 400 steps ~60 s reached held-out 0.80; 200 steps of 64 only 0.55
         steps=450 if quick else 800,
         batch_size=32,
@@ -264,9 +244,9 @@ def student_recipe() -> VisionRecipe:
     """2 language layers, hidden 64, fine-tuned briefly: it writes the format, misreads digits."""
     return VisionRecipe(
         name="vlm_student",
-        model=_language_model(2, 64, 4),
+        model=language_model(2, 64, 4),
         vision=vision_config(),
-        optimizer=_optimizer(3e-3, warmup_steps=10),
+        optimizer=sft_optimizer(3e-3, warmup_steps=10),
         # ~10 s; 300 steps reached held-out 0.19 (same encoder: the gap is the language model's)
         steps=200,
         batch_size=32,
@@ -280,18 +260,10 @@ def student_recipe() -> VisionRecipe:
 
 
 @dataclasses.dataclass(frozen=True)
-class PreparedVLM:
-    """A trained demo VLM on disk."""
+class PreparedVLM(PreparedModel):
+    """A trained demo VLM on disk: a demo model with its image encoder and projector."""
 
-    name: str
-    checkpoint: Path  # model-only root: teacher.load / checkpoint.init
-    model: ModelConfig
     vision: VisionConfig
-    accuracy: float  # greedy, on the held-out problems
-    sft_seconds: float
-    eval_seconds: float
-    losses: list[float]
-    cached: bool  # reused from an earlier run
 
 
 def prepare_multimodal(
@@ -311,22 +283,11 @@ def prepare_multimodal(
     ``on_step(name, step, metrics)`` runs after every SFT step. Initialises (and then shuts down)
     a one-process world when none exists; the megatron parallel state it builds is destroyed
     before it returns."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron_gndpo.parallel.world import distributed_world, one_process_world
 
-    from megatron_gndpo.compat import cpu
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
-
-    owns_world = not dist.is_initialized()
-    env = init_distributed()
-    try:
-        if env.world_size != 1:
-            raise RuntimeError(f"the demo prepares its models in one process, not {env.world_size}")
-        cpu.enable_if_no_cuda()
+    with distributed_world(alone="the demo"):
         task = build_visual_task(cache_dir)
-        groups = build_student_groups(ParallelLayout(1), seed=0)
-        try:
+        with one_process_world(seed=0) as groups:
             pretrained = pretrain_encoder(
                 Path(cache_dir) / "vlm_encoder", vision_config(), student_recipe().model, groups,
                 task.sft, task.held_out, encoder,
@@ -345,11 +306,6 @@ def prepare_multimodal(
                 )
             if isinstance(student, PrunedVisionRecipe):
                 prepared.append(prepare_pruned_vlm(cache_dir, prepared[0], task, groups, student))
-        finally:
-            parallel_state.destroy_model_parallel()
-    finally:
-        if owns_world:
-            shutdown_distributed()
     return prepared[0], prepared[1], task
 
 
@@ -365,8 +321,11 @@ def prepare_vlm(
     """Fine-tune ``recipe`` (its frozen encoder loaded from ``encoder``) on the worked
     solutions, measure it, save it; or reuse the cache."""
     directory = Path(cache_dir) / recipe.name
-    key = _cache_key(recipe, task, encoder)
-    cached = _load_meta(directory, key)
+    key = cache_key({
+        "version": _CACHE_VERSION, "recipe": to_dict(recipe), "task": task.describe(),
+        "encoder": _file_digest(encoder.path),
+    })  # fmt: skip
+    cached = load_meta(directory, key, recipe.model, recipe.vision)
     if cached is not None:
         return _prepared(directory, recipe, cached, cached=True)
 
@@ -395,21 +354,11 @@ def prepare_vlm(
     accuracy = greedy_accuracy_multimodal(
         trained.model, groups, tokenizer, rows, max_new_tokens=task.max_response_length
     )
-    eval_seconds = time.perf_counter() - started
-
-    shutil.rmtree(directory, ignore_errors=True)
-    save_checkpoint(directory / _CHECKPOINT, recipe.steps, trained.model)
-    meta = {
-        "key": key,
-        "recipe": to_dict(recipe),
-        "task": task.describe(),
-        "accuracy": accuracy,
-        "sft_seconds": sft_seconds,
-        "eval_seconds": eval_seconds,
-        "losses": [m["loss"] for m in history],
-    }
-    # written last: its presence marks a complete cache entry
-    (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")
+    meta = sft_meta(
+        key, recipe, task.describe(), accuracy=accuracy, sft_seconds=sft_seconds,
+        eval_seconds=time.perf_counter() - started, history=history,
+    )  # fmt: skip
+    save_prepared(directory, recipe.steps, trained.model, meta, recipe.model, recipe.vision)
     return _prepared(directory, recipe, meta, cached=False)
 
 
@@ -431,8 +380,11 @@ def prepare_pruned_vlm(
     directory = Path(cache_dir) / recipe.name
     key = pruned_cache_key(teacher.checkpoint.parent, recipe, _CACHE_VERSION)
     model = dataclasses.replace(teacher.model, num_layers=recipe.num_layers)
-    named = VisionRecipe(recipe.name, model, teacher.vision, _optimizer(1e-3, 0), 0, 1, 1, 0)
-    cached = _load_meta(directory, key)
+    named = VisionRecipe(
+        name=recipe.name, model=model, vision=teacher.vision, optimizer=sft_optimizer(1e-3, 0),
+        steps=0, batch_size=1, micro_batch_size=1, seed=0,
+    )  # fmt: skip
+    cached = load_meta(directory, key, model, teacher.vision)
     if cached is not None:
         return _prepared(directory, named, cached, cached=True)
 
@@ -463,15 +415,12 @@ def prepare_pruned_vlm(
         [encode_multimodal(e, tokenizer, layout) for e in task.eval_examples()],
         max_new_tokens=task.max_response_length,
     )  # fmt: skip
-    eval_seconds = time.perf_counter() - started
-    shutil.rmtree(directory, ignore_errors=True)
-    save_checkpoint(directory / _CHECKPOINT, 0, student)
     meta = {
         "key": key, "recipe": dataclasses.asdict(recipe), "teacher": teacher.name,
         "keep_layers": list(choice.keep), "calibration_kl": choice.kl, "accuracy": accuracy,
-        "sft_seconds": prune_seconds, "eval_seconds": eval_seconds, "losses": [],
+        "sft_seconds": prune_seconds, "eval_seconds": time.perf_counter() - started, "losses": [],
     }  # fmt: skip
-    (directory / _META).write_text(json.dumps(meta, indent=2) + "\n")  # last: complete
+    save_prepared(directory, 0, student, meta, model, teacher.vision)
     return _prepared(directory, named, meta, cached=False)
 
 
@@ -487,6 +436,7 @@ def greedy_accuracy_multimodal(
     """Fraction of ``rows`` whose greedy response (KV-cached, images prefilled) states the
     reference answer (:func:`megatron_gndpo.rewards.verifiable.reward`). One model replica:
     every rank of its layout decodes every row."""
+    # TODO(house): shared greedy decode
     from megatron_gndpo.rewards.verifiable import reward
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.multimodal import MultimodalGenerator
@@ -514,47 +464,15 @@ def greedy_accuracy_multimodal(
     return correct / len(rows)
 
 
-def _cache_key(recipe: VisionRecipe, task: VisualTask, encoder: PretrainedEncoder) -> str:
-    payload = {
-        "version": _CACHE_VERSION,
-        "recipe": to_dict(recipe),
-        "task": task.describe(),
-        "encoder": _file_digest(encoder.path),
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def _load_meta(directory: Path, key: str) -> dict[str, Any] | None:
-    meta_file = directory / _META
-    if not meta_file.is_file() or latest_step(directory / _CHECKPOINT) is None:
-        return None
-    meta: dict[str, Any] = json.loads(meta_file.read_text())
-    return meta if meta.get("key") == key else None
-
-
 def _prepared(
     directory: Path, recipe: VisionRecipe, meta: dict[str, Any], *, cached: bool
 ) -> PreparedVLM:
     return PreparedVLM(
-        name=recipe.name,
-        checkpoint=directory / _CHECKPOINT,
-        model=recipe.model,
-        vision=recipe.vision,
-        accuracy=float(meta["accuracy"]),
-        sft_seconds=float(meta["sft_seconds"]),
-        eval_seconds=float(meta["eval_seconds"]),
-        losses=[float(x) for x in meta["losses"]],
-        cached=cached,
-    )
+        name=recipe.name, model=recipe.model, vision=recipe.vision, cached=cached,
+        **measured(directory, meta),
+    )  # fmt: skip
 
 
 def load_prepared(prepared: PreparedVLM, groups: ParallelGroups) -> Any:
     """The prepared model rebuilt on ``groups`` and loaded from its checkpoint (eval mode)."""
-    from megatron_gndpo.checkpoint.dist import load_checkpoint
-    from megatron_gndpo.models.vlm import build_vlm
-
-    parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)
-    model = build_vlm(prepared.model, prepared.vision, parallel, groups)
-    load_checkpoint(prepared.checkpoint, model)
-    model.eval()
-    return model
+    return load_model(prepared.checkpoint, groups, model=prepared.model, vision=prepared.vision)

@@ -33,7 +33,6 @@ pruned student has the teacher's (4 of 32); the SFT student is made with 2 heads
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import multiprocessing
@@ -41,7 +40,6 @@ import os
 import shutil
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +70,7 @@ from megatron_gndpo.demo.results import (
 )
 from megatron_gndpo.errors import MissingPackageError, UserError
 from megatron_gndpo.logging import progress
+from megatron_gndpo.parallel.world import distributed_world, one_process_world
 
 # Every method the demo can run, in the order they run and appear in the report. The newer
 # methods take their release defaults (docs/methods/); vOPD's k is 32 for the demo's 128 ids.
@@ -193,28 +192,6 @@ def _config(
     )
 
 
-@contextlib.contextmanager
-def demo_world() -> Iterator[None]:
-    """The demo's one-process world (gloo on the CPU), shut down at the end if started here."""
-    import torch.distributed as dist
-
-    from megatron_gndpo.compat import cpu
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
-
-    owns_world = not dist.is_initialized()
-    env = init_distributed()
-    try:
-        if env.world_size != 1:
-            raise RuntimeError(
-                f"the demo runs as one process, not {env.world_size}: start it without a launcher"
-            )
-        cpu.enable_if_no_cuda()
-        yield
-    finally:
-        if owns_world:
-            shutdown_distributed()
-
-
 def run_demo(
     run_dir: str | Path,
     cache_dir: str | Path | None = None,
@@ -258,7 +235,7 @@ def run_demo(
     run_dir = Path(run_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else run_dir / "cache"
     started = time.perf_counter()
-    with demo_world():
+    with distributed_world(alone="the demo"):
         s = settings_override or settings(quick, seed, engine, student)
         if prepared_models is not None:
             teacher, prepared, task = prepared_models
@@ -317,14 +294,9 @@ def prepare_models(
     """The teacher and the student: fine-tuned by ``student`` when given, else made as
     ``s.student`` says (pruned from the teacher by ``prune``, default
     :func:`models.pruned_recipe`; or :func:`models.student_recipe`'s SFT)."""
-    from megatron.core import parallel_state
-
-    from megatron_gndpo.parallel.groups import ParallelLayout, build_student_groups
-
     _say(f"preparing the task and tokenizer in {cache_dir}")
     task = models.build_task(cache_dir)
-    groups = build_student_groups(ParallelLayout(1), seed=0)
-    try:
+    with one_process_world(seed=0) as groups:
         if student is None and s.student == "sft":
             student = models.vllm_student_recipe() if s.engine == "vllm" else None
             student = student or models.student_recipe()
@@ -346,8 +318,6 @@ def prepare_models(
                 f"greedy accuracy {model.accuracy:.3f} ({how})"
             )
             prepared.append(model)
-    finally:
-        parallel_state.destroy_model_parallel()
     return prepared[0], prepared[1], task
 
 
@@ -452,7 +422,7 @@ def _method_process(cfg: Config, send: Any) -> None:
     notices.quiet_known_notices()
     notices.log_to(Path(cfg.logging.run_dir) / notices.NOTICES_FILE)  # the method's own log
     try:
-        with demo_world():
+        with distributed_world(alone="the demo"):
             outcome: tuple[str, Any] = ("ok", run_method(cfg))
     except UserError as err:
         outcome = ("user_error", str(err))

@@ -45,12 +45,8 @@ from megatron_gndpo.config.schema import AlgorithmConfig, Config
 from megatron_gndpo.data.tasks import chains
 from megatron_gndpo.demo import models
 from megatron_gndpo.demo.results import MethodRun, Settings
-from megatron_gndpo.demo.run import (
-    demo_world,
-    method_config,
-    prepare_models,
-    run_method,
-)
+from megatron_gndpo.demo.run import method_config, prepare_models, run_method
+from megatron_gndpo.parallel.world import distributed_world
 
 # The study's variants: (name, algorithm). The same clamp and loss as the main demo.
 VARIANTS: dict[str, AlgorithmConfig] = {
@@ -138,7 +134,7 @@ def run_stability(
     run_dir = Path(run_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else run_dir / "cache"
     started = time.perf_counter()
-    with demo_world():
+    with distributed_world(alone="the demo"):
         st = settings or stability_settings(quick)
         if prepared_models is not None:
             teacher, start, task = prepared_models

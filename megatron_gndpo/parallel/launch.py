@@ -141,7 +141,7 @@ def main(argv: Sequence[str], rollout_ranks: Callable[[Sequence[str]], int] = la
             # the first failure: the heartbeat watchdog SIGKILLs a stopped rank, then says why.
             # (torchrun also records the codes of the workers it stops after the first failure:
             # a rank the watchdog ends after another one crashed exits with 1, not 2, so that a
-            # crash is named below; parallel/distributed.py's Watchdog.)
+            # crash is named below; job/watchdog.py's Watchdog.)
             return _USER_ERROR_EXIT
         rank, failure = err.get_first_failure()
         host = socket.getfqdn()

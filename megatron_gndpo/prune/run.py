@@ -30,18 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.convert import (
     HF_CONFIG_FILE,
     VISION_CONFIG_FILE,
+    SavedModel,
     describe_checkpoints,
-    export_groups,
-    read_model_config,
-    source_dtype,
+    saved_model,
 )
-from megatron_gndpo.checkpoint.dist import load_checkpoint, resolve, save_checkpoint
+from megatron_gndpo.checkpoint.dist import save_checkpoint
+from megatron_gndpo.checkpoint.load import load_model
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.data.tokenizer import Tokenizer, copy_tokenizer_files
 from megatron_gndpo.errors import UserError
@@ -122,6 +121,7 @@ def teacher_sequences(
 ) -> list[tuple[list[int], int]]:
     """Each prompt in the chat template followed by the teacher's greedy answer (ids, prompt
     length)."""
+    # TODO(house): shared greedy decode (demo/evaluate.py's greedy_texts is the same loop)
     from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
 
@@ -166,26 +166,86 @@ def prune_checkpoint(
     beside the checkpoint (``--model-config``). Runs in this process's world (one process;
     started and ended here if none).
     """
-    from megatron_gndpo.models.build import build_model
-    from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed
+    from megatron_gndpo.parallel.world import one_process_world
 
     out = Path(out)
     check_output(out, overwrite)
-    step = resolve(teacher)  # a CheckpointError before anything is built
-    base = Path(teacher) if step != Path(teacher) else step.parent
-    if (base / VISION_CONFIG_FILE).is_file():
+    saved = _read_teacher(teacher, model, dtype)
+    model = saved.model
+    num_layers = _check_request(
+        model, tokenizer, num_layers=num_layers, keep_layers=keep_layers,
+        ffn_hidden_size=ffn_hidden_size, calibrated=sequences is not None or bool(prompts),
+    )  # fmt: skip
+    # the teacher loads at TP=1/PP=1 whatever layout it was saved at
+    with one_process_world(reuse=True, alone="prune") as groups:
+        began = time.perf_counter()
+        net = load_model(saved.step, groups, model=model, vocab_size=tokenizer.vocab_size)
+        if sequences is None:
+            sequences = teacher_sequences(
+                net, groups, tokenizer, list(prompts), max_new_tokens=max_new_tokens
+            )
+        batches = calibration_batches(sequences, pad_id=tokenizer.pad_id, batch_size=BATCH_SIZE)
+        vocab = tokenizer.vocab_size
+        if keep_layers is None:
+            choice = select_layers(
+                net, batches, num_layers=num_layers, vocab_size=vocab, importance=importance
+            )
+        else:
+            choice = _given_layers(net, batches, keep_layers, importance, vocab)
+        neurons = None
+        if ffn_hidden_size is not None:  # measured on the kept layers, as the student runs
+            with only_layers(net, choice.keep):
+                activity = ffn_importance(net, batches)
+            neurons = [top_neurons(a, ffn_hidden_size) for a in activity]
+        student_model = student_config(
+            model, num_layers=len(choice.keep), ffn_hidden_size=ffn_hidden_size
+        )
+        student = _build_student(net, model, student_model, choice.keep, neurons, groups)
+        result = PruneResult(
+            out=out, model=student_model, choice=choice,
+            kl=kl_from_reference(student, batches, reference_logprobs(net, batches, vocab), vocab),
+            teacher_parameters=_parameters(net.state_dict()),
+            student_parameters=_parameters(student.state_dict()),
+            calibration_sequences=len(sequences),
+            calibration_tokens=sum(int(b.mask.sum()) for b in batches),
+            seconds=time.perf_counter() - began,
+        )  # fmt: skip
+        del net
+        _write(result, student, saved.root, overwrite)
+    return result
+
+
+def _read_teacher(
+    teacher: str | Path, model: ModelConfig | None, dtype: Dtype | None
+) -> SavedModel:
+    """The teacher checkpoint and its architecture (``model`` when given), in ``dtype`` or the
+    dtype it was saved in; a CheckpointError or PruneError before anything is built."""
+    saved = saved_model(teacher, model, dtype=dtype or "saved")
+    if (saved.root / VISION_CONFIG_FILE).is_file():
         raise PruneError(
             f"{teacher} is a vision-language checkpoint; prune takes text models (prune the "
             "language model of a VLM through the demo's multimodal recipe, or ModelOpt)"
         )
-    model = model if model is not None else read_model_config(base, step)
-    model = dataclasses.replace(model, params_dtype=dtype or source_dtype(step, model))
+    return saved
+
+
+def _check_request(
+    model: ModelConfig,
+    tokenizer: Tokenizer,
+    *,
+    num_layers: int,
+    keep_layers: Sequence[int] | None,
+    ffn_hidden_size: int | None,
+    calibrated: bool,
+) -> int:
+    """How many teacher layers the student keeps, once the request fits the teacher ``model``;
+    a PruneError naming the fix where it does not."""
     if tokenizer.vocab_size > model.vocab_size:
         raise PruneError(
             f"the tokenizer produces {tokenizer.vocab_size} ids but the teacher's vocabulary is "
             f"{model.vocab_size}: pass the teacher's own tokenizer (--tokenizer)"
         )
-    if sequences is None and not prompts:
+    if not calibrated:
         raise PruneError("pruning needs calibration prompts (--calib-data) or sequences")
     width_only = ffn_hidden_size is not None  # then every layer may stay
     if keep_layers is not None:
@@ -207,72 +267,38 @@ def prune_checkpoint(
             "--ffn-hidden-size prunes a dense FFN; this teacher is a mixture-of-experts model: "
             "prune it in depth only (leave out --ffn-hidden-size)"
         )
+    return num_layers
 
-    started = not dist.is_initialized()
-    if started:
-        init_distributed()
-    created_state = False
-    try:
-        if dist.get_world_size() != 1:
-            raise PruneError(
-                f"prune runs as one process, not {dist.get_world_size()}: start it without a "
-                "launcher (the teacher loads at TP=1/PP=1 whatever layout it was saved at)"
-            )
-        began = time.perf_counter()
-        groups, created_state = export_groups()
-        net = build_model(model, ParallelConfig(), groups)
-        load_checkpoint(step, net, vocab_size=tokenizer.vocab_size)
-        net.eval()
-        if sequences is None:
-            sequences = teacher_sequences(
-                net, groups, tokenizer, list(prompts), max_new_tokens=max_new_tokens
-            )
-        batches = calibration_batches(sequences, pad_id=tokenizer.pad_id, batch_size=BATCH_SIZE)
-        vocab = tokenizer.vocab_size
-        if keep_layers is None:
-            choice = select_layers(
-                net, batches, num_layers=num_layers, vocab_size=vocab, importance=importance
-            )
-        else:
-            reference = reference_logprobs(net, batches, vocab)
-            with only_layers(net, keep_layers):
-                kl = kl_from_reference(net, batches, reference, vocab)
-            choice = LayerChoice(tuple(keep_layers), importance, {"given": True}, kl)
-        neurons = None
-        if ffn_hidden_size is not None:  # measured on the kept layers, as the student runs
-            with only_layers(net, choice.keep):
-                activity = ffn_importance(net, batches)
-            neurons = [top_neurons(a, ffn_hidden_size) for a in activity]
-        student_model = student_config(
-            model, num_layers=len(choice.keep), ffn_hidden_size=ffn_hidden_size
-        )
-        teacher_state = net.state_dict()
-        student = build_model(student_model, ParallelConfig(), groups)
-        load_pruned(student, pruned_state(
-            teacher_state, choice.keep, neurons=neurons, swiglu=model.swiglu,
-            model_class=model.model_class,
-        ))  # fmt: skip
-        student.eval()
-        reference = reference_logprobs(net, batches, vocab)
-        result = PruneResult(
-            out=out, model=student_model, choice=choice,
-            kl=kl_from_reference(student, batches, reference, vocab),
-            teacher_parameters=_parameters(teacher_state),
-            student_parameters=_parameters(student.state_dict()),
-            calibration_sequences=len(sequences),
-            calibration_tokens=sum(int(b.mask.sum()) for b in batches),
-            seconds=time.perf_counter() - began,
-        )  # fmt: skip
-        del net, teacher_state
-        _write(result, student, base, overwrite)
-    finally:
-        if created_state:
-            from megatron.core import parallel_state
 
-            parallel_state.destroy_model_parallel()
-        if started:
-            shutdown_distributed()
-    return result
+def _given_layers(
+    net: Any, batches: Any, keep: Sequence[int], importance: Importance, vocab: int
+) -> LayerChoice:
+    """The layers ``keep`` the user chose, with the KL of keeping only them."""
+    reference = reference_logprobs(net, batches, vocab)
+    with only_layers(net, keep):
+        kl = kl_from_reference(net, batches, reference, vocab)
+    return LayerChoice(tuple(keep), importance, {"given": True}, kl)
+
+
+def _build_student(
+    net: Any,
+    teacher: ModelConfig,
+    model: ModelConfig,
+    keep: Sequence[int],
+    neurons: list[torch.Tensor] | None,
+    groups: Any,
+) -> Any:
+    """The student of architecture ``model``: the teacher ``net``'s layers ``keep`` (and FFN
+    ``neurons``), in eval mode."""
+    from megatron_gndpo.models.build import build_model
+
+    student = build_model(model, ParallelConfig(), groups)
+    load_pruned(student, pruned_state(
+        net.state_dict(), keep, neurons=neurons, swiglu=teacher.swiglu,
+        model_class=teacher.model_class,
+    ))  # fmt: skip
+    student.eval()
+    return student
 
 
 def _check_keep(keep: Sequence[int], total: int, width_only: bool) -> None:

@@ -10,7 +10,7 @@
 # DIR defaults to $MEGATRON_GNDPO_REAL_MODELS, else ~/.cache/megatron_gndpo/real; the tests look
 # there too (export MEGATRON_GNDPO_REAL_MODELS when passing another DIR). PYTHON: the interpreter
 # with this package and its real extra (default: .venv/bin/python of this checkout).
-# The work is megatron_gndpo/checkpoint/real_models.py.
+# The work is megatron_gndpo/real/fetch.py.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -19,4 +19,4 @@ if [[ ! -x $python ]]; then
   echo "fetch_real_models.sh: no Python at $python: create .venv (README) or set PYTHON" >&2
   exit 2
 fi
-exec "$python" -m megatron_gndpo.checkpoint.real_models "$@"
+exec "$python" -m megatron_gndpo.real.fetch "$@"

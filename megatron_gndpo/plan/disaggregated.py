@@ -1,9 +1,9 @@
 """``megatron-gndpo plan`` with rollout ranks apart (rollout.disaggregate): the rollout ranks'
 memory, the step with and without overlap, the colocated step beside it, and the best split.
 
-The trainer side is :mod:`megatron_gndpo.plan` on the first world - R ranks
-(:func:`~megatron_gndpo.plan.rank_split`); this module adds what only the rollout ranks hold and
-how the two sides' times combine. Pure arithmetic, like the rest of ``plan``.
+The trainer side is the rest of :mod:`megatron_gndpo.plan` on the first world - R ranks
+(:func:`~megatron_gndpo.plan.layout.rank_split`); this module adds what only the rollout ranks
+hold and how the two sides' times combine. Pure arithmetic, like the rest of ``plan``.
 """
 
 from __future__ import annotations
@@ -13,26 +13,11 @@ import dataclasses
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import Config
 from megatron_gndpo.parallel.groups import ParallelLayout
-from megatron_gndpo.plan import (  # the trainer side's arithmetic, reused
-    BYTES,
-    GIB,
-    Hardware,
-    RankSplit,
-    StepTime,
-    builtin_rollout_bytes,
-    estimate_step_time,
-    generation_time,
-    rank_split,
-    sequence_length,
-    stage_params,
-    total_params,
-    valid_rollout_ranks,
-    vllm_share_bytes,
-)
-
-
-def _gib(x: float) -> str:
-    return f"{x / GIB:.1f}"
+from megatron_gndpo.plan.hardware import BYTES, Hardware, gib
+from megatron_gndpo.plan.layout import RankSplit, rank_split, valid_rollout_ranks
+from megatron_gndpo.plan.memory import builtin_rollout_bytes, sequence_length, vllm_share_bytes
+from megatron_gndpo.plan.params import stage_params, total_params
+from megatron_gndpo.plan.step_time import StepTime, estimate_step_time, generation_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +179,8 @@ def format_rollout_memory(cfg: Config, world_size: int, hw: Hardware) -> str:
         )
     lines += [
         f"  {'weights':>7} {'kv cache':>8} {'prefill':>7} {'staging':>7} | {'peak':>6}",
-        f"  {_gib(mem.weights):>7} {_gib(mem.kv_cache):>8} {_gib(mem.prefill):>7} "
-        f"{_gib(mem.staging):>7} | {_gib(mem.peak):>6}",
+        f"  {gib(mem.weights):>7} {gib(mem.kv_cache):>8} {gib(mem.prefill):>7} "
+        f"{gib(mem.staging):>7} | {gib(mem.peak):>6}",
         "  weights: the student's shard at the rollout TP; kv cache: every row at full length; "
         "staging: one bucket of the broadcast (the weights load a bucket at a time); no "
         "gradients, optimizer or teacher"
@@ -209,7 +194,7 @@ def format_rollout_memory(cfg: Config, world_size: int, hw: Hardware) -> str:
     if vllm and mem.kv_cache == 0.0:
         lines.append(
             f"WARNING: vLLM's share of the GPU holds no more than the student's shard "
-            f"({_gib(mem.weights)} GiB): raise rollout.gpu_memory_utilization or "
+            f"({gib(mem.weights)} GiB): raise rollout.gpu_memory_utilization or "
             "rollout.disaggregate.tensor_parallel"
         )
     if mem.peak > hw.usable_bytes:
@@ -220,8 +205,8 @@ def format_rollout_memory(cfg: Config, world_size: int, hw: Hardware) -> str:
             "(fewer rows per replica), or lower rollout.max_response_length"
         )
         lines.append(
-            f"WARNING: rollout ranks need {_gib(mem.peak)} GiB, more than the "
-            f"{_gib(hw.usable_bytes)} GiB usable; {fix}"
+            f"WARNING: rollout ranks need {gib(mem.peak)} GiB, more than the "
+            f"{gib(hw.usable_bytes)} GiB usable; {fix}"
         )
     return "\n".join(lines)
 

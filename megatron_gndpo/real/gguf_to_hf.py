@@ -17,7 +17,7 @@ this module adds is the step to a directory every other tool reads:
 
 The result is the quantized model's weights exactly (dequantization is the only change), so a
 model fetched this way carries the quantization noise of its GGUF; it is not the original
-checkpoint. Used by :mod:`megatron_gndpo.checkpoint.real_models` (the real-model tier), never by
+checkpoint. Used by :mod:`megatron_gndpo.real.fetch` (the real-model tier), never by
 training code.
 """
 

