@@ -6,6 +6,5 @@ of the package, so every component can read its config without an import circle.
 
 from megatron_gndpo.checks.paths import check_paths
 from megatron_gndpo.checks.rules import validate
-from megatron_gndpo.parallel.groups import layout_of  # where the rules read it
 
-__all__ = ["check_paths", "layout_of", "validate"]
+__all__ = ["check_paths", "validate"]

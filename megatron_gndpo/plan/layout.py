@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_gndpo.checks import layout_of
 from megatron_gndpo.checks.rules import split_problems
 from megatron_gndpo.config.loader import ConfigError
 from megatron_gndpo.config.schema import (
@@ -17,7 +16,7 @@ from megatron_gndpo.config.schema import (
     TeacherConfig,
     teacher_sections,
 )
-from megatron_gndpo.parallel.groups import ParallelLayout
+from megatron_gndpo.parallel.groups import ParallelLayout, layout_of
 from megatron_gndpo.plan.params import stage_expert_params, stage_params, total_params
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_gndpo.checks import layout_of
 from megatron_gndpo.config.schema import Config, ModelConfig, OptimizerConfig, ParallelConfig
-from megatron_gndpo.parallel.groups import ParallelLayout
+from megatron_gndpo.parallel.groups import ParallelLayout, layout_of
 from megatron_gndpo.plan.hardware import BYTES, DEFAULT_HARDWARE, GIB, Hardware
 from megatron_gndpo.plan.layout import colocated_teachers, rank_split
 from megatron_gndpo.plan.params import stage_expert_params, stage_params

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_gndpo.checks import layout_of
 from megatron_gndpo.config.schema import Config
 from megatron_gndpo.logging.throughput import model_flops_per_token
+from megatron_gndpo.parallel.groups import layout_of
 from megatron_gndpo.plan.hardware import BYTES, DEFAULT_HARDWARE, Hardware
 from megatron_gndpo.plan.layout import colocated_teachers
 from megatron_gndpo.plan.memory import kv_cache_bytes, sequence_length

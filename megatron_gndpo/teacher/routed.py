@@ -22,10 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gndpo.data.datasets import EncodedPrompt, PromptImages
+from megatron_gndpo.data.datasets import EncodedPrompt
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores
 from megatron_gndpo.errors import DataError
-from megatron_gndpo.rollout.base import SamplingParams
 from megatron_gndpo.teacher.base import Teacher
 
 
@@ -77,7 +76,7 @@ class TeacherSet:
 
     @property
     def only(self) -> Any:
-        """The one teacher (what needs a single teacher: TrOPD's generation, tests)."""
+        """The one teacher (what needs a single teacher: TrOPD's teacher-written prefixes)."""
         if len(self.scorers) != 1:
             raise ValueError(f"this run has {len(self.scorers)} teachers, not one")
         return self.scorers[0]
@@ -103,16 +102,6 @@ class TeacherSet:
         flags[routes_n.cpu()[bad_n].unique()] = 1.0
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [name for name, flag in zip(self.names, flags.tolist(), strict=True) if flag]
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        seeds: list[int],
-        *,
-        images: list[PromptImages | None] | None = None,
-    ) -> list[list[int]]:
-        return self.only.generate(prompts, params, seeds, images=images)
 
     def score_batch(
         self,
