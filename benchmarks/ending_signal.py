@@ -29,11 +29,14 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 THRESHOLD = 0.5  # "the teacher would end here": p_T(stop) above this
+# benchmarks/real_distill.py's held-out questions, samples per question and seed
+EVAL_DATA = ROOT / "examples" / "data" / "short_answers_eval.jsonl"
+EVAL_SAMPLES = 2
+SEED = 1234
 
 
 def sampled_score(lt: torch.Tensor, ls: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -142,27 +145,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not samplers or set(samplers) - {"student", "teacher"}:
         parser.error(f"--who takes student and/or teacher, got {args.who!r}")
 
-    import real_distill as rd
-
     from megatron_gndpo import seeding
     from megatron_gndpo.checkpoint.load import load_model
     from megatron_gndpo.compat import notices
+    from megatron_gndpo.data.datasets import load_prompts
     from megatron_gndpo.data.tokenizer import load_tokenizer
     from megatron_gndpo.parallel.world import one_process_world
+    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.builtin import MegatronGenerator
 
     notices.quiet_known_notices()
     tokenizer = load_tokenizer(str(args.tokenizer or args.teacher))
-    questions = rd.load_questions(rd.EVAL_DATA)
-    ids = [tokenizer.apply_chat_template(q.prompt) for q in questions]
-    params = rd.sampling(args.max_new_tokens, tokenizer.eos_id, 1.0, rd.EVAL_SAMPLES)
+    ids = [tokenizer.apply_chat_template(q.prompt) for q in load_prompts(str(EVAL_DATA))]
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=1.0,
+        stop_token_ids=(tokenizer.eos_id,), samples_per_prompt=EVAL_SAMPLES,
+    )  # fmt: skip
     found: dict[str, Any] = {"student": str(args.student), "max_new_tokens": args.max_new_tokens}
-    with one_process_world(seed=rd.SEED, alone="the benchmark") as groups:
+    with one_process_world(seed=SEED, alone="the benchmark") as groups:
         teacher = load_model(args.teacher, groups, frozen=True)
         student = load_model(args.student, groups, frozen=True)
         for who in samplers:
             net = student if who == "student" else teacher
-            rollout = rd.generator_for(net, groups, tokenizer).generate(
-                ids, params, seeds=seeding.eval_seeds(rd.SEED, 0, len(ids))
+            rollout = MegatronGenerator.for_model(net, groups, tokenizer).generate(
+                ids, params, seeds=seeding.eval_seeds(SEED, 0, len(ids))
             )
             found[f"{who}_samples"] = measure(teacher, student, rollout, tokenizer.eos_id)
     text = json.dumps(found, indent=1)

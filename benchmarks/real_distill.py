@@ -64,6 +64,7 @@ import torch
 
 from megatron_gndpo.checkpoint.load import load_model
 from megatron_gndpo.parallel.world import one_process_world
+from megatron_gndpo.rollout.builtin import MegatronGenerator
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -129,21 +130,10 @@ class Answers:
 
 def _answers(rollout: Any, tokenizer: Any) -> Answers:
     texts, lengths = [], []
-    for i, end in enumerate(rollout.lengths.tolist()):
-        ids = rollout.tokens[i, int(rollout.prompt_lengths[i]) : end].tolist()
+    for ids in rollout.responses():
         lengths.append(len(ids))
         texts.append(tokenizer.decode([t for t in ids if t != tokenizer.eos_id]))
     return Answers(texts, [bool(f) for f in rollout.finished.tolist()], lengths)
-
-
-def generator_for(net: Any, groups: Any, tokenizer: Any) -> Any:
-    """The built-in KV-cached generator on ``net`` (any megatron GPTModel and its groups)."""
-    from megatron_gndpo.rollout.builtin import MegatronGenerator
-
-    return MegatronGenerator(
-        net, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-        max_sequence_length=int(net.max_sequence_length),
-    )  # fmt: skip
 
 
 def sampling(max_new_tokens: int, eos_id: int, temperature: float, k: int = 1) -> Any:
@@ -158,9 +148,16 @@ def sampling(max_new_tokens: int, eos_id: int, temperature: float, k: int = 1) -
 def greedy_answers(generator: Any, ids: Sequence[Sequence[int]], tokenizer: Any,
                    max_new_tokens: int) -> Answers:  # fmt: skip
     """The generator's model's greedy answer to each prompt (``ids``, chat-templated)."""
-    # TODO(house): shared greedy decode
-    params = sampling(max_new_tokens, tokenizer.eos_id, 0.0)
-    return _answers(generator.generate(ids, params, seeds=[0] * len(ids)), tokenizer)
+    from megatron_gndpo.rollout import greedy
+
+    answers = greedy.greedy_answers(
+        generator, ids, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
+        batch_size=max(len(ids), 1),
+    )  # fmt: skip
+    return Answers(
+        [tokenizer.decode([t for t in a.response if t != tokenizer.eos_id]) for a in answers],
+        [a.finished for a in answers], [len(a.response) for a in answers],
+    )  # fmt: skip
 
 
 # Scores ``[B, S]`` teacher log-probs of rows (tokens, lengths): a TeacherSet or LocalTeacher.
@@ -317,7 +314,7 @@ def prepare(s: Settings, tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
     train_ids = [tokenizer.apply_chat_template(q.prompt) for q in train]
     with one_process_world(seed=SEED) as groups:
         teacher = load_model(s.teacher, groups, frozen=True)
-        generator = generator_for(teacher, groups, tokenizer)
+        generator = MegatronGenerator.for_model(teacher, groups, tokenizer)
         ids = [tokenizer.apply_chat_template(q.prompt) for q in questions]
         answers = greedy_answers(generator, ids, tokenizer, max_new_tokens)
         greedy = generator.generate(
@@ -362,7 +359,7 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
     try:
         trainer = Trainer(cfg)
         c = trainer.c
-        generator = generator_for(c.student, c.student_groups, c.tokenizer)
+        generator = MegatronGenerator.for_model(c.student, c.student_groups, c.tokenizer)
 
         def teacher(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             return c.teacher.score_batch(tokens, lengths).logprobs
@@ -416,7 +413,7 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
         budget = cfg.trainer.scoring_token_budget
         teacher = teacher_scorer(load_model(s.teacher, groups, frozen=True), groups,
                                  tokenizer.vocab_size, budget)  # fmt: skip
-        generator = generator_for(m.model, groups, tokenizer)
+        generator = MegatronGenerator.for_model(m.model, groups, tokenizer)
 
         def measure(step: int, metrics: dict[str, float] | None = None) -> None:
             if step == 0 or step % s.eval_interval == 0 or step == s.steps:
@@ -470,7 +467,7 @@ def measure_starts(s: Settings, starts: dict[str, Path], evaluate: Evaluator,
         for name, path in starts.items():
             started = time.perf_counter()
             net = load_model(path, groups, frozen=True)
-            found = evaluate(net, groups, generator_for(net, groups, tokenizer),
+            found = evaluate(net, groups, MegatronGenerator.for_model(net, groups, tokenizer),
                              teacher)  # fmt: skip
             prune = path / "prune.json"
             layers = json.loads(prune.read_text())["keep_layers"] if prune.is_file() else None

@@ -52,16 +52,11 @@ def evaluate(
     from ``seed`` and each prompt's place in the set): their accuracy and the per-token reverse
     KL to the teacher (``replay``: an MoE student's pass replays the sampler's experts).
     ``vision``: a vision-language student (the prompts' images go along). Every rank calls it."""
-    mine = list(prompts[groups.coords["dp"] :: groups.layout.dp])
-    correct = torch.zeros(2, dtype=torch.float64)
-    if mine:
-        plain = greedy(params.max_new_tokens, params.stop_token_ids)
-        rollout = generate_for(generator, mine, plain, [0] * len(mine), vision=vision)
-        rewards = rollout_rewards(rollout, mine, tokenizer)
-        if rewards is not None:
-            correct += torch.tensor([float(rewards.sum()), float(len(rewards))])
-    dist.all_reduce(correct, group=groups.dp_cp)
-    out = {"eval/accuracy": float(correct[0] / correct[1].clamp(min=1.0))}
+    accuracy = greedy_accuracy(
+        generator, tokenizer, prompts, groups, max_new_tokens=params.max_new_tokens,
+        stop_token_ids=params.stop_token_ids, vision=vision,
+    )  # fmt: skip
+    out = {"eval/accuracy": accuracy}
     # every replica must hold a prompt: the teacher's scoring spans all ranks
     if samples and scorer is not None and len(prompts) >= groups.layout.dp:
         sampling = dataclasses.replace(params, temperature=1.0, samples_per_prompt=samples)
@@ -70,6 +65,35 @@ def evaluate(
             vision=vision,
         )  # fmt: skip
     return out
+
+
+def greedy_accuracy(
+    generator: Generator,
+    tokenizer: Tokenizer,
+    prompts: Sequence[EncodedPrompt],
+    groups: ParallelGroups,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    batch_size: int | None = None,
+    vision: bool = False,
+) -> float:
+    """The share of ``prompts`` whose greedy answer states their reference answer: each
+    data-parallel rank of ``groups`` answers its share, ``batch_size`` prompts at a time (None:
+    all at once), and the counts are summed over the DP x CP group (0 when no prompt has an
+    answer). Every rank calls it."""
+    mine = list(prompts[groups.coords["dp"] :: groups.layout.dp])
+    plain = greedy(max_new_tokens, stop_token_ids)
+    correct = torch.zeros(2, dtype=torch.float64)  # [correct, total]
+    size = batch_size or max(len(mine), 1)
+    for start in range(0, len(mine), size):
+        batch = mine[start : start + size]
+        rollout = generate_for(generator, batch, plain, [0] * len(batch), vision=vision)
+        rewards = rollout_rewards(rollout, batch, tokenizer)  # greedy: the seeds are unused
+        if rewards is not None:
+            correct += torch.tensor([float(rewards.sum()), float(len(rewards))])
+    dist.all_reduce(correct, group=groups.dp_cp)
+    return float(correct[0] / correct[1].clamp(min=1.0))
 
 
 def _sampled(

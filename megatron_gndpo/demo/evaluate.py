@@ -1,8 +1,9 @@
-"""Greedy accuracy of a megatron-core GPT on held-out problems with verifiable answers.
+"""Greedy accuracy of a megatron-core model on held-out problems with verifiable answers.
 
-Greedy decoding (temperature 0, stop at EOS) with the built-in KV-cached generator, the
-response decoded and checked by :func:`megatron_gndpo.rewards.verifiable.reward`. Any model and
-layout: ``groups`` are the model's own; problems are sharded over its data-parallel ranks and
+The run's evaluation (``megatron_gndpo/evaluation.py``) on any model and layout: greedy decoding
+(temperature 0, stop at EOS) with the built-in KV-cached generator, each prompt in the
+tokenizer's chat template, the response checked by :func:`megatron_gndpo.rewards.verifiable
+.reward`. ``groups`` are the model's own; problems are sharded over its data-parallel ranks and
 the counts summed over its DP x CP group (TP ranks of a replica generate the same rows).
 """
 
@@ -11,17 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import torch
-import torch.distributed as dist
-
+from megatron_gndpo import evaluation
+from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.parallel.groups import ParallelGroups
-from megatron_gndpo.rewards.verifiable import reward
-from megatron_gndpo.rollout.base import SamplingParams
 from megatron_gndpo.rollout.builtin import MegatronGenerator
-
-# Rows generated in lock-step; bounds the KV cache and the padding of finished rows.
-DEFAULT_BATCH_SIZE = 64
+from megatron_gndpo.rollout.greedy import DEFAULT_BATCH_SIZE, greedy_answers
 
 
 class Example(Protocol):
@@ -44,23 +40,12 @@ def greedy_texts(
     batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> list[str]:
     """The decoded greedy response to each prompt (all of them, on every rank that calls)."""
-    # TODO(house): shared greedy decode
-    inner = getattr(model, "module", model)
-    generator = MegatronGenerator(
-        inner, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-        max_sequence_length=int(inner.max_sequence_length),
+    answers = greedy_answers(
+        MegatronGenerator.for_model(model, groups, tokenizer),
+        [tokenizer.apply_chat_template(p) for p in prompts], max_new_tokens=max_new_tokens,
+        stop_token_ids=(tokenizer.eos_id,), batch_size=batch_size,
     )  # fmt: skip
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_id,)
-    )
-    texts = []
-    for start in range(0, len(prompts), batch_size):
-        ids = [tokenizer.apply_chat_template(p) for p in prompts[start : start + batch_size]]
-        rollout = generator.generate(ids, params, seeds=[0] * len(ids))  # greedy: seeds unused
-        for i, end in enumerate(rollout.lengths.tolist()):
-            response = rollout.tokens[i, int(rollout.prompt_lengths[i]) : end].tolist()
-            texts.append(tokenizer.decode(response))
-    return texts
+    return [tokenizer.decode(a.response) for a in answers]
 
 
 def greedy_accuracy(
@@ -77,14 +62,12 @@ def greedy_accuracy(
         raise ValueError("greedy_accuracy needs at least one example")
     if any(e.answer is None for e in examples):
         raise ValueError("every example needs a reference answer to be checked")
-    mine = examples[groups.coords["dp"] :: groups.layout.dp]
-    counts = torch.zeros(2, dtype=torch.float64)  # [correct, total]
-    if mine:
-        texts = greedy_texts(
-            model, groups, tokenizer, [e.prompt for e in mine],
-            max_new_tokens=max_new_tokens, batch_size=batch_size,
-        )  # fmt: skip
-        correct = sum(reward(t, str(e.answer)) for t, e in zip(texts, mine, strict=True))
-        counts += torch.tensor([correct, float(len(mine))], dtype=torch.float64)
-    dist.all_reduce(counts, group=groups.dp_cp)
-    return float(counts[0] / counts[1])
+    prompts = [
+        EncodedPrompt(PromptExample(e.prompt, e.answer, i), tokenizer.apply_chat_template(e.prompt))
+        for i, e in enumerate(examples)
+    ]
+    return evaluation.greedy_accuracy(
+        MegatronGenerator.for_model(model, groups, tokenizer), tokenizer, prompts, groups,
+        max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
+        batch_size=batch_size,
+    )  # fmt: skip

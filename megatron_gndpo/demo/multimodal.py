@@ -436,9 +436,8 @@ def greedy_accuracy_multimodal(
     """Fraction of ``rows`` whose greedy response (KV-cached, images prefilled) states the
     reference answer (:func:`megatron_gndpo.rewards.verifiable.reward`). One model replica:
     every rank of its layout decodes every row."""
-    # TODO(house): shared greedy decode
     from megatron_gndpo.rewards.verifiable import reward
-    from megatron_gndpo.rollout.base import SamplingParams
+    from megatron_gndpo.rollout.greedy import greedy_answers
     from megatron_gndpo.rollout.multimodal import MultimodalGenerator
 
     if not rows or any(r.example.answer is None for r in rows):
@@ -448,19 +447,15 @@ def greedy_accuracy_multimodal(
         inner, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
         max_sequence_length=int(inner.language_model.max_sequence_length),
     )  # fmt: skip
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_id,)
+    answers = greedy_answers(
+        generator, [r.ids for r in rows], max_new_tokens=max_new_tokens,
+        stop_token_ids=(tokenizer.eos_id,), batch_size=batch_size,
+        images=[r.pixels for r in rows],
+    )  # fmt: skip
+    correct = sum(
+        reward(tokenizer.decode(a.response), str(r.example.answer))
+        for a, r in zip(answers, rows, strict=True)
     )
-    correct = 0.0
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        rollout = generator.generate(
-            [r.ids for r in chunk], params, seeds=[0] * len(chunk), images=[r.pixels for r in chunk]
-        )
-        for i, row in enumerate(chunk):
-            begin, end = int(rollout.prompt_lengths[i]), int(rollout.lengths[i])
-            text = tokenizer.decode(rollout.tokens[i, begin:end].tolist())
-            correct += reward(text, str(row.example.answer))
     return correct / len(rows)
 
 

@@ -121,24 +121,15 @@ def teacher_sequences(
 ) -> list[tuple[list[int], int]]:
     """Each prompt in the chat template followed by the teacher's greedy answer (ids, prompt
     length)."""
-    # TODO(house): shared greedy decode (demo/evaluate.py's greedy_texts is the same loop)
-    from megatron_gndpo.rollout.base import SamplingParams
     from megatron_gndpo.rollout.builtin import MegatronGenerator
+    from megatron_gndpo.rollout.greedy import greedy_answers
 
-    generator = MegatronGenerator(
-        net, groups, vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-        max_sequence_length=int(net.max_sequence_length),
+    answers = greedy_answers(
+        MegatronGenerator.for_model(net, groups, tokenizer),
+        [tokenizer.apply_chat_template(p) for p in prompts], max_new_tokens=max_new_tokens,
+        stop_token_ids=(tokenizer.eos_id,),
     )  # fmt: skip
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_id,)
-    )
-    out = []
-    for start in range(0, len(prompts), 64):
-        ids = [tokenizer.apply_chat_template(p) for p in prompts[start : start + 64]]
-        rollout = generator.generate(ids, params, seeds=[0] * len(ids))
-        for i, end in enumerate(rollout.lengths.tolist()):
-            out.append((rollout.tokens[i, :end].tolist(), int(rollout.prompt_lengths[i])))
-    return out
+    return [(a.ids, a.prompt_length) for a in answers]
 
 
 def prune_checkpoint(

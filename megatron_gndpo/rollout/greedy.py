@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from megatron_gndpo.rollout.base import Generator, SamplingParams
 
@@ -44,13 +45,17 @@ def greedy_answers(
     max_new_tokens: int,
     stop_token_ids: Sequence[int],
     batch_size: int = DEFAULT_BATCH_SIZE,
+    images: Sequence[Any] | None = None,
 ) -> list[Answer]:
-    """The greedy answer to each prompt (token ids), ``batch_size`` prompts at a time."""
+    """The greedy answer to each prompt (token ids), ``batch_size`` prompts at a time;
+    ``images``: each prompt's images (a vision-language model's generator)."""
     params = greedy(max_new_tokens, stop_token_ids)
     out = []
     for start in range(0, len(prompts), batch_size):
         batch = [list(p) for p in prompts[start : start + batch_size]]
-        rollout = generator.generate(batch, params, seeds=[0] * len(batch))  # greedy: unused
+        pictures = None if images is None else list(images[start : start + batch_size])
+        seeds = [0] * len(batch)  # greedy: unused
+        rollout = generator.generate(batch, params, seeds=seeds, images=pictures)
         for i, end in enumerate(rollout.lengths.tolist()):
             out.append(
                 Answer(
