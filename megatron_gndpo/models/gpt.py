@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from megatron_gndpo.config.extras import require_package
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
-from megatron_gndpo.models import naming
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,8 +39,11 @@ def _require_transformer_engine(model: ModelConfig) -> None:
     )
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
-    """megatron-core's TransformerConfig for this architecture and layout."""
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides: Any) -> Any:
+    """megatron-core's TransformerConfig for this architecture and layout.
+
+    ``overrides``: fields another model class counts differently (``models/hybrid.py``).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     use_te = model.transformer_impl == "transformer_engine"
@@ -56,12 +58,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
             fp8_recipe=model.fp8_recipe,
             fp8_amax_history_len=model.fp8_amax_history_len,
         )
-    hybrid = model.model_class == "hybrid"
-    return TransformerConfig(
-        # a HybridModel counts the attention and the MLP of a GPT layer as two layers
-        num_layers=2 * model.num_layers if hybrid else model.num_layers,
-        # ... and then scales the output layers' initialisation as GPTModel does
-        is_hybrid_model=hybrid,
+    fields = dict(
+        num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -103,6 +101,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
         **fp8,
         **_moe_fields(model, parallel),
     )
+    return TransformerConfig(**(fields | overrides))
 
 
 def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
@@ -120,11 +119,7 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=model.moe_z_loss_coeff or None,
         moe_expert_capacity_factor=model.moe_capacity_factor,
-        moe_layer_freq=(
-            naming.hybrid_moe_layers(model.moe_layers)
-            if model.model_class == "hybrid"
-            else [int(x) for x in model.moe_layers]
-        ),
+        moe_layer_freq=[int(x) for x in model.moe_layers],
         moe_grouped_gemm=model.transformer_impl == "transformer_engine",
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.tensor_parallel,
@@ -226,13 +221,26 @@ def build_gpt(
             f"build_gpt builds GPTModels, and this model has model_class={model.model_class}: "
             "build it with megatron_gndpo.models.build.build_model"
         )
-    check_layout(parallel, groups)
+    common = language_model_args(model, parallel, groups, parallel_output=parallel_output)
     scaling: dict[str, Any] = {}
     if model.rotary_scaling_factor is not None:
         scaling = dict(rope_scaling=True, rope_scaling_factor=model.rotary_scaling_factor)
     return GPTModel(
         config=transformer_config(model, parallel),
         transformer_layer_spec=stage_layer_spec(model, parallel, groups.coords["pp"]),
+        **common,
+        **scaling,
+    )
+
+
+def language_model_args(
+    model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, *, parallel_output: bool
+) -> dict[str, Any]:
+    """The arguments every language model class takes alike (GPTModel, HybridModel, the VLM's
+    language model): vocabulary, positions, tying, this rank's pipeline stage and its groups;
+    after checking that ``groups`` were built for ``parallel``."""
+    check_layout(parallel, groups)
+    return dict(
         vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=model.max_position_embeddings,
         pre_process=groups.is_first_stage,
@@ -242,7 +250,6 @@ def build_gpt(
         position_embedding_type=model.position_embedding,
         rotary_base=int(model.rotary_base),
         pg_collection=groups.pg_collection(),
-        **scaling,
     )
 
 
