@@ -18,13 +18,14 @@ layers get the dense or the MoE spec one by one, with the same attention.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
 
 from megatron_gndpo.config.extras import require_package
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
+from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,22 +60,15 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
             fp8_amax_history_len=model.fp8_amax_history_len,
         )
     fields = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads,
+        **transformer_widths(model),
         num_query_groups=model.query_groups,
         kv_channels=model.head_dim,
-        normalization=model.normalization,
-        layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.swiglu,
         activation_func=F.silu if model.swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_method_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         params_dtype=dtype,
         pipeline_dtype=dtype,  # activations exchanged between stages
         bf16=dtype == torch.bfloat16,
@@ -102,6 +96,21 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides
         **_moe_fields(model, parallel),
     )
     return TransformerConfig(**(fields | overrides))
+
+
+def transformer_widths(arch: ModelConfig | VisionConfig) -> dict[str, Any]:
+    """TransformerConfig's sizes and norm of the transformer ``arch`` describes (a language
+    model, or a VLM's vision encoder), without dropout (no model here trains with any)."""
+    return dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        normalization=arch.normalization,
+        layernorm_epsilon=arch.norm_epsilon,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
@@ -233,14 +242,28 @@ def build_gpt(
     )
 
 
+class LanguageModelArgs(TypedDict):
+    """The arguments every language model class takes alike (GPTModel, HybridModel, the VLM's
+    language model): vocabulary, positions, tying, this rank's pipeline stage and its groups."""
+
+    vocab_size: int  # padded to a multiple of make_vocab_size_divisible_by x TP
+    max_sequence_length: int
+    pre_process: bool  # this rank's stage is the first (it holds the embedding)
+    post_process: bool  # ... the last (it holds the output layer)
+    parallel_output: bool
+    share_embeddings_and_output_weights: bool
+    position_embedding_type: str
+    rotary_base: int
+    pg_collection: Any
+
+
 def language_model_args(
     model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, *, parallel_output: bool
-) -> dict[str, Any]:
-    """The arguments every language model class takes alike (GPTModel, HybridModel, the VLM's
-    language model): vocabulary, positions, tying, this rank's pipeline stage and its groups;
-    after checking that ``groups`` were built for ``parallel``."""
+) -> LanguageModelArgs:
+    """:class:`LanguageModelArgs` of ``model`` on this rank, after checking that ``groups`` were
+    built for ``parallel``."""
     check_layout(parallel, groups)
-    return dict(
+    return LanguageModelArgs(
         vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=model.max_position_embeddings,
         pre_process=groups.is_first_stage,

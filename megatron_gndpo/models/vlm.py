@@ -22,15 +22,29 @@ no gradient buffer and ``get_megatron_optimizer`` leaves them out; they also run
 
 from __future__ import annotations
 
-from typing import Any, Self, cast
+from typing import Any, Self, TypedDict, Unpack, cast
 
 import torch
 
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.models import vision as vision_parts
-from megatron_gndpo.models.gpt import language_model_args, layer_spec, transformer_config
+from megatron_gndpo.models.gpt import (
+    LanguageModelArgs,
+    language_model_args,
+    layer_spec,
+    transformer_config,
+)
 from megatron_gndpo.parallel.groups import ParallelGroups
+
+
+class LanguageForward(TypedDict, total=False):
+    """What the VLM's ``forward`` passes on to its language model (GPTModel's ``forward``)."""
+
+    inference_context: Any  # the KV cache of a KV-cached decode
+    output_processor: Any  # replaces the output layer (models/logprob_head.py), last stage
+    output_processor_context: Any  # what the processor reads besides the hidden states
+    runtime_gather_output: bool | None
 
 
 class _ExpandedPlaceholders:
@@ -87,10 +101,7 @@ class _ExpandedPlaceholders:
         attention_mask: torch.Tensor | None,
         *,
         image_embeddings: torch.Tensor | None = None,
-        inference_context: Any = None,
-        output_processor: Any = None,
-        output_processor_context: Any = None,
-        runtime_gather_output: bool | None = None,
+        **language: Unpack[LanguageForward],
     ) -> torch.Tensor:
         """Language-model output on the combined sequence (logits, or the processor's).
 
@@ -99,7 +110,7 @@ class _ExpandedPlaceholders:
         takes the next image embedding. Stages after the first ignore ``images`` and ids.
         ``image_embeddings [P, h]`` (from :meth:`image_embeddings`) may replace ``images``:
         one per placeholder in the ids, in order (a KV-cached prefill or decode chunk may
-        hold only part of an image).
+        hold only part of an image). ``language`` goes to the language model as it is.
         """
         decoder_input = None
         if self.pre_process:
@@ -107,17 +118,9 @@ class _ExpandedPlaceholders:
             decoder_input = self._combined_embeddings(
                 images, input_ids, position_ids, image_embeddings
             )
-        out: torch.Tensor = self.language_model(
-            input_ids=None,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            decoder_input=decoder_input,
-            inference_context=inference_context,
-            runtime_gather_output=runtime_gather_output,
-            output_processor=output_processor,
-            output_processor_context=output_processor_context,
+        return self.language_model(
+            None, position_ids, attention_mask, decoder_input=decoder_input, **language
         )
-        return out
 
     def _combined_embeddings(
         self,
@@ -182,42 +185,35 @@ def _define_class() -> type:
             vision: VisionConfig,
             language_config: Any,
             language_spec: Any,
-            vocab_size: int,
-            max_sequence_length: int,
-            position_embedding_type: str,
-            rotary_base: int,
-            share_embeddings_and_output_weights: bool,
-            parallel_output: bool,
-            pre_process: bool,
-            post_process: bool,
-            pg_collection: Any,
             rope_scaling_factor: float | None = None,
+            **lm: Unpack[LanguageModelArgs],
         ) -> None:
             encoder_config = vision_parts.encoder_transformer_config(vision, language_config)
             projector_config = vision_parts.projector_transformer_config(vision, language_config)
             # LLaVAModel builds the language model; the encoder is built below instead (its
             # own builder cannot take the norms or the layer scale megatron-core lacks).
+            pre_process, pg_collection = lm["pre_process"], lm["pg_collection"]
             super().__init__(
                 language_transformer_config=language_config,
                 language_transformer_layer_spec=language_spec,
-                language_vocab_size=vocab_size,
-                language_max_sequence_length=max_sequence_length,
+                language_vocab_size=lm["vocab_size"],
+                language_max_sequence_length=lm["max_sequence_length"],
                 vision_transformer_config=encoder_config,
                 vision_transformer_layer_spec=None,
                 drop_vision_class_token=vision.drop_class_token,
                 vision_projection_config=projector_config,
                 vision_projection_layer_spec=None,
-                parallel_output=parallel_output,
-                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                language_position_embedding_type=position_embedding_type,
+                parallel_output=lm["parallel_output"],
+                share_embeddings_and_output_weights=lm["share_embeddings_and_output_weights"],
+                language_position_embedding_type=lm["position_embedding_type"],
                 pre_process=pre_process,
-                post_process=post_process,
+                post_process=lm["post_process"],
                 add_encoder=False,
                 add_decoder=True,
                 img_h=vision.image_size,
                 img_w=vision.image_size,
                 patch_dim=vision.patch_size,
-                language_rotary_base=rotary_base,
+                language_rotary_base=lm["rotary_base"],
                 language_rope_scaling=rope_scaling_factor is not None,
                 language_rope_scaling_factor=rope_scaling_factor or 8.0,
                 image_token_index=vision.image_token_id,
