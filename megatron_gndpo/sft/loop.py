@@ -64,9 +64,7 @@ class SFTFamily(Protocol):
         (``L`` a multiple of ``multiple``), plus whatever :meth:`logprobs` also reads."""
         ...
 
-    def logprobs(
-        self, net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs
-    ) -> torch.Tensor:
+    def logprobs(self, net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs) -> torch.Tensor:
         """The model's log-probs of ``mb["targets"]`` through the fused head, ``[b, L]``."""
         ...
 

@@ -85,9 +85,7 @@ class TextFamily:
     ) -> dict[str, torch.Tensor]:
         return micro_batch(sequences, pad_id, multiple)
 
-    def logprobs(
-        self, net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs
-    ) -> torch.Tensor:
+    def logprobs(self, net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs) -> torch.Tensor:
         return head_logprobs(net, mb, head)
 
 

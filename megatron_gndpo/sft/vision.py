@@ -92,9 +92,7 @@ class VisionFamily:
             batch["images"] = torch.cat(tiles)
         return batch
 
-    def logprobs(
-        self, net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs
-    ) -> torch.Tensor:
+    def logprobs(self, net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs) -> torch.Tensor:
         """The images are embedded and spliced in at their placeholders first (the encoder
         without autograd when frozen)."""
         return head_logprobs(net, mb, head, mb.get("images"))
