@@ -20,7 +20,7 @@ sequences (8 prompts x 2) with the same optimizer, on the same training question
   score plus the exact top-k KL as a control variate), at their defaults (docs/methods/).
 - ``kd``: sequence-level knowledge distillation (Kim & Rush 2016): the teacher's greedy answers
   to the training questions (its mode, as their beam search approximates it), written once, are
-  the data of supervised fine-tuning (``engine/sft.py``), 16 sequences a step;
+  the data of supervised fine-tuning (``sft/``), 16 sequences a step;
 - ``kd_sampled``: the same with the teacher's samples at temperature 1 (2 per question, drawn
   once) instead: the distribution OPD matches, but SmolLM2-135M's samples are mostly wrong;
 - ``kd_gndpo``: ``kd`` for the first ``--kd-steps`` steps, then GNDPO from that model for the
@@ -388,7 +388,7 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
 
 def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[dict[str, Any]],
            tokenizer: Any, save: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """Sequence-level KD: SFT of the student on the teacher's answers ``data`` (engine/sft.py),
+    """Sequence-level KD: SFT of the student on the teacher's answers ``data`` (sft/),
     as many sequences a step as a trainer step samples, the trainer's optimizer; evaluated like
     the trainer's runs. ``save``: a checkpoint root the trained student is written to (a model
     the trainer's ``checkpoint.init`` loads)."""
@@ -396,7 +396,7 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
     from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.engine.scoring import sequence_multiple
-    from megatron_gndpo.engine.sft import SFTSequence, build_sft_model, micro_batch, run_sft
+    from megatron_gndpo.sft import SFTSequence, build_sft_model, micro_batch, run_sft
 
     cfg = run_config(s, method, seed)
     rows = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt

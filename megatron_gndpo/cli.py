@@ -31,9 +31,10 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_gndpo.checks import validate
+from megatron_gndpo.cli_options import add_options, option
 from megatron_gndpo.config import (
     Config,
     load_config,
@@ -84,13 +85,58 @@ def _fraction(text: str) -> float:
     return value
 
 
+# plan's options beside the config's: what it prints, and the hardware it plans for
+_PLAN_OPTIONS = (
+    option("--ranks", "also list every rank's coordinates", action="store_true"),
+    option("--out", "write the resolved config to OUT/config.yaml", type=Path),
+    option("--gpu-memory-gib", "memory of one GPU in GiB (default: 80, an H100 80GB)",
+           type=_positive, default=80.0),
+    option("--mfu", "model FLOPs utilisation assumed for the step time (default: 0.35)",
+           type=_fraction, default=0.35),
+    option("--peak-tflops", "dense bf16 peak of one GPU in TFLOP/s (default: 989, an H100 SXM)",
+           type=_positive, default=989.0),
+    option("--hbm-tbps", "memory bandwidth of one GPU in TB/s, for the decode floor (default: "
+           "3.35, H100 SXM)", type=_positive, default=3.35),
+    option("--interconnect-gbps", "GB/s of the trainer -> rollout weight broadcast "
+           "(rollout.disaggregate; default: 25, one 200 Gb/s HDR InfiniBand NIC)",
+           type=_positive, default=25.0),
+)  # fmt: skip
+
+_DEMO_OPTIONS = (
+    option("--quick", "a smaller run (under 5 minutes)", action="store_true"),
+    option("--methods", "comma-separated subset of gndpo,opd,rlvr,tgpo,tropd,vopd (default: "
+           "gndpo,opd,rlvr; gndpo,opd with --multimodal)", default=None),
+    option("--multimodal", "the visual task (digits in images) with vision-language teacher and "
+           "student", action="store_true"),
+    option("--seed", "seed of the first training run (default 1234; the cached teacher and "
+           "student stay the same)", type=int, default=None),
+    option("--seeds", "how many seeds each method runs, from --seed on (default 3; 1 with "
+           "--quick)", type=int, default=None),
+    option("--student", "pruned: the teacher with half its layers dropped (default); sft: a "
+           "smaller model fine-tuned briefly on its own, the regime where the sampled-token "
+           "methods do not teach", choices=("pruned", "sft"), default="pruned"),
+    option("--stability", "the stability study instead: a near-teacher student, outlier "
+           "batches every 10th step, OPD vs GNDPO and GNDPO's two halves over 2 seeds (about 15 "
+           "minutes)", action="store_true"),
+    option("--engine", "where rollouts are sampled: the built-in generator, or a real vLLM "
+           "(the vLLM tier; each method runs in its own process)",
+           choices=("builtin", "vllm"), default="builtin"),
+    option("--run-dir", "report folder (default runs/demo, runs/demo_stability with "
+           "--stability)", type=Path, default=None),
+    option("--cache-dir", "tokenizer and trained models (default: RUN_DIR/cache)", type=Path),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     fields = _EPILOG_HEAD + format_fields(names=config_names())
+    # the commands that read a config list every field after their own options
+    documented: dict[str, Any] = dict(
+        epilog=fields, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser = argparse.ArgumentParser(
         prog="megatron-gndpo",
         description="On-policy distillation with GNDPO on megatron-core.",
-        epilog=fields,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **documented,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -103,33 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         "per-rank parameter counts, an estimate of per-rank memory (with a WARNING for ranks "
         "that will not fit the GPU), the step time at a stated MFU and the resolved config. "
         "Needs no GPU and starts nothing.",
-        epilog=fields,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **documented,
     )
     _add_config_args(p_plan, world_default=8)
-    p_plan.add_argument("--ranks", action="store_true", help="also list every rank's coordinates")
-    p_plan.add_argument("--out", type=Path, help="write the resolved config to OUT/config.yaml")
-    p_plan.add_argument(
-        "--gpu-memory-gib", type=_positive, default=80.0,
-        help="memory of one GPU in GiB (default: 80, an H100 80GB)",
-    )  # fmt: skip
-    p_plan.add_argument(
-        "--mfu", type=_fraction, default=0.35,
-        help="model FLOPs utilisation assumed for the step time (default: 0.35)",
-    )  # fmt: skip
-    p_plan.add_argument(
-        "--peak-tflops", type=_positive, default=989.0,
-        help="dense bf16 peak of one GPU in TFLOP/s (default: 989, an H100 SXM)",
-    )  # fmt: skip
-    p_plan.add_argument(
-        "--hbm-tbps", type=_positive, default=3.35,
-        help="memory bandwidth of one GPU in TB/s, for the decode floor (default: 3.35, H100 SXM)",
-    )  # fmt: skip
-    p_plan.add_argument(
-        "--interconnect-gbps", type=_positive, default=25.0,
-        help="GB/s of the trainer -> rollout weight broadcast (rollout.disaggregate; default: "
-        "25, one 200 Gb/s HDR InfiniBand NIC)",
-    )  # fmt: skip
+    add_options(p_plan, *_PLAN_OPTIONS)
 
     p_train = sub.add_parser(
         "train",
@@ -137,8 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the student against the teacher. Launch one process per GPU with "
         "torchrun or Slurm's srun; without a launcher it runs as a single process. Resumes from "
         "the newest checkpoint in the save directory automatically.",
-        epilog=fields,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **documented,
     )
     _add_config_args(p_train, world_default=None)
 
@@ -176,10 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p_cfg = sub.add_parser(
-        "config",
-        help="show, validate or document the configuration",
-        epilog=fields,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "config", help="show, validate or document the configuration", **documented
     )
     p_cfg.add_argument("action", choices=("show", "validate", "fields"))
     _add_config_args(p_cfg, world_default=None)
@@ -193,47 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         "accuracy, reverse KL to the teacher, plots, summary.md) into the run directory. One "
         "process; no GPU and no downloads needed.",
     )
-    p_demo.add_argument("--quick", action="store_true", help="a smaller run (under 5 minutes)")
-    p_demo.add_argument(
-        "--methods", default=None,
-        help="comma-separated subset of gndpo,opd,rlvr,tgpo,tropd,vopd (default: gndpo,opd,rlvr; "
-        "gndpo,opd with --multimodal)",
-    )  # fmt: skip
-    p_demo.add_argument(
-        "--multimodal", action="store_true",
-        help="the visual task (digits in images) with vision-language teacher and student",
-    )  # fmt: skip
-    p_demo.add_argument(
-        "--seed", type=int, default=None,
-        help="seed of the first training run (default 1234; the cached teacher and student "
-        "stay the same)",
-    )  # fmt: skip
-    p_demo.add_argument(
-        "--seeds", type=int, default=None,
-        help="how many seeds each method runs, from --seed on (default 3; 1 with --quick)",
-    )  # fmt: skip
-    p_demo.add_argument(
-        "--student", choices=("pruned", "sft"), default="pruned",
-        help="pruned: the teacher with half its layers dropped (default); sft: a smaller model "
-        "fine-tuned briefly on its own, the regime where the sampled-token methods do not teach",
-    )  # fmt: skip
-    p_demo.add_argument(
-        "--stability", action="store_true",
-        help="the stability study instead: a near-teacher student, outlier batches every 10th "
-        "step, OPD vs GNDPO and GNDPO's two halves over 2 seeds (about 15 minutes)",
-    )  # fmt: skip
-    p_demo.add_argument(
-        "--engine", choices=("builtin", "vllm"), default="builtin",
-        help="where rollouts are sampled: the built-in generator, or a real vLLM (the vLLM "
-        "tier; each method runs in its own process)",
-    )  # fmt: skip
-    p_demo.add_argument(
-        "--run-dir", type=Path, default=None,
-        help="report folder (default runs/demo, runs/demo_stability with --stability)",
-    )  # fmt: skip
-    p_demo.add_argument(
-        "--cache-dir", type=Path, help="tokenizer and trained models (default: RUN_DIR/cache)"
-    )
+    add_options(p_demo, *_DEMO_OPTIONS)
     return parser
 
 

@@ -96,7 +96,7 @@ def test_sft_micro_batch_masks_the_response_only() -> None:
     import torch
 
     from megatron_gndpo.data.tokenizer import CharTokenizer
-    from megatron_gndpo.engine.sft import encode_sft, micro_batch
+    from megatron_gndpo.sft import encode_sft, micro_batch
 
     tok = CharTokenizer()
     seqs = encode_sft(tok, [("1 + 2 = ?", "3"), ("10 - 1 = ?", "9 ok")])
@@ -151,7 +151,7 @@ def _sft(
     groups: Any, task: Any, steps: int, batch: int, micro: int, init: str | None = None
 ) -> tuple[Any, list[dict[str, float]]]:
     from megatron_gndpo.config.schema import ParallelConfig
-    from megatron_gndpo.engine.sft import encode_sft, sft_train
+    from megatron_gndpo.sft import encode_sft, sft_train
 
     tok, recipe = task.tokenizer, _tiny_recipe(steps, batch, micro)
     parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)

@@ -61,12 +61,10 @@ def ppo_clip_loss(
             f"dual_clip must be a finite number > 1 (got {dual_clip}); the usual value is 3.0, "
             "or None to disable the dual clip"
         )
-    log_ratio_BT = (logprobs.float() - old_logprobs.detach().float()).clamp(
-        -_MAX_LOG_RATIO, _MAX_LOG_RATIO
-    )
     return _clipped_surrogate(
-        log_ratio_BT.exp(), advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
-    )
+        _token_ratio(logprobs, old_logprobs), advantages,
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+    )  # fmt: skip
 
 
 def gspo_token_loss(
@@ -106,6 +104,14 @@ def gspo_token_loss(
     )
 
 
+def _token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """``ρ = exp(clamp(lp − lo, ±_MAX_LOG_RATIO))`` per token, float32, gradient through ``lp``."""
+    log_ratio_BT = (logprobs.float() - old_logprobs.detach().float()).clamp(
+        -_MAX_LOG_RATIO, _MAX_LOG_RATIO
+    )
+    return log_ratio_BT.exp()
+
+
 def importance_sampled_pg_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -119,10 +125,7 @@ def importance_sampled_pg_loss(
     Thinking Machines note).
     """
     check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
-    log_ratio_BT = (logprobs.float() - old_logprobs.detach().float()).clamp(
-        -_MAX_LOG_RATIO, _MAX_LOG_RATIO
-    )
-    ratio_BT = log_ratio_BT.exp()
+    ratio_BT = _token_ratio(logprobs, old_logprobs)
     loss_BT = -advantages.detach().float() * ratio_BT
     never_BT = torch.zeros_like(ratio_BT)  # nothing is ever clipped
     info = {"ratio": ratio_BT.detach(), "clipped": never_BT, "dual_clipped": never_BT.clone()}

@@ -52,7 +52,7 @@ _TORCH_DTYPES: dict[Dtype, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 }  # fmt: skip
 # Largest output file before the safetensors are split (transformers' default is 5 GB too).
-_MAX_SHARD_BYTES = 5 * 1024**3
+MAX_SHARD_BYTES = 5 * 1024**3
 # Token ids carried from the source config.json into the exported one.
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -193,16 +193,34 @@ def fill_from_hf(
     like the dense MLP (expert TP = TP). ``only``: copy just the parameters of these full-model
     names (a weight broadcast's bucket holds some layers: ``rollout/remote.fill_by_bucket``).
     """
-    padded = model.padded_vocab_size(tp)
+    fill_shard(
+        hf_mapping.global_names(net, expert_offset=expert_offset), hf_mapping.LanguageTable(model),
+        hf, padded_vocab=model.padded_vocab_size(tp), tp=tp, tp_rank=tp_rank, only=only,
+    )  # fmt: skip
+
+
+def fill_shard[M: hf_mapping.Mapped](
+    params: Iterable[tuple[str, str, torch.nn.Parameter]],
+    table: hf_mapping.MappingTable[M],
+    hf: TensorSource,
+    *,
+    padded_vocab: int,
+    tp: int,
+    tp_rank: int,
+    only: Container[str] | None = None,
+) -> None:
+    """Copy each of this rank's ``params`` (local name, full-model name, parameter: a family's
+    ``global_names``) from the HF tensors ``table`` maps it from, sliced for TP rank
+    ``tp_rank``; with ``only``, just the parameters of these full-model names."""
     with torch.no_grad():
-        for local, full_name, param in hf_mapping.global_names(net, expert_offset=expert_offset):
+        for local, full_name, param in params:
             if only is not None and full_name not in only:
                 continue
-            mapping = hf_mapping.mapping_for(full_name, model)
+            mapping = table.mapping_for(full_name)
             tensors = [hf.get(n) for n in mapping.hf]
-            full = mapping.to_megatron(tensors, model, padded_vocab=padded)
+            full = table.to_megatron(mapping, tensors, padded_vocab=padded_vocab)
             shard = hf_mapping.shard_for_rank(
-                local, full, param, tp=tp, tp_rank=tp_rank, swiglu=model.swiglu
+                local, full, param, tp=tp, tp_rank=tp_rank, swiglu=table.gated(mapping)
             )
             param.copy_(shard)
             del tensors, full, shard  # one parameter's full tensor at a time
@@ -236,18 +254,37 @@ def convert_hf_to_mcore(
             net, hf, model, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"],
             expert_offset=hf_mapping.expert_offset(model, groups.layout, groups.rank),
         )  # fmt: skip
+    # Megatron-LM's args name the source's tokenizer, when it has one
+    save_converted(out_root, net, hf_dir, hf_config, model, model_config=model,
+                   tokenizer=str(hf_dir))  # fmt: skip
+    return model
+
+
+def save_converted(
+    out_root: str | Path,
+    net: torch.nn.Module,
+    hf_dir: str | Path,
+    hf_config: dict[str, Any],
+    model: ModelConfig,
+    vision: VisionConfig | None = None,
+    *,
+    side_files: Callable[[str | Path, str | Path], Any] = copy_tokenizer_files,
+    **metadata: Any,
+) -> None:
+    """Save every rank's converted shard ``net`` as a model-only checkpoint at step 0
+    (``metadata``: ``save_checkpoint``'s), and beside it (rank 0) the architecture
+    (:func:`describe_checkpoints`), the source ``config.json`` and what ``side_files`` copies
+    from ``hf_dir`` (the tokenizer's files, by default)."""
     out_root = Path(out_root)
     if rank() == 0:
         out_root.mkdir(parents=True, exist_ok=True)
     barrier()
-    # Megatron-LM's args name the source's tokenizer, when it has one
-    save_checkpoint(out_root, 0, net, model_config=model, tokenizer=str(hf_dir))
+    save_checkpoint(out_root, 0, net, **metadata)
     if rank() == 0:
-        describe_checkpoints(out_root, model)
+        describe_checkpoints(out_root, model, vision)
         (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
-        copy_tokenizer_files(hf_dir, out_root)
+        side_files(hf_dir, out_root)
     barrier()
-    return model
 
 
 def read_model_config(mcore_root: str | Path, step: Path | None = None) -> ModelConfig:
@@ -328,15 +365,17 @@ def saved_model(
     model: ModelConfig | None = None,
     *,
     dtype: Dtype | Literal["saved"] | None = None,
+    foreign: bool = True,
 ) -> SavedModel:
     """The checkpoint at ``path`` (a root or a step directory) and its architecture: ``model``
-    when given, else what is beside it (:func:`read_model_config`). ``dtype``: the parameters'
-    dtype to build in; ``"saved"``: the one its weights were saved in (:func:`source_dtype`: the
-    load is then exact); None: as the architecture says. A missing or corrupt checkpoint is a
+    when given, else what is beside it (:func:`read_model_config`; ``foreign``: or what its step
+    says in Megatron-Bridge's or Megatron-LM's form). ``dtype``: the parameters' dtype to build
+    in; ``"saved"``: the one its weights were saved in (:func:`source_dtype`: the load is then
+    exact); None: as the architecture says. A missing or corrupt checkpoint is a
     ``CheckpointError``, raised before anything is built."""
     step = resolve(path)
     root = Path(path) if step != Path(path) else step.parent
-    model = model if model is not None else read_model_config(root, step)
+    model = model if model is not None else read_model_config(root, step if foreign else None)
     if dtype is not None:
         saved = source_dtype(step, model) if dtype == "saved" else dtype
         model = dataclasses.replace(model, params_dtype=saved)
@@ -403,7 +442,7 @@ def convert_mcore_to_hf(
     family: str | None = None,
     dtype: Dtype | None = None,
     tokenizer_dir: str | Path | None = None,
-    max_shard_bytes: int = _MAX_SHARD_BYTES,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write a Hugging Face model directory from a megatron checkpoint saved at any TP/PP/EP.
 
@@ -418,33 +457,85 @@ def convert_mcore_to_hf(
     """
     from megatron_gndpo.models.build import build_model
 
+    src = export_source(mcore_root, model, dtype, tokenizer_dir, foreign=True)
+    saved = src.model
+    if family is None:  # the source's config.json, else the model config's own family
+        family = source_family(src.source, saved, mcore_root)
+    # config.json names the dtype the weights are written in
+    config = hf_mapping.hf_config_from_model(
+        dataclasses.replace(saved, params_dtype=src.dtype), family
+    )
+    copy_token_ids(src.source, config)
+
+    return export_checkpoint(
+        src.step, out_dir,
+        build=lambda groups: build_model(saved, ParallelConfig(), groups),
+        to_hf=lambda state: hf_mapping.iter_megatron_to_hf(state, saved, consume=True),
+        config=config, side_files=src.side_files, dtype=src.dtype,
+        max_shard_bytes=max_shard_bytes, copy_side_files=copy_tokenizer_files,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSource:
+    """What an export reads before building anything (:func:`export_source`)."""
+
+    step: Path  # the step directory loaded
+    base: Path  # the checkpoint root, beside which conversion wrote its config files
+    model: ModelConfig  # built in the dtype the weights were saved in
+    dtype: Dtype  # the exported weights'
+    source: dict[str, Any] | None  # the source model's config.json, when found
+    side_files: Path  # where the tokenizer (and processor) files are copied from
+
+
+def export_source(
+    mcore_root: str | Path,
+    model: ModelConfig | None,
+    dtype: Dtype | None,
+    tokenizer_dir: str | Path | None,
+    *,
+    foreign: bool,
+) -> ExportSource:
+    """The checkpoint an export loads and what it is: ``model`` defaults to the config written
+    beside it, or (``foreign``: a language model's checkpoint may come from Megatron-Bridge or
+    Megatron-LM) to what its step says in that tool's form; ``dtype`` to the one the weights
+    were saved in (:func:`source_dtype`). A missing or corrupt checkpoint is a
+    ``CheckpointError`` before anything is built."""
     check_dtype(dtype)
     # Built in the saved dtype, so the load is exact and only the export casts.
-    saved = saved_model(mcore_root, model, dtype="saved")
+    saved = saved_model(mcore_root, model, dtype="saved", foreign=foreign)
     step, base, model = saved.step, saved.root, saved.model
-    dtype = dtype or model.params_dtype
+    foreign_step = step if foreign else None
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    source = source_hf_config(base, tok_dir, step)
-    if family is None:  # the source's config.json, else the model config's own family
-        family = (source or {}).get("model_type") or model.family
-        if family is None:
-            raise ConversionError(
-                f"pass --family (one of {', '.join(hf_mapping.FAMILIES)}): no source "
-                f"config.json beside {mcore_root} tells it, and its model config sets no family"
-            )
-    # config.json names the dtype the weights are written in
-    config = hf_mapping.hf_config_from_model(dataclasses.replace(model, params_dtype=dtype), family)
+    return ExportSource(
+        step=step,
+        base=base,
+        model=model,
+        dtype=dtype or model.params_dtype,
+        source=source_hf_config(base, tok_dir, foreign_step),
+        side_files=tok_dir if tok_dir is not None else base,
+    )
+
+
+def source_family(
+    source: dict[str, Any] | None, model: ModelConfig, where: str | Path, whose: str = ""
+) -> str:
+    """The Hugging Face family of a source ``config.json`` (``model_type``), else the model
+    config's own; neither is a ConversionError asking for ``--family``."""
+    found = (source or {}).get("model_type") or model.family
+    if found is None:
+        raise ConversionError(
+            f"pass --family ({whose}one of {', '.join(hf_mapping.FAMILIES)}): no source "
+            f"config.json beside {where} tells it, and its model config sets no family"
+        )
+    return str(found)
+
+
+def copy_token_ids(source: dict[str, Any] | None, config: dict[str, Any]) -> None:
+    """The source config's token ids (BOS, EOS, pad) into the exported ``config``."""
     for key in _TOKEN_ID_KEYS:
         if source and source.get(key) is not None:
             config[key] = source[key]
-
-    return export_checkpoint(
-        step, out_dir,
-        build=lambda groups: build_model(model, ParallelConfig(), groups),
-        to_hf=lambda state: hf_mapping.iter_megatron_to_hf(state, model, consume=True),
-        config=config, side_files=tok_dir if tok_dir is not None else base, dtype=dtype,
-        max_shard_bytes=max_shard_bytes, copy_side_files=copy_tokenizer_files,
-    )  # fmt: skip
 
 
 def export_checkpoint(

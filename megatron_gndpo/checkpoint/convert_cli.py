@@ -37,8 +37,48 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_gndpo.cli_options import add_options, option
+
 if TYPE_CHECKING:
     from megatron_gndpo.config.schema import ModelConfig
+
+
+# Both directions write into a directory that must not hold anything else (check_output).
+_OVERWRITE = option(
+    "--overwrite",
+    "write into an output directory that is not empty: the files the conversion writes are "
+    "replaced, the others kept (never allowed: a training run's checkpoints)",
+    action="store_true",
+)
+_HF_TO_MCORE_OPTIONS = (
+    option("--hf-dir", "Hugging Face model directory", required=True),
+    option("--out", "checkpoint root to write", required=True),
+    _OVERWRITE,
+    option("--tp", "tensor-parallel size", type=int, default=1),
+    option("--pp", "pipeline-parallel size", type=int, default=1),
+    option("--ep", "expert-parallel size of a mixture-of-experts model (Qwen3-MoE): each rank "
+           "holds num_experts / EP experts; the world size must divide by TP x EP x PP",
+           type=int, default=1),
+    option("--model-class", "megatron-core class the checkpoint is written for "
+           "(model.model_class); a gpt checkpoint also loads into a hybrid run",
+           choices=("gpt", "hybrid"), default="gpt"),
+)  # fmt: skip
+_MCORE_TO_HF_OPTIONS = (
+    option("--mcore-dir", "checkpoint root or iter_* directory", required=True),
+    option("--out", "Hugging Face directory to write", required=True),
+    _OVERWRITE,
+    option("--family", "HF model family, of the language model for a VLM (default: the source "
+           "model's, if conversion saved it)", choices=["llama", "qwen2", "qwen3", "qwen3_moe"],
+           default=None),
+    option("--dtype", "dtype of the exported weights (default: the one the checkpoint's weights "
+           "were saved in)", choices=["bf16", "fp16", "fp32"], default=None),
+    option("--tokenizer-dir", "copy tokenizer files from here", default=None),
+    option("--model-config", "YAML file with the ModelConfig (default: the checkpoint's "
+           "model_config.yaml, or what Megatron-Bridge's run_config.yaml / Megatron-LM's saved "
+           "args in the step say)", default=None),
+    option("--vision-config", "YAML file with the VisionConfig: export a VLM as InternVL "
+           "(default: when the checkpoint has vision_config.yaml beside it)", default=None),
+)  # fmt: skip
 
 
 def hf_to_mcore_main(argv: list[str] | None = None) -> None:
@@ -47,21 +87,7 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
         description="Convert a Hugging Face model directory to a megatron dist-checkpoint "
         "(model only, step 0).",
     )
-    parser.add_argument("--hf-dir", required=True, help="Hugging Face model directory")
-    parser.add_argument("--out", required=True, help="checkpoint root to write")
-    _add_overwrite(parser)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument(
-        "--ep", type=int, default=1,
-        help="expert-parallel size of a mixture-of-experts model (Qwen3-MoE): each rank holds "
-        "num_experts / EP experts; the world size must divide by TP x EP x PP",
-    )  # fmt: skip
-    parser.add_argument(
-        "--model-class", choices=("gpt", "hybrid"), default="gpt",
-        help="megatron-core class the checkpoint is written for (model.model_class); a gpt "
-        "checkpoint also loads into a hybrid run",
-    )  # fmt: skip
+    add_options(parser, *_HF_TO_MCORE_OPTIONS)
     args = parser.parse_args(argv)
     for flag in ("tp", "pp", "ep"):
         if getattr(args, flag) < 1:
@@ -125,32 +151,7 @@ def mcore_to_hf_main(argv: list[str] | None = None) -> None:
         description="Convert a megatron dist-checkpoint (saved at any TP/PP) to a Hugging Face "
         "model directory.",
     )
-    parser.add_argument("--mcore-dir", required=True, help="checkpoint root or iter_* directory")
-    parser.add_argument("--out", required=True, help="Hugging Face directory to write")
-    _add_overwrite(parser)
-    parser.add_argument(
-        "--family",
-        choices=["llama", "qwen2", "qwen3", "qwen3_moe"],
-        default=None,
-        help="HF model family, of the language model for a VLM (default: the source model's, "
-        "if conversion saved it)",
-    )
-    parser.add_argument(
-        "--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-        help="dtype of the exported weights (default: the one the checkpoint's weights were "
-        "saved in)",
-    )  # fmt: skip
-    parser.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here")
-    parser.add_argument(
-        "--model-config", default=None,
-        help="YAML file with the ModelConfig (default: the checkpoint's model_config.yaml, or "
-        "what Megatron-Bridge's run_config.yaml / Megatron-LM's saved args in the step say)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--vision-config", default=None,
-        help="YAML file with the VisionConfig: export a VLM as InternVL (default: when the "
-        "checkpoint has vision_config.yaml beside it)",
-    )  # fmt: skip
+    add_options(parser, *_MCORE_TO_HF_OPTIONS)
     _add_fp8_args(parser)
     args = parser.parse_args(argv)
     from megatron_gndpo.checkpoint.vlm_convert import is_vlm_checkpoint
@@ -217,14 +218,6 @@ def _vlm_mcore_to_hf(args: argparse.Namespace, model: ModelConfig | None) -> Pat
     )
 
 
-def _add_overwrite(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--overwrite", action="store_true",
-        help="write into an output directory that is not empty: the files the conversion "
-        "writes are replaced, the others kept (never allowed: a training run's checkpoints)",
-    )  # fmt: skip
-
-
 def check_output(
     out: str | Path, *, overwrite: bool, source: str | Path | None = None, flag: str = "--out"
 ) -> None:
@@ -279,19 +272,16 @@ def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
         "Also quantize the exported model to FP8 with NVIDIA ModelOpt (static per-tensor scales "
         "calibrated on a few prompts) into a directory vLLM loads. Runs on a GPU when visible.",
     )
-    fp8.add_argument("--fp8-out", default=None, help="write the FP8 model to this directory")
-    fp8.add_argument(
-        "--calib-data", default=None,
-        help="calibration prompts: a .txt file (one per line), .jsonl, .parquet or builtin:NAME",
-    )  # fmt: skip
-    fp8.add_argument("--calib-key", default="prompt", help="prompt column of .jsonl/.parquet")
-    fp8.add_argument(
-        "--calib-samples", type=int, default=DEFAULT_CALIBRATION_SAMPLES,
-        help=f"prompts to calibrate on (default {DEFAULT_CALIBRATION_SAMPLES})",
-    )  # fmt: skip
-    fp8.add_argument(
-        "--calib-max-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
-        help=f"tokens kept per prompt (default {DEFAULT_CALIBRATION_TOKENS})",
+    add_options(
+        fp8,
+        option("--fp8-out", "write the FP8 model to this directory", default=None),
+        option("--calib-data", "calibration prompts: a .txt file (one per line), .jsonl, "
+               ".parquet or builtin:NAME", default=None),
+        option("--calib-key", "prompt column of .jsonl/.parquet", default="prompt"),
+        option("--calib-samples", f"prompts to calibrate on (default "
+               f"{DEFAULT_CALIBRATION_SAMPLES})", type=int, default=DEFAULT_CALIBRATION_SAMPLES),
+        option("--calib-max-tokens", f"tokens kept per prompt (default "
+               f"{DEFAULT_CALIBRATION_TOKENS})", type=int, default=DEFAULT_CALIBRATION_TOKENS),
     )  # fmt: skip
 
 

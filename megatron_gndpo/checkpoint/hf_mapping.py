@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -482,7 +482,7 @@ def mapping_for(megatron_name: str, model: ModelConfig) -> WeightMapping:
 
 def expected_hf_names(model: ModelConfig) -> set[str]:
     """Every tensor name a Hugging Face checkpoint of ``model`` holds."""
-    return {name for mapping in iter_mappings(model) for name in mapping.hf}
+    return table_hf_names(LanguageTable(model))
 
 
 def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "") -> None:
@@ -490,24 +490,7 @@ def check_hf_names(names: Iterable[str], model: ModelConfig, *, where: str = "")
 
     A tied model's checkpoint may still hold ``lm_head.weight``; it is ignored.
     """
-    names = set(names)
-    expected = expected_hf_names(model)
-    source = f" in {where}" if where else ""
-    missing = sorted(expected - names)
-    if missing:
-        raise ConversionError(
-            f"tensor {missing[0]!r} is missing{source} ({len(missing)} missing in all); the "
-            "checkpoint does not match its config.json (layers, qkv bias, qk-norm, "
-            "tie_word_embeddings, num_experts, mlp_only_layers)"
-        )
-    ignorable = {"lm_head.weight"} if model.tie_embeddings else set()
-    unexpected = sorted(n for n in names - expected - ignorable if not _IGNORED_HF.fullmatch(n))
-    if unexpected:
-        raise ConversionError(
-            f"tensor {unexpected[0]!r}{source} has no place in the megatron model "
-            f"({len(unexpected)} such tensors); the architecture has features conversion does "
-            "not support"
-        )
+    check_table_names(LanguageTable(model), names, where=where)
 
 
 def _check_mappable(model: ModelConfig) -> None:
@@ -594,11 +577,7 @@ def hf_to_megatron(
     (transformers 5's in-memory Qwen3-MoE form) are split first.
     """
     hf_state = hf_moe.split_fused_experts(hf_state.items())
-    check_hf_names(hf_state, model)
-    return {
-        m.megatron: m.to_megatron([hf_state[n] for n in m.hf], model, padded_vocab=padded_vocab)
-        for m in iter_mappings(model)
-    }
+    return table_to_megatron(LanguageTable(model), hf_state, padded_vocab=padded_vocab)
 
 
 def iter_megatron_to_hf(
@@ -609,25 +588,7 @@ def iter_megatron_to_hf(
     With ``consume=True`` (and a mutable mapping) each megatron tensor is removed once mapped,
     so a caller that writes and drops what it receives never holds two full copies.
     """
-    names = {n for n in mcore_state if not is_extra_state(n)}
-    mappings = list(iter_mappings(model))
-    expected = {m.megatron for m in mappings}
-    # A tied model's last pipeline stage copy of the embedding is not an HF tensor.
-    extra = sorted(names - expected - ({"output_layer.weight"} if model.tie_embeddings else set()))
-    if extra:
-        raise ConversionError(
-            f"megatron parameter {extra[0]!r} has no Hugging Face mapping ({len(extra)} such); "
-            "the model config does not match the checkpoint"
-        )
-    for mapping in mappings:
-        if mapping.megatron not in mcore_state:
-            raise ConversionError(f"megatron state has no {mapping.megatron!r}")
-        if consume:
-            assert isinstance(mcore_state, MutableMapping)
-            tensor = mcore_state.pop(mapping.megatron)
-        else:
-            tensor = mcore_state[mapping.megatron]
-        yield from zip(mapping.hf, mapping.to_hf(tensor, model), strict=True)
+    yield from table_to_hf(LanguageTable(model), mcore_state, consume=consume)
 
 
 def megatron_to_hf(
@@ -671,3 +632,170 @@ def shard_for_rank(
             "config.json and the weights disagree"
         )
     return shard
+
+
+# ---------------------------------------------------------------------------------------------
+# The one walk over a model family's table (this module's for a language model, vlm_mapping's
+# for a VLM, which adds its vision tower and projector to the language model's)
+
+
+class Mapped(Protocol):
+    """One megatron parameter and the Hugging Face tensors it is made of (any family's)."""
+
+    @property
+    def megatron(self) -> str: ...
+
+    @property
+    def hf(self) -> tuple[str, ...]: ...
+
+
+class MappingTable[M: Mapped](Protocol):
+    """A model family's parameters, their layouts and what its HF checkpoints may hold
+    besides; read by :func:`check_table_names`, :func:`table_to_megatron`,
+    :func:`table_to_hf` and conversion's shard filling."""
+
+    subject: ClassVar[str]  # the megatron side in messages: "megatron model"
+    names_hint: ClassVar[str]  # what a missing HF tensor says about config.json
+    config_hint: ClassVar[str]  # what an unmapped megatron parameter says about the config
+    ignored_hf: ClassVar[re.Pattern[str]]  # HF tensors that carry no weights
+
+    def mappings(self) -> list[M]:
+        """Every mapping of the full model (TP=1, PP=1), in checkpoint order."""
+        ...
+
+    def mapping_for(self, megatron_name: str) -> M:
+        """The mapping of one full-model parameter (global layer index)."""
+        ...
+
+    def to_megatron(
+        self, m: M, tensors: Sequence[torch.Tensor], *, padded_vocab: int
+    ) -> torch.Tensor:
+        """The full (TP=1) megatron tensor of ``m`` from its HF tensors."""
+        ...
+
+    def to_hf(self, m: M, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``m``'s HF tensors from its full (TP=1) megatron tensor."""
+        ...
+
+    def gated(self, m: M) -> bool:
+        """Whether ``m``'s TP shards hold ``[gate_r; up_r]`` (:func:`shard_for_rank`)."""
+        ...
+
+    def canonical_hf(self, name: str) -> str:
+        """An HF tensor name as the table names it (another form a loader may use, undone)."""
+        ...
+
+    def unused_hf(self) -> set[str]:
+        """HF tensors a checkpoint may hold that no parameter reads (a tied ``lm_head``)."""
+        ...
+
+    def unused_megatron(self) -> set[str]:
+        """Megatron parameters that are no HF tensor (a tied model's last-stage output copy)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageTable:
+    """The table of a language model (GPTModel names; :func:`global_names` gives a
+    HybridModel's so)."""
+
+    model: ModelConfig
+    subject: ClassVar[str] = "megatron model"
+    names_hint: ClassVar[str] = (
+        "layers, qkv bias, qk-norm, tie_word_embeddings, num_experts, mlp_only_layers"
+    )
+    config_hint: ClassVar[str] = "the model config"
+    ignored_hf: ClassVar[re.Pattern[str]] = _IGNORED_HF
+
+    def mappings(self) -> list[WeightMapping]:
+        return list(iter_mappings(self.model))
+
+    def mapping_for(self, megatron_name: str) -> WeightMapping:
+        return mapping_for(megatron_name, self.model)
+
+    def to_megatron(
+        self, m: WeightMapping, tensors: Sequence[torch.Tensor], *, padded_vocab: int
+    ) -> torch.Tensor:
+        return m.to_megatron(tensors, self.model, padded_vocab=padded_vocab)
+
+    def to_hf(self, m: WeightMapping, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return m.to_hf(tensor, self.model)
+
+    def gated(self, m: WeightMapping) -> bool:
+        return self.model.swiglu  # shard_for_rank splits only linear_fc1 (dense or expert)
+
+    def canonical_hf(self, name: str) -> str:
+        return name
+
+    def unused_hf(self) -> set[str]:
+        return {"lm_head.weight"} if self.model.tie_embeddings else set()
+
+    def unused_megatron(self) -> set[str]:
+        return {"output_layer.weight"} if self.model.tie_embeddings else set()
+
+
+def table_hf_names[M: Mapped](table: MappingTable[M]) -> set[str]:
+    """Every tensor name a Hugging Face checkpoint of the table's model holds."""
+    return {name for mapping in table.mappings() for name in mapping.hf}
+
+
+def check_table_names[M: Mapped](
+    table: MappingTable[M], names: Iterable[str], *, where: str = ""
+) -> None:
+    """Missing HF tensors, and HF tensors the megatron model would drop, are ConversionErrors
+    naming them (``names`` in any form ``table.canonical_hf`` takes)."""
+    names = {table.canonical_hf(n) for n in names}
+    expected = table_hf_names(table)
+    source = f" in {where}" if where else ""
+    missing = sorted(expected - names)
+    if missing:
+        raise ConversionError(
+            f"tensor {missing[0]!r} is missing{source} ({len(missing)} missing in all); the "
+            f"checkpoint does not match its config.json ({table.names_hint})"
+        )
+    unexpected = sorted(
+        n for n in names - expected - table.unused_hf() if not table.ignored_hf.fullmatch(n)
+    )
+    if unexpected:
+        raise ConversionError(
+            f"tensor {unexpected[0]!r}{source} has no place in the {table.subject} "
+            f"({len(unexpected)} such tensors); the architecture has features conversion does "
+            "not support"
+        )
+
+
+def table_to_megatron[M: Mapped](
+    table: MappingTable[M], hf_state: Mapping[str, torch.Tensor], *, padded_vocab: int
+) -> dict[str, torch.Tensor]:
+    """Full megatron (TP=1, PP=1) state dict from a full Hugging Face one (checked first)."""
+    check_table_names(table, hf_state)
+    state = {table.canonical_hf(k): v for k, v in hf_state.items()}
+    return {
+        m.megatron: table.to_megatron(m, [state[n] for n in m.hf], padded_vocab=padded_vocab)
+        for m in table.mappings()
+    }
+
+
+def table_to_hf[M: Mapped](
+    table: MappingTable[M], mcore_state: Mapping[str, Any], *, consume: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs from a full megatron state dict, one mapping at a time;
+    ``_extra_state`` entries are skipped. With ``consume=True`` (and a mutable mapping) each
+    megatron tensor is removed once mapped."""
+    names = {n for n in mcore_state if not is_extra_state(n)}
+    mappings = table.mappings()
+    extra = sorted(names - {m.megatron for m in mappings} - table.unused_megatron())
+    if extra:
+        raise ConversionError(
+            f"megatron parameter {extra[0]!r} has no Hugging Face mapping ({len(extra)} such); "
+            f"{table.config_hint} does not match the checkpoint"
+        )
+    for mapping in mappings:
+        if mapping.megatron not in mcore_state:
+            raise ConversionError(f"megatron state has no {mapping.megatron!r}")
+        if consume:
+            assert isinstance(mcore_state, MutableMapping)
+            tensor = mcore_state.pop(mapping.megatron)
+        else:
+            tensor = mcore_state[mapping.megatron]
+        yield from zip(mapping.hf, table.to_hf(mapping, tensor), strict=True)

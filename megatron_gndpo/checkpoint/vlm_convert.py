@@ -30,31 +30,28 @@ import torch
 
 from megatron_gndpo.checkpoint import vlm_mapping
 from megatron_gndpo.checkpoint.convert import (
-    HF_CONFIG_FILE,
+    MAX_SHARD_BYTES,
     VISION_CONFIG_FILE,
     HFCheckpoint,
-    check_dtype,
     check_layout,
-    describe_checkpoints,
+    copy_token_ids,
     export_checkpoint,
+    export_source,
+    fill_shard,
     read_hf_config,
-    read_model_config,
-    source_dtype,
-    source_hf_config,
+    save_converted,
+    source_family,
 )
-from megatron_gndpo.checkpoint.dist import resolve, save_checkpoint
-from megatron_gndpo.checkpoint.hf_mapping import FAMILIES, global_names, shard_for_rank
+from megatron_gndpo.checkpoint.hf_mapping import global_names
 from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import ConversionError, MissingFileError
-from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 # The image processor's files, carried beside the tokenizer's.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 VLM_LAYERS = "language_model.decoder.layers."  # the layers split over pipeline stages
-_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -98,18 +95,21 @@ def fill_vlm_from_hf(
     tp_rank: int,
 ) -> None:
     """Copy every parameter of this rank's VLM shard ``net`` from the InternVL checkpoint."""
-    stored = {vlm_mapping.canonical_hf_name(n): n for n in hf.names}
-    padded = model.padded_vocab_size(tp)
-    with torch.no_grad():
-        for local, full_name, param in vlm_global_names(net):
-            mapping = vlm_mapping.vlm_mapping_for(full_name, model, vision)
-            tensors = [hf.get(stored[n]) for n in mapping.hf]
-            full = mapping.to_megatron(tensors, model, vision, padded_vocab=padded)
-            # only the language model's MLP is gated ([gate; up] halves sliced per rank)
-            gated = model.swiglu and mapping.lm is not None
-            shard = shard_for_rank(local, full, param, tp=tp, tp_rank=tp_rank, swiglu=gated)
-            param.copy_(shard)
-            del tensors, full, shard
+    fill_shard(
+        vlm_global_names(net), vlm_mapping.VLMTable(model, vision), _SavedNames(hf),
+        padded_vocab=model.padded_vocab_size(tp), tp=tp, tp_rank=tp_rank,
+    )  # fmt: skip
+
+
+class _SavedNames:
+    """An InternVL checkpoint's tensors by their saved-form names, whichever form it stores."""
+
+    def __init__(self, hf: HFCheckpoint) -> None:
+        self._hf = hf
+        self._stored = {vlm_mapping.canonical_hf_name(n): n for n in hf.names}
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._hf.get(self._stored[name])
 
 
 def _copy_side_files(src: str | Path, dst: str | Path, vision: VisionConfig | None = None) -> None:
@@ -146,16 +146,7 @@ def convert_vlm_hf_to_mcore(
         fill_vlm_from_hf(
             net, hf, model, vision, tp=parallel.tensor_parallel, tp_rank=groups.coords["tp"]
         )
-    out_root = Path(out_root)
-    if rank() == 0:
-        out_root.mkdir(parents=True, exist_ok=True)
-    barrier()
-    save_checkpoint(out_root, 0, net)
-    if rank() == 0:
-        describe_checkpoints(out_root, model, vision)
-        (out_root / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
-        _copy_side_files(hf_dir, out_root)
-    barrier()
+    save_converted(out_root, net, hf_dir, hf_config, model, vision, side_files=_copy_side_files)
     return model, vision
 
 
@@ -172,21 +163,6 @@ def read_vision_config(mcore_root: str | Path) -> VisionConfig:
     return build(VisionConfig, read_yaml(path), prefix="vision.")
 
 
-def _lm_family(
-    source: dict[str, Any] | None, family: str | None, where: Path, model: ModelConfig
-) -> str:
-    if family is not None:
-        return family
-    text = (source or {}).get("text_config") or {}
-    found = text.get("model_type") or model.family
-    if found is None:
-        raise ConversionError(
-            f"pass --family (the language model's: one of {', '.join(FAMILIES)}): no source "
-            f"config.json beside {where} tells it, and its model config sets no family"
-        )
-    return str(found)
-
-
 def convert_vlm_mcore_to_hf(
     mcore_root: str | Path,
     out_dir: str | Path,
@@ -196,7 +172,7 @@ def convert_vlm_mcore_to_hf(
     family: str | None = None,
     dtype: Dtype | None = None,
     tokenizer_dir: str | Path | None = None,
-    max_shard_bytes: int = _MAX_SHARD_BYTES,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write an InternVL model directory from a VLM checkpoint saved at any TP/PP.
 
@@ -209,29 +185,23 @@ def convert_vlm_mcore_to_hf(
     """
     from megatron_gndpo.models.vlm import build_vlm
 
-    check_dtype(dtype)
-    step = resolve(mcore_root)  # a CheckpointError before anything is built
-    base = Path(mcore_root) if step != Path(mcore_root) else step.parent
-    model = model if model is not None else read_model_config(base)
-    model = dataclasses.replace(model, params_dtype=source_dtype(step, model))
-    dtype = dtype or model.params_dtype
-    vision = vision if vision is not None else read_vision_config(base)
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    source = source_hf_config(base, tok_dir)
-    family = _lm_family(source, family, base, model)
+    # a VLM checkpoint is this project's: no Megatron-Bridge or Megatron-LM form is read
+    src = export_source(mcore_root, model, dtype, tokenizer_dir, foreign=False)
+    saved = src.model
+    vision = vision if vision is not None else read_vision_config(src.base)
+    text = (src.source or {}).get("text_config")
+    if family is None:
+        family = source_family(text, saved, src.base, whose="the language model's: ")
     # config.json names the dtype the weights are written in
-    out_model = dataclasses.replace(model, params_dtype=dtype)
+    out_model = dataclasses.replace(saved, params_dtype=src.dtype)
     config = vlm_mapping.hf_config_from_vlm(out_model, vision, family)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = ((source or {}).get("text_config") or {}).get(key)
-        if value is not None:
-            config["text_config"][key] = value
+    copy_token_ids(text, config["text_config"])
 
     return export_checkpoint(
-        step, out_dir,
-        build=lambda groups: build_vlm(model, vision, ParallelConfig(), groups),
-        to_hf=lambda state: vlm_mapping.iter_megatron_to_hf(state, model, vision, consume=True),
-        config=config, side_files=tok_dir if tok_dir is not None else base, dtype=dtype,
+        src.step, out_dir,
+        build=lambda groups: build_vlm(saved, vision, ParallelConfig(), groups),
+        to_hf=lambda state: vlm_mapping.iter_megatron_to_hf(state, saved, vision, consume=True),
+        config=config, side_files=src.side_files, dtype=src.dtype,
         max_shard_bytes=max_shard_bytes,
         copy_side_files=functools.partial(_copy_side_files, vision=vision),
     )  # fmt: skip

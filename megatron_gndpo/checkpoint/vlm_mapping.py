@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -403,9 +403,53 @@ def vlm_mapping_for(megatron_name: str, model: ModelConfig, vision: VisionConfig
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class VLMTable:
+    """The VLM's table (``hf_mapping.MappingTable``): the vision tower's and the projector's
+    mappings, then the language model's table under both prefixes."""
+
+    model: ModelConfig
+    vision: VisionConfig
+    subject: ClassVar[str] = "megatron VLM"
+    names_hint: ClassVar[str] = "layers, norms, tie_word_embeddings"
+    config_hint: ClassVar[str] = "the model or vision config"
+    ignored_hf: ClassVar[re.Pattern[str]] = _IGNORED_HF
+
+    @property
+    def language(self) -> hf_mapping.LanguageTable:
+        return hf_mapping.LanguageTable(self.model)
+
+    def mappings(self) -> list[VLMMapping]:
+        return list(iter_vlm_mappings(self.model, self.vision))
+
+    def mapping_for(self, megatron_name: str) -> VLMMapping:
+        return vlm_mapping_for(megatron_name, self.model, self.vision)
+
+    def to_megatron(
+        self, m: VLMMapping, tensors: Sequence[torch.Tensor], *, padded_vocab: int
+    ) -> torch.Tensor:
+        return m.to_megatron(tensors, self.model, self.vision, padded_vocab=padded_vocab)
+
+    def to_hf(self, m: VLMMapping, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return m.to_hf(tensor, self.model, self.vision)
+
+    def gated(self, m: VLMMapping) -> bool:
+        # only the language model's MLP is gated (the ViT's linear_fc1 is one plain matrix)
+        return m.lm is not None and self.language.gated(m.lm)
+
+    def canonical_hf(self, name: str) -> str:
+        return canonical_hf_name(name)
+
+    def unused_hf(self) -> set[str]:
+        return {_LM + n for n in self.language.unused_hf()}
+
+    def unused_megatron(self) -> set[str]:
+        return {_LM + n for n in self.language.unused_megatron()}
+
+
 def expected_hf_names(model: ModelConfig, vision: VisionConfig) -> set[str]:
     """Every tensor name (saved form) an InternVL checkpoint of this VLM holds."""
-    return {name for mapping in iter_vlm_mappings(model, vision) for name in mapping.hf}
+    return hf_mapping.table_hf_names(VLMTable(model, vision))
 
 
 def check_hf_names(
@@ -416,23 +460,7 @@ def check_hf_names(
     ``names`` may use the saved or the in-memory prefixes. A tied model's checkpoint may still
     hold ``language_model.lm_head.weight``; it is ignored.
     """
-    names = {canonical_hf_name(n) for n in names}
-    expected = expected_hf_names(model, vision)
-    source = f" in {where}" if where else ""
-    missing = sorted(expected - names)
-    if missing:
-        raise ConversionError(
-            f"tensor {missing[0]!r} is missing{source} ({len(missing)} missing in all); the "
-            "checkpoint does not match its config.json (layers, norms, tie_word_embeddings)"
-        )
-    ignorable = {_LM + "lm_head.weight"} if model.tie_embeddings else set()
-    unexpected = sorted(n for n in names - expected - ignorable if not _IGNORED_HF.fullmatch(n))
-    if unexpected:
-        raise ConversionError(
-            f"tensor {unexpected[0]!r}{source} has no place in the megatron VLM "
-            f"({len(unexpected)} such tensors); the architecture has features conversion does "
-            "not support"
-        )
+    hf_mapping.check_table_names(VLMTable(model, vision), names, where=where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,13 +498,9 @@ def hf_to_megatron(
     padded_vocab: int,
 ) -> dict[str, torch.Tensor]:
     """Full megatron (TP=1, PP=1) VLM state dict from a full InternVL one (either name form)."""
-    check_hf_names(hf_state, model, vision)
-    state = {canonical_hf_name(k): v for k, v in hf_state.items()}
-    out = {}
-    for m in iter_vlm_mappings(model, vision):
-        tensors = [state[n] for n in m.hf]
-        out[m.megatron] = m.to_megatron(tensors, model, vision, padded_vocab=padded_vocab)
-    return out
+    return hf_mapping.table_to_megatron(
+        VLMTable(model, vision), hf_state, padded_vocab=padded_vocab
+    )
 
 
 def iter_megatron_to_hf(
@@ -491,24 +515,7 @@ def iter_megatron_to_hf(
     ``_extra_state`` entries are skipped. With ``consume=True`` (and a mutable mapping) each
     megatron tensor is removed once mapped.
     """
-    names = {n for n in mcore_state if not hf_mapping.is_extra_state(n)}
-    mappings = list(iter_vlm_mappings(model, vision))
-    tied_copy = {_LM + "output_layer.weight"} if model.tie_embeddings else set()
-    extra = sorted(names - {m.megatron for m in mappings} - tied_copy)
-    if extra:
-        raise ConversionError(
-            f"megatron parameter {extra[0]!r} has no Hugging Face mapping ({len(extra)} such); "
-            "the model or vision config does not match the checkpoint"
-        )
-    for mapping in mappings:
-        if mapping.megatron not in mcore_state:
-            raise ConversionError(f"megatron state has no {mapping.megatron!r}")
-        if consume:
-            assert isinstance(mcore_state, MutableMapping)
-            tensor = mcore_state.pop(mapping.megatron)
-        else:
-            tensor = mcore_state[mapping.megatron]
-        yield from zip(mapping.hf, mapping.to_hf(tensor, model, vision), strict=True)
+    yield from hf_mapping.table_to_hf(VLMTable(model, vision), mcore_state, consume=consume)
 
 
 def megatron_to_hf(

@@ -158,7 +158,6 @@ def load_prompts(
             f"prompt file {why}; fix data.train / data.eval, or use builtin:arithmetic for the "
             "built-in task"
         )
-    records = _parquet_records(path) if path.suffix == ".parquet" else _jsonl_records(path)
     examples = [
         _example(
             record,
@@ -168,7 +167,7 @@ def load_prompts(
             index=index,
             source_key=source_key,
         )
-        for index, (where, record) in enumerate(records)
+        for index, (where, record) in enumerate(file_records(path))
     ]
     if not examples:
         raise DataError(f"prompt file {path} contains no records; it needs at least one prompt")
@@ -191,13 +190,27 @@ def _load_builtin(name: str, *, routed: bool = False) -> list[PromptExample]:
     return [PromptExample(prompt=p, answer=a, index=i) for i, (p, a) in enumerate(pairs)]
 
 
+def file_records(
+    path: Path,
+    *,
+    without_pyarrow: str = "install pyarrow to read Parquet (pip install pyarrow), or convert "
+    "the prompts to .jsonl",
+) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    """``(location, record)`` of each record of a prompt file: a ``.parquet`` file's rows,
+    else a JSON-lines file's objects. ``without_pyarrow``: what the error says to do when
+    Parquet cannot be read."""
+    if path.suffix == ".parquet":
+        return _parquet_records(path, without_pyarrow)
+    return _jsonl_records(path)
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """``(location, record)`` for each non-blank line; location is ``"FILE:LINE"``."""
-    for line_number, line in utf8_lines(path):
+    for line_number, line in _utf8_lines(path):
         if not line.strip():
             continue
         where = f"{path}:{line_number}"
-        yield where, json_record(line, where)
+        yield where, _json_record(line, where)
 
 
 class _DuplicateKey(ValueError):
@@ -217,7 +230,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
-def json_record(line: str, where: str) -> dict[str, Any]:
+def _json_record(line: str, where: str) -> dict[str, Any]:
     """One JSONL line as a JSON object; a DataError naming ``where`` for invalid JSON, for
     another kind of value, and for a key given twice in an object."""
     try:
@@ -240,7 +253,7 @@ def json_record(line: str, where: str) -> dict[str, Any]:
     return record
 
 
-def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+def _utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
     """``(line number, text)`` of each line; a byte that is not UTF-8 is a DataError naming the
     file, line and column."""
     with path.open("rb") as f:
@@ -254,15 +267,12 @@ def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
                 ) from None
 
 
-def _parquet_records(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
+def _parquet_records(path: Path, without_pyarrow: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
     """``(location, record)`` for each row; location is ``"FILE row N"`` (0-based)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise MissingPackageError(
-            f"cannot read {path}: install pyarrow to read Parquet (pip install pyarrow), or "
-            "convert the prompts to .jsonl"
-        ) from None
+        raise MissingPackageError(f"cannot read {path}: {without_pyarrow}") from None
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError) say what is wrong

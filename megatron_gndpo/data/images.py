@@ -23,7 +23,7 @@ import dataclasses
 import io
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +33,12 @@ from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.datasets import (
     PromptExample,
     check_characters,
-    json_record,
+    file_records,
     routing_value,
-    utf8_lines,
 )
 from megatron_gndpo.data.tasks import visual
 from megatron_gndpo.data.tokenizer import Tokenizer
-from megatron_gndpo.errors import DataError, MissingFileError, MissingPackageError
+from megatron_gndpo.errors import DataError, MissingFileError
 from megatron_gndpo.fileio import not_a_file
 
 if TYPE_CHECKING:
@@ -367,7 +366,11 @@ def load_multimodal_prompts(
     why = not_a_file(path)
     if why is not None:
         raise MissingFileError(f"prompt file {why}")
-    records = _jsonl(path) if path.suffix == ".jsonl" else _parquet(path)
+    records = file_records(
+        path,
+        without_pyarrow="Parquet needs pyarrow, which is not installed; `pip install "
+        "'megatron-gndpo[parquet]'` (or pyarrow), or convert the rows to .jsonl with image paths",
+    )
     examples = [
         _example(
             record,
@@ -384,29 +387,6 @@ def load_multimodal_prompts(
     if not examples:
         raise DataError(f"prompt file {path} contains no records")
     return examples
-
-
-def _jsonl(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    for line_number, line in utf8_lines(path):
-        if line.strip():
-            where = f"{path}:{line_number}"
-            yield where, json_record(line, where)
-
-
-def _parquet(path: Path) -> Iterable[tuple[str, Mapping[str, Any]]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise MissingPackageError(
-            f"cannot read {path}: Parquet needs pyarrow, which is not installed; "
-            "`pip install 'megatron-gndpo[parquet]'` (or pyarrow), or convert the rows to .jsonl "
-            "with image paths"
-        ) from None
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError) say what is wrong
-        raise DataError(f"cannot read {path} as Parquet: {e}") from None
-    return ((f"{path} row {i}", row) for i, row in enumerate(rows))
 
 
 def _example(

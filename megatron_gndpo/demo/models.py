@@ -38,9 +38,9 @@ from megatron_gndpo.data.tasks import chains
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.demo.evaluate import greedy_accuracy
 from megatron_gndpo.demo.tokenizer import task_corpus, train_tokenizer
-from megatron_gndpo.engine.sft import encode_sft, sft_train
 from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
+from megatron_gndpo.sft import encode_sft, sft_train
 
 # The supervised data: drawn from its own seed, with every held-out prompt removed.
 SFT_SEED = 2

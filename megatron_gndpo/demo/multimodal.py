@@ -63,8 +63,8 @@ from megatron_gndpo.demo.models import (
     sft_optimizer,
 )
 from megatron_gndpo.demo.tokenizer import MODEL_FILE, task_corpus, train_tokenizer
-from megatron_gndpo.engine.sft_vlm import encode_sft_multimodal, vlm_sft_train
 from megatron_gndpo.parallel.groups import ParallelGroups
+from megatron_gndpo.sft import VisionFamily, encode_sft_multimodal, sft_train
 
 DIFFICULTY = 1
 # Supervised data: its own seed, apart from the rollout prompts (TRAIN_SEED) and the held-out
@@ -341,12 +341,12 @@ def prepare_vlm(
     )
     parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)
     started = time.perf_counter()
-    trained, history = vlm_sft_train(
-        recipe.model, recipe.vision, parallel, groups, sequences,
+    trained, history = sft_train(
+        recipe.model, parallel, groups, sequences,
         optimizer=recipe.optimizer, steps=recipe.steps, batch_size=recipe.batch_size,
         micro_batch_size=recipe.micro_batch_size, seed=recipe.seed,
-        vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-        encoder=encoder.state_dict(), on_step=on_step,
+        vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, on_step=on_step,
+        family=VisionFamily(recipe.vision, encoder=encoder.state_dict()),
     )  # fmt: skip
     sft_seconds = time.perf_counter() - started
     started = time.perf_counter()

@@ -18,14 +18,14 @@ layers get the dense or the MoE spec one by one, with the same attention.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
 
 from megatron_gndpo.config.extras import require_package
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
-from megatron_gndpo.models import naming
+from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,8 +40,11 @@ def _require_transformer_engine(model: ModelConfig) -> None:
     )
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
-    """megatron-core's TransformerConfig for this architecture and layout."""
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, **overrides: Any) -> Any:
+    """megatron-core's TransformerConfig for this architecture and layout.
+
+    ``overrides``: fields another model class counts differently (``models/hybrid.py``).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     use_te = model.transformer_impl == "transformer_engine"
@@ -56,27 +59,16 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
             fp8_recipe=model.fp8_recipe,
             fp8_amax_history_len=model.fp8_amax_history_len,
         )
-    hybrid = model.model_class == "hybrid"
-    return TransformerConfig(
-        # a HybridModel counts the attention and the MLP of a GPT layer as two layers
-        num_layers=2 * model.num_layers if hybrid else model.num_layers,
-        # ... and then scales the output layers' initialisation as GPTModel does
-        is_hybrid_model=hybrid,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads,
+    fields = dict(
+        **transformer_widths(model),
         num_query_groups=model.query_groups,
         kv_channels=model.head_dim,
-        normalization=model.normalization,
-        layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.swiglu,
         activation_func=F.silu if model.swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_method_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         params_dtype=dtype,
         pipeline_dtype=dtype,  # activations exchanged between stages
         bf16=dtype == torch.bfloat16,
@@ -103,6 +95,22 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
         **fp8,
         **_moe_fields(model, parallel),
     )
+    return TransformerConfig(**(fields | overrides))
+
+
+def transformer_widths(arch: ModelConfig | VisionConfig) -> dict[str, Any]:
+    """TransformerConfig's sizes and norm of the transformer ``arch`` describes (a language
+    model, or a VLM's vision encoder), without dropout (no model here trains with any)."""
+    return dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        normalization=arch.normalization,
+        layernorm_epsilon=arch.norm_epsilon,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
@@ -120,11 +128,7 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=model.moe_z_loss_coeff or None,
         moe_expert_capacity_factor=model.moe_capacity_factor,
-        moe_layer_freq=(
-            naming.hybrid_moe_layers(model.moe_layers)
-            if model.model_class == "hybrid"
-            else [int(x) for x in model.moe_layers]
-        ),
+        moe_layer_freq=[int(x) for x in model.moe_layers],
         moe_grouped_gemm=model.transformer_impl == "transformer_engine",
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.tensor_parallel,
@@ -226,13 +230,40 @@ def build_gpt(
             f"build_gpt builds GPTModels, and this model has model_class={model.model_class}: "
             "build it with megatron_gndpo.models.build.build_model"
         )
-    check_layout(parallel, groups)
+    common = language_model_args(model, parallel, groups, parallel_output=parallel_output)
     scaling: dict[str, Any] = {}
     if model.rotary_scaling_factor is not None:
         scaling = dict(rope_scaling=True, rope_scaling_factor=model.rotary_scaling_factor)
     return GPTModel(
         config=transformer_config(model, parallel),
         transformer_layer_spec=stage_layer_spec(model, parallel, groups.coords["pp"]),
+        **common,
+        **scaling,
+    )
+
+
+class LanguageModelArgs(TypedDict):
+    """The arguments every language model class takes alike (GPTModel, HybridModel, the VLM's
+    language model): vocabulary, positions, tying, this rank's pipeline stage and its groups."""
+
+    vocab_size: int  # padded to a multiple of make_vocab_size_divisible_by x TP
+    max_sequence_length: int
+    pre_process: bool  # this rank's stage is the first (it holds the embedding)
+    post_process: bool  # ... the last (it holds the output layer)
+    parallel_output: bool
+    share_embeddings_and_output_weights: bool
+    position_embedding_type: str
+    rotary_base: int
+    pg_collection: Any
+
+
+def language_model_args(
+    model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, *, parallel_output: bool
+) -> LanguageModelArgs:
+    """:class:`LanguageModelArgs` of ``model`` on this rank, after checking that ``groups`` were
+    built for ``parallel``."""
+    check_layout(parallel, groups)
+    return LanguageModelArgs(
         vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
         max_sequence_length=model.max_position_embeddings,
         pre_process=groups.is_first_stage,
@@ -242,7 +273,6 @@ def build_gpt(
         position_embedding_type=model.position_embedding,
         rotary_base=int(model.rotary_base),
         pg_collection=groups.pg_collection(),
-        **scaling,
     )
 
 

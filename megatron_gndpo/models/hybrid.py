@@ -138,6 +138,16 @@ def stack_spec(model: ModelConfig) -> ModuleSpec:
     )
 
 
+def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Any:
+    """GPTModel's TransformerConfig of ``model``, with the layers counted as a HybridModel
+    counts them: the attention and the MLP of a GPT layer are two layers (and ``is_hybrid_model``
+    then scales the output layers' initialisation as GPTModel does)."""
+    moe = {"moe_layer_freq": naming.hybrid_moe_layers(model.moe_layers)} if model.is_moe else {}
+    return gpt.transformer_config(
+        model, parallel, num_layers=2 * model.num_layers, is_hybrid_model=True, **moe
+    )
+
+
 def build_hybrid(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -147,20 +157,12 @@ def build_hybrid(
 ) -> Any:
     """A :class:`HookedHybridModel` holding this rank's shard; the arguments are those of
     ``models.gpt.build_gpt`` (the same model, as a HybridModel)."""
-    gpt.check_layout(parallel, groups)
+    common = gpt.language_model_args(model, parallel, groups, parallel_output=parallel_output)
     if model.rotary_scaling_factor is not None:  # checks/rules.py refuses it first
         raise ValueError(HYBRID_ROPE_SCALING)
     return HookedHybridModel(
-        config=gpt.transformer_config(model, parallel),
+        config=transformer_config(model, parallel),
         hybrid_stack_spec=stack_spec(model),
-        vocab_size=model.padded_vocab_size(parallel.tensor_parallel),
-        max_sequence_length=model.max_position_embeddings,
         hybrid_layer_pattern=naming.hybrid_pattern(model.moe_layers, parallel.pipeline_parallel),
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
-        parallel_output=parallel_output,
-        share_embeddings_and_output_weights=model.tie_embeddings,
-        position_embedding_type=model.position_embedding,
-        rotary_base=int(model.rotary_base),
-        pg_collection=groups.pg_collection(),
+        **common,
     )

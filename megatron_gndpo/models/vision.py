@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_gndpo.config.vision import VisionConfig
+from megatron_gndpo.models.gpt import transformer_widths
 
 
 class LayerScaleAdd(torch.nn.Module):
@@ -108,32 +109,14 @@ def encoder_transformer_config(vision: VisionConfig, language_config: Any) -> An
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    lm = language_config
     config = TransformerConfig(
-        num_layers=vision.num_layers,
-        hidden_size=vision.hidden_size,
-        ffn_hidden_size=vision.ffn_hidden_size,
-        num_attention_heads=vision.num_attention_heads,
-        normalization=vision.normalization,
-        layernorm_epsilon=vision.norm_epsilon,
-        gated_linear_unit=False,
-        activation_func=F.gelu,
-        add_bias_linear=True,
+        **transformer_widths(vision),
         add_qkv_bias=True,
-        init_method_std=lm.init_method_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=lm.params_dtype,
-        bf16=lm.bf16,
-        fp16=lm.fp16,
-        tensor_model_parallel_size=lm.tensor_model_parallel_size,
         pipeline_model_parallel_size=1,
-        use_cpu_initialization=lm.use_cpu_initialization,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=lm.masked_softmax_fusion,
+        masked_softmax_fusion=language_config.masked_softmax_fusion,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
+        **_gelu_mlp_on(language_config),
     )
     # read by megatron's LLaVAModel and get_num_image_embeddings
     config.vision_model_type = vision.encoder
@@ -154,17 +137,27 @@ def projector_transformer_config(vision: VisionConfig, language_config: Any) -> 
         hidden_size=lm.hidden_size,
         ffn_hidden_size=vision.projector_ffn_hidden_size or lm.hidden_size,
         num_attention_heads=lm.num_attention_heads,
+        **_gelu_mlp_on(lm),
+    )
+
+
+def _gelu_mlp_on(language_config: Any) -> dict[str, Any]:
+    """TransformerConfig fields the encoder and the projector share: biased GELU MLPs (InternViT
+    and InternVL's projector), unfused, on the language model's TP group, dtype and
+    initialisation."""
+    lm = language_config
+    return dict(
         gated_linear_unit=False,
         activation_func=F.gelu,
         add_bias_linear=True,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
         init_method_std=lm.init_method_std,
         params_dtype=lm.params_dtype,
         bf16=lm.bf16,
         fp16=lm.fp16,
         tensor_model_parallel_size=lm.tensor_model_parallel_size,
         use_cpu_initialization=lm.use_cpu_initialization,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
     )
 
 

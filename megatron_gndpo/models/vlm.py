@@ -22,39 +22,161 @@ no gradient buffer and ``get_megatron_optimizer`` leaves them out; they also run
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Self, TypedDict, Unpack, cast
 
 import torch
 
 from megatron_gndpo.config.schema import ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.models import vision as vision_parts
-from megatron_gndpo.models.gpt import layer_spec, transformer_config
+from megatron_gndpo.models.gpt import (
+    LanguageModelArgs,
+    language_model_args,
+    layer_spec,
+    transformer_config,
+)
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 
-def _llava_base() -> type:
-    from megatron.core.models.multimodal.llava_model import LLaVAModel
+class LanguageForward(TypedDict, total=False):
+    """What the VLM's ``forward`` passes on to its language model (GPTModel's ``forward``)."""
 
-    return LLaVAModel
+    inference_context: Any  # the KV cache of a KV-cached decode
+    output_processor: Any  # replaces the output layer (models/logprob_head.py), last stage
+    output_processor_context: Any  # what the processor reads besides the hidden states
+    runtime_gather_output: bool | None
+
+
+class _ExpandedPlaceholders:
+    """The methods :class:`VisionLanguageModel` adds to or replaces in megatron-core's
+    ``LLaVAModel`` (mixed in before it, so ``forward`` and ``train`` are these): the images
+    embedded and spliced in one for one at their placeholder ids, and the language model's
+    output processor passed through (module docstring)."""
+
+    # set by LLaVAModel.__init__ or VisionLanguageModel.__init__
+    vision: VisionConfig
+    vision_model: Any
+    vision_projection: Any
+    language_model: Any
+    image_token_index: int
+    img_seq_len: int
+    pre_process: bool
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return int(self.img_seq_len)
+
+    def train(self, mode: bool = True) -> Self:
+        super().train(mode)  # type: ignore[misc]
+        # a frozen encoder stays in eval mode (dropout off), as in the paper's runs
+        if self.vision_model is not None and self.vision.freeze_encoder:
+            self.vision_model.eval()
+        return self
+
+    def image_embeddings(self, images: torch.Tensor) -> torch.Tensor:
+        """``[n, 3, H, W]`` tiles -> ``[n * tokens_per_tile, h_lm]`` projected embeddings.
+
+        Frozen parts run without autograd: no activations are kept for them.
+        """
+        from megatron.core.models.multimodal.llava_model import pixel_shuffle
+
+        vision = self.vision
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not vision.freeze_encoder):
+            x = self.vision_model(images.to(self.vision_model.conv1.weight.dtype))
+            if vision.drop_class_token and vision.has_class_token:
+                x = x[:, self.vision_model.class_token_len :, :]
+            if vision.pixel_shuffle:
+                x = pixel_shuffle(x)  # [n, tokens_per_tile, 4 * h_vit]
+        x = x.permute(1, 0, 2).contiguous()  # [tokens_per_tile, n, h]
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not vision.freeze_projector):
+            x = self.vision_projection(x)  # [tokens_per_tile, n, h_lm]
+        # tile-major: tile 0's tokens, then tile 1's, ... (the placeholders' order)
+        return x.transpose(0, 1).reshape(-1, x.shape[-1])
+
+    def forward(
+        self,
+        images: torch.Tensor | None,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        *,
+        image_embeddings: torch.Tensor | None = None,
+        **language: Unpack[LanguageForward],
+    ) -> torch.Tensor:
+        """Language-model output on the combined sequence (logits, or the processor's).
+
+        ``input_ids [b, s]`` hold ``tokens_per_tile`` placeholder ids per tile of
+        ``images [n, 3, H, W]`` (all rows' tiles, row-major); every placeholder position
+        takes the next image embedding. Stages after the first ignore ``images`` and ids.
+        ``image_embeddings [P, h]`` (from :meth:`image_embeddings`) may replace ``images``:
+        one per placeholder in the ids, in order (a KV-cached prefill or decode chunk may
+        hold only part of an image). ``language`` goes to the language model as it is.
+        """
+        decoder_input = None
+        if self.pre_process:
+            assert input_ids is not None
+            decoder_input = self._combined_embeddings(
+                images, input_ids, position_ids, image_embeddings
+            )
+        return self.language_model(
+            None, position_ids, attention_mask, decoder_input=decoder_input, **language
+        )
+
+    def _combined_embeddings(
+        self,
+        images: torch.Tensor | None,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        image_NH: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        image_mask_BS = input_ids == self.image_token_index
+        n_placeholders = int(image_mask_BS.sum())
+        if image_NH is not None:
+            if image_NH.shape[0] != n_placeholders:
+                raise ValueError(
+                    f"{image_NH.shape[0]} image embeddings for {n_placeholders} placeholders"
+                )
+            images = None
+        n_tiles = 0 if images is None else images.shape[0]
+        if image_NH is None and n_placeholders != n_tiles * self.tokens_per_tile:
+            raise ValueError(
+                f"the ids hold {n_placeholders} image placeholders (id "
+                f"{self.image_token_index}) but {n_tiles} image tile(s) need "
+                f"{n_tiles} x {self.tokens_per_tile}; expand each image's placeholder with "
+                "megatron_gndpo.data.images before scoring"
+            )
+        text_ids = input_ids.masked_fill(image_mask_BS, 0)
+        embeddings_SBH: torch.Tensor = self.language_model.embedding(
+            input_ids=text_ids, position_ids=position_ids
+        )
+        if image_NH is None:
+            if images is None or n_tiles == 0:
+                return embeddings_SBH
+            image_NH = self.image_embeddings(images)
+        image_NH = image_NH.to(embeddings_SBH.dtype)
+        # [s, b] order of the mask must visit placeholders row by row: transpose to [b, s]
+        embeddings_BSH = embeddings_SBH.transpose(0, 1)
+        mask_BSH = image_mask_BS.unsqueeze(-1).expand_as(embeddings_BSH)
+        embeddings_BSH = embeddings_BSH.masked_scatter(mask_BSH, image_NH)
+        return embeddings_BSH.transpose(0, 1).contiguous()
 
 
 def _class() -> type:
     """The model class, defined on first use (megatron-core is imported lazily)."""
     global _VLM_CLASS
     if _VLM_CLASS is None:
-        _VLM_CLASS = _define_class(_llava_base())
+        _VLM_CLASS = _define_class()
     return _VLM_CLASS
 
 
 _VLM_CLASS: type | None = None
 
 
-def _define_class(base: type) -> type:
-    from megatron.core.models.multimodal.llava_model import pixel_shuffle
+def _define_class() -> type:
+    from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.transformer.enums import ModelType
 
-    class VisionLanguageModel(base):
+    class VisionLanguageModel(_ExpandedPlaceholders, LLaVAModel):
         """LLaVAModel on expanded image placeholders, with a log-prob output processor."""
 
         def __init__(
@@ -63,42 +185,35 @@ def _define_class(base: type) -> type:
             vision: VisionConfig,
             language_config: Any,
             language_spec: Any,
-            vocab_size: int,
-            max_sequence_length: int,
-            position_embedding_type: str,
-            rotary_base: int,
-            share_embeddings_and_output_weights: bool,
-            parallel_output: bool,
-            pre_process: bool,
-            post_process: bool,
-            pg_collection: Any,
             rope_scaling_factor: float | None = None,
+            **lm: Unpack[LanguageModelArgs],
         ) -> None:
             encoder_config = vision_parts.encoder_transformer_config(vision, language_config)
             projector_config = vision_parts.projector_transformer_config(vision, language_config)
             # LLaVAModel builds the language model; the encoder is built below instead (its
             # own builder cannot take the norms or the layer scale megatron-core lacks).
+            pre_process, pg_collection = lm["pre_process"], lm["pg_collection"]
             super().__init__(
                 language_transformer_config=language_config,
                 language_transformer_layer_spec=language_spec,
-                language_vocab_size=vocab_size,
-                language_max_sequence_length=max_sequence_length,
+                language_vocab_size=lm["vocab_size"],
+                language_max_sequence_length=lm["max_sequence_length"],
                 vision_transformer_config=encoder_config,
                 vision_transformer_layer_spec=None,
                 drop_vision_class_token=vision.drop_class_token,
                 vision_projection_config=projector_config,
                 vision_projection_layer_spec=None,
-                parallel_output=parallel_output,
-                share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-                language_position_embedding_type=position_embedding_type,
+                parallel_output=lm["parallel_output"],
+                share_embeddings_and_output_weights=lm["share_embeddings_and_output_weights"],
+                language_position_embedding_type=lm["position_embedding_type"],
                 pre_process=pre_process,
-                post_process=post_process,
+                post_process=lm["post_process"],
                 add_encoder=False,
                 add_decoder=True,
                 img_h=vision.image_size,
                 img_w=vision.image_size,
                 patch_dim=vision.patch_size,
-                language_rotary_base=rotary_base,
+                language_rotary_base=lm["rotary_base"],
                 language_rope_scaling=rope_scaling_factor is not None,
                 language_rope_scaling_factor=rope_scaling_factor or 8.0,
                 image_token_index=vision.image_token_id,
@@ -128,112 +243,6 @@ def _define_class(base: type) -> type:
                 freeze_vision_projection=vision.freeze_projector,
             )
 
-        @property
-        def tokens_per_tile(self) -> int:
-            return int(self.img_seq_len)
-
-        def train(self, mode: bool = True) -> VisionLanguageModel:
-            super().train(mode)
-            # a frozen encoder stays in eval mode (dropout off), as in the paper's runs
-            if self.vision_model is not None and self.vision.freeze_encoder:
-                self.vision_model.eval()
-            return self
-
-        def image_embeddings(self, images: torch.Tensor) -> torch.Tensor:
-            """``[n, 3, H, W]`` tiles -> ``[n * tokens_per_tile, h_lm]`` projected embeddings.
-
-            Frozen parts run without autograd: no activations are kept for them.
-            """
-            vision = self.vision
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not vision.freeze_encoder):
-                x = self.vision_model(images.to(self.vision_model.conv1.weight.dtype))
-                if vision.drop_class_token and vision.has_class_token:
-                    x = x[:, self.vision_model.class_token_len :, :]
-                if vision.pixel_shuffle:
-                    x = pixel_shuffle(x)  # [n, tokens_per_tile, 4 * h_vit]
-            x = x.permute(1, 0, 2).contiguous()  # [tokens_per_tile, n, h]
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not vision.freeze_projector):
-                x = self.vision_projection(x)  # [tokens_per_tile, n, h_lm]
-            # tile-major: tile 0's tokens, then tile 1's, ... (the placeholders' order)
-            return x.transpose(0, 1).reshape(-1, x.shape[-1])
-
-        def forward(
-            self,
-            images: torch.Tensor | None,
-            input_ids: torch.Tensor | None,
-            position_ids: torch.Tensor | None,
-            attention_mask: torch.Tensor | None,
-            *,
-            image_embeddings: torch.Tensor | None = None,
-            inference_context: Any = None,
-            output_processor: Any = None,
-            output_processor_context: Any = None,
-            runtime_gather_output: bool | None = None,
-        ) -> torch.Tensor:
-            """Language-model output on the combined sequence (logits, or the processor's).
-
-            ``input_ids [b, s]`` hold ``tokens_per_tile`` placeholder ids per tile of
-            ``images [n, 3, H, W]`` (all rows' tiles, row-major); every placeholder position
-            takes the next image embedding. Stages after the first ignore ``images`` and ids.
-            ``image_embeddings [P, h]`` (from :meth:`image_embeddings`) may replace ``images``:
-            one per placeholder in the ids, in order (a KV-cached prefill or decode chunk may
-            hold only part of an image).
-            """
-            decoder_input = None
-            if self.pre_process:
-                assert input_ids is not None
-                decoder_input = self._combined_embeddings(
-                    images, input_ids, position_ids, image_embeddings
-                )
-            return self.language_model(
-                input_ids=None,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                decoder_input=decoder_input,
-                inference_context=inference_context,
-                runtime_gather_output=runtime_gather_output,
-                output_processor=output_processor,
-                output_processor_context=output_processor_context,
-            )
-
-        def _combined_embeddings(
-            self,
-            images: torch.Tensor | None,
-            input_ids: torch.Tensor,
-            position_ids: torch.Tensor | None,
-            image_NH: torch.Tensor | None = None,
-        ) -> torch.Tensor:
-            image_mask_BS = input_ids == self.image_token_index
-            n_placeholders = int(image_mask_BS.sum())
-            if image_NH is not None:
-                if image_NH.shape[0] != n_placeholders:
-                    raise ValueError(
-                        f"{image_NH.shape[0]} image embeddings for {n_placeholders} placeholders"
-                    )
-                images = None
-            n_tiles = 0 if images is None else images.shape[0]
-            if image_NH is None and n_placeholders != n_tiles * self.tokens_per_tile:
-                raise ValueError(
-                    f"the ids hold {n_placeholders} image placeholders (id "
-                    f"{self.image_token_index}) but {n_tiles} image tile(s) need "
-                    f"{n_tiles} x {self.tokens_per_tile}; expand each image's placeholder with "
-                    "megatron_gndpo.data.images before scoring"
-                )
-            text_ids = input_ids.masked_fill(image_mask_BS, 0)
-            embeddings_SBH = self.language_model.embedding(
-                input_ids=text_ids, position_ids=position_ids
-            )
-            if image_NH is None:
-                if images is None or n_tiles == 0:
-                    return embeddings_SBH
-                image_NH = self.image_embeddings(images)
-            image_NH = image_NH.to(embeddings_SBH.dtype)
-            # [s, b] order of the mask must visit placeholders row by row: transpose to [b, s]
-            embeddings_BSH = embeddings_SBH.transpose(0, 1)
-            mask_BSH = image_mask_BS.unsqueeze(-1).expand_as(embeddings_BSH)
-            embeddings_BSH = embeddings_BSH.masked_scatter(mask_BSH, image_NH)
-            return embeddings_BSH.transpose(0, 1).contiguous()
-
     return VisionLanguageModel
 
 
@@ -250,12 +259,7 @@ def build_vlm(
     The language model is the GPT of ``model`` (same TransformerConfig and layer spec as
     :func:`~megatron_gndpo.models.gpt.build_gpt`), sharded over ``parallel``'s TP and PP.
     """
-    layout = groups.layout
-    if layout.tp != parallel.tensor_parallel or layout.pp != parallel.pipeline_parallel:
-        raise ValueError(
-            f"the groups are for {layout.describe()} but the parallel config asks for "
-            f"TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel}"
-        )
+    common = language_model_args(model, parallel, groups, parallel_output=parallel_output)
     if parallel.sequence_parallel or parallel.context_parallel > 1:
         raise ValueError(
             "megatron-core's LLaVA model supports sequence/context parallelism only with "
@@ -276,16 +280,8 @@ def build_vlm(
         vision=vision,
         language_config=transformer_config(model, parallel),
         language_spec=layer_spec(model),
-        vocab_size=model.padded_vocab_size(tp),
-        max_sequence_length=model.max_position_embeddings,
-        position_embedding_type=model.position_embedding,
-        rotary_base=int(model.rotary_base),
-        share_embeddings_and_output_weights=model.tie_embeddings,
-        parallel_output=parallel_output,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
-        pg_collection=groups.pg_collection(),
         rope_scaling_factor=model.rotary_scaling_factor,
+        **common,
     )
 
 

@@ -58,22 +58,23 @@ Megatron's column-parallel output layer does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from megatron_gndpo.parallel.vocab_shard import (
-    FROM_LOGITS_CHUNK_TOKENS,
     ShardMath,
+    TemperatureOptions,
+    VocabOptions,
     VocabShard,
-    check_linear_shapes,
+    linear_chunks,
+    linear_shard,
+    logits_shard,
     token_chunks,
     tp_all_gather,
     tp_all_reduce,
-    vocab_shard,
 )
 
 
@@ -135,8 +136,7 @@ class _LinearLogprobs(torch.autograd.Function):
         logp_TK = _as_TK(logp)
         lse_T = hidden_TH.new_empty(num_tokens, dtype=torch.float32)
         entropy_T = torch.empty_like(lse_T) if with_entropy else None
-        for rows in token_chunks(num_tokens, shard.chunk_tokens):
-            logits_CV = ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
+        for rows, logits_CV in linear_chunks(hidden_TH, weight_VH, shard):
             max_C, sums = _reduce_chunk(logits_CV, targets_TK[rows], shard, entropy=with_entropy)
             logp_TK[rows], lse_T[rows] = ShardMath.logprob_and_lse(max_C, sums, targets_TK.shape[1])
             if entropy_T is not None:
@@ -157,7 +157,6 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden_TH, weight_VH, targets, lse_T, *saved_entropy = ctx.saved_tensors
         shard: VocabShard = ctx.shard
-        num_tokens = hidden_TH.shape[0]
         targets_TK = _as_TK(targets)
         grad_TK = None if grads[0] is None else _as_TK(grads[0])
         grad_entropy_T = grads[1] if saved_entropy else None
@@ -173,8 +172,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_weight_VH = (
             torch.zeros_like(weight_VH, dtype=accumulate_dtype) if want_weight else None
         )
-        for rows in token_chunks(num_tokens, shard.chunk_tokens):
-            logits_CV = ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
+        for rows, logits_CV in linear_chunks(hidden_TH, weight_VH, shard):
             entropy = (
                 None
                 if entropy_T is None or grad_entropy_T is None
@@ -270,17 +268,10 @@ def _linear_setup(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor | None,
-    tp_group: dist.ProcessGroup | None,
-    vocab_size: int | None,
-    chunk_tokens: int,
-    temperature: float,
-    excluded_ids: Sequence[int] = (),
+    options: VocabOptions,
 ) -> tuple[VocabShard, torch.Tensor]:
     """Checked shard and int64 targets; ``targets=None`` gives ``[T, 0]`` (no target ids)."""
-    check_linear_shapes(hidden, weight, targets)
-    shard = vocab_shard(
-        weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
-    )
+    shard = linear_shard(hidden, weight, targets, **options)
     if targets is None:
         return shard, torch.zeros((hidden.shape[0], 0), dtype=torch.int64, device=hidden.device)
     return shard, _checked_targets(targets, shard.vocab_size)
@@ -290,12 +281,7 @@ def vocab_parallel_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_tokens: int = 2048,
-    temperature: float = 1.0,
-    excluded_ids: Sequence[int] = (),
+    **options: Unpack[VocabOptions],
 ) -> torch.Tensor:
     """Log-prob of target tokens under ``softmax(hidden · W_fullᵀ / τ)``, float32, shaped like
     ``targets``: ``[T]`` for one id per token, ``[T, K]`` for K ids per token.
@@ -314,14 +300,8 @@ def vocab_parallel_logprobs(
             split: rank r holds global ids [r·V/tp, (r+1)·V/tp)); same dtype as ``hidden``.
         targets: ``[T]`` or ``[T, K]`` (K ≥ 1) integer global token ids, each in
             ``[0, vocab_size)``.
-        tp_group: the tensor-parallel group the vocabulary is split over; ``None``: ``weight``
-            is the whole output layer and no collective runs.
-        vocab_size: the real vocabulary size; rows at or above it (TP padding, embedding rows
-            beyond the tokenizer) take no probability mass. ``None``: every row is real.
-        chunk_tokens: tokens per chunk; bounds the logits memory to ``chunk_tokens × V/tp``.
-        temperature: τ > 0 dividing the logits (the sampler's temperature).
-        excluded_ids: real ids that take no probability mass either (logit −inf), the ids the
-            sampler never draws (a VLM's image placeholder); a target among them gets −inf.
+        options: ``tp_group``, ``vocab_size``, ``chunk_tokens``, ``temperature``,
+            ``excluded_ids`` (:class:`~megatron_gndpo.parallel.vocab_shard.VocabOptions`).
 
     Differentiable w.r.t. ``hidden`` and ``weight`` (gradients in their dtypes; the hidden
     gradient is all-reduced over ``tp_group``, the weight gradient is this rank's shard).
@@ -333,9 +313,7 @@ def vocab_parallel_logprobs(
     backward splits (``gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=
     False)``), not one whose backward reduce-scatters.
     """
-    shard, targets = _linear_setup(
-        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature, excluded_ids
-    )
+    shard, targets = _linear_setup(hidden, weight, targets, options)
     return cast(torch.Tensor, _LinearLogprobs.apply(hidden, weight, targets, shard, False))
 
 
@@ -343,12 +321,7 @@ def vocab_parallel_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_tokens: int = 2048,
-    temperature: float = 1.0,
-    excluded_ids: Sequence[int] = (),
+    **options: Unpack[VocabOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target log-probs and the entropy from ONE fused pass: ``(logp, entropy)``, both float32
     and both differentiable (a policy loss with an entropy bonus needs both from one forward).
@@ -361,9 +334,7 @@ def vocab_parallel_logprobs_and_entropy(
     buffer holds ``p`` meanwhile. Either output may go unused. Arguments as in
     :func:`vocab_parallel_logprobs`.
     """
-    shard, targets = _linear_setup(
-        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature, excluded_ids
-    )
+    shard, targets = _linear_setup(hidden, weight, targets, options)
     logp, entropy_T = _LinearLogprobs.apply(hidden, weight, targets, shard, True)
     return logp, entropy_T
 
@@ -371,12 +342,7 @@ def vocab_parallel_logprobs_and_entropy(
 def vocab_parallel_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_tokens: int = 2048,
-    temperature: float = 1.0,
-    excluded_ids: Sequence[int] = (),
+    **options: Unpack[VocabOptions],
 ) -> torch.Tensor:
     """Entropy ``H_t = −Σ_{v < vocab_size} p_tv log p_tv`` of ``softmax(hidden · W_fullᵀ / τ)``,
     float32 ``[T]``, differentiable w.r.t. ``hidden`` and ``weight``.
@@ -385,9 +351,7 @@ def vocab_parallel_entropy(
     target log-probs are needed too (one pass instead of two). Arguments as in
     :func:`vocab_parallel_logprobs`.
     """
-    shard, no_targets_T0 = _linear_setup(
-        hidden, weight, None, tp_group, vocab_size, chunk_tokens, temperature, excluded_ids
-    )
+    shard, no_targets_T0 = _linear_setup(hidden, weight, None, options)
     _, entropy_T = _LinearLogprobs.apply(hidden, weight, no_targets_T0, shard, True)
     return cast(torch.Tensor, entropy_T)
 
@@ -395,11 +359,7 @@ def vocab_parallel_entropy(
 def vocab_parallel_logprobs_from_logits(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    temperature: float = 1.0,
-    excluded_ids: Sequence[int] = (),
+    **options: Unpack[TemperatureOptions],
 ) -> torch.Tensor:
     """Log-prob of targets from vocab-parallel logits ``[..., V/tp]``: float32 ``[...]`` for
     targets ``[...]``, or ``[..., K]`` for targets ``[..., K]`` (K ids per position).
@@ -419,10 +379,7 @@ def vocab_parallel_logprobs_from_logits(
         )
     if multi and targets.shape[-1] == 0:
         raise ValueError("targets [..., K] needs K >= 1 ids per position, got K = 0")
-    shard = vocab_shard(
-        logits.shape[-1], tp_group, vocab_size, temperature, FROM_LOGITS_CHUNK_TOKENS,
-        excluded_ids,
-    )  # fmt: skip
+    shard = logits_shard(logits, **options)
     targets = _checked_targets(targets, shard.vocab_size)
     logits_TV = logits.reshape(-1, logits.shape[-1])
     targets_T = targets.reshape(logits_TV.shape[0], -1) if multi else targets.reshape(-1)
@@ -436,13 +393,9 @@ def vocab_parallel_token_stats(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_tokens: int = 2048,
-    temperature: float = 1.0,
-    excluded_ids: Sequence[int] = (),
     entropy: bool = False,
     top_k: int = 0,
+    **options: Unpack[VocabOptions],
 ) -> TokenStats:
     """Target log-probs plus optional entropy and top-k, forward only (no gradient).
 
@@ -459,14 +412,11 @@ def vocab_parallel_token_stats(
 
     Used for vOPD diagnostics and logging (e.g. teacher entropy, student top-k overlap).
     """
-    shard, targets = _linear_setup(
-        hidden, weight, targets, tp_group, vocab_size, chunk_tokens, temperature, excluded_ids
-    )
-    allowed = shard.vocab_size - len(set(excluded_ids))
-    if not 0 <= top_k <= allowed:
+    shard, targets = _linear_setup(hidden, weight, targets, options)
+    if not 0 <= top_k <= shard.allowed:
         raise ValueError(
-            f"top_k must lie in [0, {allowed}] (vocab_size={shard.vocab_size} less "
-            f"{len(set(excluded_ids))} excluded ids), got {top_k}"
+            f"top_k must lie in [0, {shard.allowed}] (vocab_size={shard.vocab_size} less "
+            f"{shard.vocab_size - shard.allowed} excluded ids), got {top_k}"
         )
     num_tokens = hidden.shape[0]
     out = TokenStats(logprobs=hidden.new_empty(targets.shape, dtype=torch.float32))
@@ -476,8 +426,7 @@ def vocab_parallel_token_stats(
     if top_k:
         out.topk_logprobs = hidden.new_empty((num_tokens, top_k), dtype=torch.float32)
         out.topk_ids = hidden.new_empty((num_tokens, top_k), dtype=torch.int64)
-    for rows in token_chunks(num_tokens, shard.chunk_tokens):
-        logits_CV = ShardMath.linear_logits(hidden[rows], weight, shard)
+    for rows, logits_CV in linear_chunks(hidden, weight, shard):
         # Before _reduce_chunk, which overwrites the logits.
         candidates = ShardMath.topk_candidates(logits_CV, top_k, shard) if top_k else None
         max_C, sums = _reduce_chunk(logits_CV, targets_TK[rows], shard, entropy=entropy)

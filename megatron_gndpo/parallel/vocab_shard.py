@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ class VocabShard:
     vocab_size: int  # real (unpadded) size of the full vocabulary
     temperature: float
     chunk_tokens: int
+    allowed: int  # ids of the full vocabulary that may take probability mass
     # columns of this shard (local indices, below real_rows) that take no probability mass:
     # ids the policy never samples (a VLM's image placeholder)
     excluded: tuple[int, ...] = ()
@@ -192,15 +193,52 @@ def token_chunks(num_tokens: int, chunk_tokens: int) -> Iterator[slice]:
         yield slice(start, min(start + chunk_tokens, num_tokens))
 
 
+class SplitOptions(TypedDict, total=False):
+    """Where the vocabulary lies: the keyword options every vocab-parallel op takes.
+
+    ``tp_group``: the tensor-parallel group the vocabulary is split over (Megatron's contiguous
+    split: rank r holds global ids [r·V, (r+1)·V)); ``None`` (the default): this rank holds the
+    whole output layer and no collective runs. ``vocab_size``: the real vocabulary size; rows at
+    or above it (TP padding, embedding rows beyond the tokenizer) take no probability mass;
+    ``None``: every row is real. ``excluded_ids``: real ids that take no probability mass either
+    (logit −inf), the ids the sampler never draws (a VLM's image placeholder); a target among
+    them gets −inf.
+    """
+
+    tp_group: dist.ProcessGroup | None
+    vocab_size: int | None
+    excluded_ids: Sequence[int]
+
+
+class ChunkOptions(SplitOptions, total=False):
+    """:class:`SplitOptions` and ``chunk_tokens``: tokens per chunk (default 2048), bounding the
+    logits memory to ``chunk_tokens × V/tp`` (ops that compute the logits)."""
+
+    chunk_tokens: int
+
+
+class TemperatureOptions(SplitOptions, total=False):
+    """:class:`SplitOptions` and ``temperature``: τ > 0 dividing the logits (default 1; the
+    sampler's temperature)."""
+
+    temperature: float
+
+
+class VocabOptions(ChunkOptions, TemperatureOptions, total=False):
+    """Every option: :class:`SplitOptions`, ``chunk_tokens`` and ``temperature``."""
+
+
 def vocab_shard(
     rows: int,
-    tp_group: dist.ProcessGroup | None,
-    vocab_size: int | None,
-    temperature: float,
-    chunk_tokens: int,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_tokens: int = 2048,
+    temperature: float = 1.0,
     excluded_ids: Sequence[int] = (),
 ) -> VocabShard:
-    """Validate the per-call settings and locate this rank's rows in the full vocabulary."""
+    """Validate the per-call options (:class:`VocabOptions`) and locate this rank's ``rows`` in
+    the full vocabulary: the one set-up of every vocab-parallel op."""
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     if chunk_tokens < 1:
@@ -233,9 +271,40 @@ def vocab_shard(
         vocab_size=vocab_size,
         temperature=float(temperature),
         chunk_tokens=chunk_tokens,
+        allowed=vocab_size - len(set(excluded_ids)),
         excluded=tuple(sorted({int(i) - start for i in excluded_ids
                                if start <= int(i) < start + real_rows})),
     )  # fmt: skip
+
+
+def linear_shard(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    **options: Unpack[VocabOptions],
+) -> VocabShard:
+    """:func:`vocab_shard` of an op on hidden states and this rank's output-layer rows, after
+    :func:`check_linear_shapes`."""
+    check_linear_shapes(hidden, weight, targets)
+    return vocab_shard(weight.shape[0], **options)
+
+
+def logits_shard(logits: torch.Tensor, **options: Unpack[TemperatureOptions]) -> VocabShard:
+    """:func:`vocab_shard` of an op on logits that already exist ``[..., V/tp]``: their float32
+    working copies cover :data:`FROM_LOGITS_CHUNK_TOKENS` rows at a time."""
+    return vocab_shard(logits.shape[-1], chunk_tokens=FROM_LOGITS_CHUNK_TOKENS, **options)
+
+
+def linear_chunks(
+    hidden_TH: torch.Tensor, weight_VH: torch.Tensor, shard: VocabShard
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Each chunk's rows and this shard's float32 logits ``[C, V]`` (:meth:`ShardMath.
+    linear_logits`), one chunk alive at a time: a caller that drops its reference before the
+    next chunk (``del``) never holds two."""
+    for rows in token_chunks(hidden_TH.shape[0], shard.chunk_tokens):
+        logits_CV = ShardMath.linear_logits(hidden_TH[rows], weight_VH, shard)
+        yield rows, logits_CV
+        del logits_CV  # before the next chunk's logits are allocated
 
 
 def check_linear_shapes(

@@ -27,16 +27,21 @@ different vocabulary slices, so a vocabulary max/sum is a max/sum over that grou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Unpack
 
 import torch
 import torch.distributed as dist
 
 from megatron_gndpo.parallel.vocab_shard import (
-    FROM_LOGITS_CHUNK_TOKENS,
+    ChunkOptions,
     ShardMath,
+    TemperatureOptions,
+    VocabOptions,
     VocabShard,
     check_linear_shapes,
+    linear_chunks,
+    linear_shard,
+    logits_shard,
     token_chunks,
     tp_all_gather,
     tp_all_reduce,
@@ -120,11 +125,7 @@ def _best_ids_chunk(logits_CV: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 def vocab_parallel_argmax(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_tokens: int = 2048,
-    excluded_ids: Sequence[int] = (),
+    **options: Unpack[ChunkOptions],
 ) -> torch.Tensor:
     """Greedy token ``argmax_{v < vocab_size} hidden_t · W_fullᵀ`` per token: int64 ``[T]``
     global ids, the same on every rank of ``tp_group``.
@@ -135,11 +136,9 @@ def vocab_parallel_argmax(
     :func:`~megatron_gndpo.parallel.logprobs.vocab_parallel_token_stats` with ``top_k=1``
     gives the same id with its log-prob, in a pass that also scores given targets.
     """
-    check_linear_shapes(hidden, weight, None)
-    shard = vocab_shard(weight.shape[0], tp_group, vocab_size, 1.0, chunk_tokens, excluded_ids)
+    shard = linear_shard(hidden, weight, **options)  # temperature 1: it keeps the argmax
     ids_T = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-    for rows in token_chunks(hidden.shape[0], shard.chunk_tokens):
-        logits_CV = ShardMath.linear_logits(hidden[rows], weight, shard)
+    for rows, logits_CV in linear_chunks(hidden, weight, shard):
         ids_T[rows] = _best_ids_chunk(logits_CV, shard)
         del logits_CV  # free this chunk before the next one is allocated
     return ids_T
@@ -151,11 +150,7 @@ def vocab_parallel_sample(
     weight: torch.Tensor,
     *,
     generator: torch.Generator,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_tokens: int = 2048,
-    temperature: float = 1.0,
-    excluded_ids: Sequence[int] = (),
+    **options: Unpack[VocabOptions],
 ) -> torch.Tensor:
     """One token per position drawn from ``softmax(hidden · W_fullᵀ / τ)`` over the real
     vocabulary: int64 ``[T]`` global ids, the same on every rank of ``tp_group``.
@@ -175,12 +170,9 @@ def vocab_parallel_sample(
             f"generator is on {generator.device} but hidden is on {hidden.device}; pass a "
             "generator of hidden's device (torch.Generator(device=hidden.device))"
         )
-    shard = vocab_shard(
-        weight.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
-    )
+    shard = vocab_shard(weight.shape[0], **options)
     ids_T = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-    for rows in token_chunks(hidden.shape[0], shard.chunk_tokens):
-        logits_CV = ShardMath.linear_logits(hidden[rows], weight, shard)
+    for rows, logits_CV in linear_chunks(hidden, weight, shard):
         _StatsMath.add_gumbel_(logits_CV, shard, generator)
         ids_T[rows] = _best_ids_chunk(logits_CV, shard)
         del logits_CV  # free this chunk before the next one is allocated
@@ -205,12 +197,7 @@ def vocab_parallel_kl(
     weight_p: torch.Tensor,
     hidden_q: torch.Tensor,
     weight_q: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_tokens: int = 2048,
-    temperature: float = 1.0,
-    excluded_ids: Sequence[int] = (),
+    **options: Unpack[VocabOptions],
 ) -> torch.Tensor:
     """Full-vocabulary ``KL_t(p‖q) = Σ_{v < vocab_size} p_tv (log p_tv − log q_tv)``: float32
     ``[T]``, forward only.
@@ -231,9 +218,7 @@ def vocab_parallel_kl(
             f"hidden_p {tuple(hidden_p.shape)}, weight_p {tuple(weight_p.shape)}, hidden_q "
             f"{tuple(hidden_q.shape)}, weight_q {tuple(weight_q.shape)}"
         )
-    shard = vocab_shard(
-        weight_p.shape[0], tp_group, vocab_size, temperature, chunk_tokens, excluded_ids
-    )
+    shard = vocab_shard(weight_p.shape[0], **options)
     kl_T = torch.empty(hidden_p.shape[0], dtype=torch.float32, device=hidden_p.device)
     for rows in token_chunks(hidden_p.shape[0], shard.chunk_tokens):
         logits_p_CV = ShardMath.linear_logits(hidden_p[rows], weight_p, shard)
@@ -247,11 +232,7 @@ def vocab_parallel_kl(
 def vocab_parallel_kl_from_logits(
     logits_p: torch.Tensor,
     logits_q: torch.Tensor,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    temperature: float = 1.0,
-    excluded_ids: Sequence[int] = (),
+    **options: Unpack[TemperatureOptions],
 ) -> torch.Tensor:
     """:func:`vocab_parallel_kl` for vocab-parallel logits that already exist: ``logits_p`` and
     ``logits_q`` of the same shape ``[..., V/tp]`` give float32 ``KL(p‖q) [...]``. Never
@@ -261,14 +242,7 @@ def vocab_parallel_kl_from_logits(
             "expected logits_p and logits_q of the same shape [..., V/tp], got "
             f"{tuple(logits_p.shape)} and {tuple(logits_q.shape)}"
         )
-    shard = vocab_shard(
-        logits_p.shape[-1],
-        tp_group,
-        vocab_size,
-        temperature,
-        FROM_LOGITS_CHUNK_TOKENS,
-        excluded_ids,
-    )
+    shard = logits_shard(logits_p, **options)
     logits_p_TV = logits_p.reshape(-1, logits_p.shape[-1])
     logits_q_TV = logits_q.reshape(-1, logits_q.shape[-1])
     kl_T = torch.empty(logits_p_TV.shape[0], dtype=torch.float32, device=logits_p.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatron_gndpo.cli_options import add_options, option
 from megatron_gndpo.errors import UserError
 
 # Calibration prompts used unless --calib-samples says otherwise: the greedy search costs about
@@ -29,47 +30,41 @@ def _layers(text: str) -> list[int]:
         ) from None
 
 
+_OPTIONS = (
+    option("--ffn-hidden-size", "also cut each kept layer's FFN to this many neurons (the most "
+           "active ones)", type=int, default=None),
+    option("--importance", "kl: drop, one at a time, the layer whose removal moves the output "
+           "least (greedy; default); cosine: Block Importance from one forward (faster on deep "
+           "models)", choices=["kl", "cosine"], default="kl"),
+    option("--calib-data", "calibration prompts: a .jsonl/.parquet prompt file or builtin:NAME; "
+           "the teacher's greedy answers to them are the calibration text", default=None),
+    option("--calib-samples", f"calibration prompts used (the first N; default {CALIB_SAMPLES})",
+           type=int, default=CALIB_SAMPLES),
+    option("--calib-new-tokens", "length limit of the teacher's calibration answers (default 64)",
+           type=int, default=64),
+    option("--tokenizer", "data.tokenizer of the teacher (default: the tokenizer files beside "
+           "the teacher checkpoint)", default=None),
+    option("--model-config", "YAML file with the teacher's ModelConfig (or a whole run config), "
+           "when no model_config.yaml is beside the checkpoint", default=None),
+    option("--dtype", "measure and save in this dtype (default: as saved)",
+           choices=["fp32", "bf16"], default=None),
+    option("--overwrite", "replace a non-empty --out", action="store_true"),
+)  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--teacher", required=True, help="teacher checkpoint (root or iter_*)")
-    parser.add_argument("--out", required=True, type=Path, help="new directory for the student")
+    add_options(
+        parser,
+        option("--teacher", "teacher checkpoint (root or iter_*)", required=True),
+        option("--out", "new directory for the student", required=True, type=Path),
+    )
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--num-layers", type=int, help="layers the student keeps (searched)")
-    size.add_argument("--keep-layers", type=_layers, help="the teacher layers to keep, e.g. 0,3")
-    parser.add_argument(
-        "--ffn-hidden-size", type=int, default=None,
-        help="also cut each kept layer's FFN to this many neurons (the most active ones)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--importance", choices=["kl", "cosine"], default="kl",
-        help="kl: drop, one at a time, the layer whose removal moves the output least (greedy; "
-        "default); cosine: Block Importance from one forward (faster on deep models)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--calib-data", default=None,
-        help="calibration prompts: a .jsonl/.parquet prompt file or builtin:NAME; the "
-        "teacher's greedy answers to them are the calibration text",
-    )  # fmt: skip
-    parser.add_argument(
-        "--calib-samples", type=int, default=CALIB_SAMPLES,
-        help=f"calibration prompts used (the first N; default {CALIB_SAMPLES})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--calib-new-tokens", type=int, default=64,
-        help="length limit of the teacher's calibration answers (default 64)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--tokenizer", default=None,
-        help="data.tokenizer of the teacher (default: the tokenizer files beside the teacher "
-        "checkpoint)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--model-config", default=None,
-        help="YAML file with the teacher's ModelConfig (or a whole run config), when no "
-        "model_config.yaml is beside the checkpoint",
-    )  # fmt: skip
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
-                        help="measure and save in this dtype (default: as saved)")  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    add_options(
+        size,
+        option("--num-layers", "layers the student keeps (searched)", type=int),
+        option("--keep-layers", "the teacher layers to keep, e.g. 0,3", type=_layers),
+    )
+    add_options(parser, *_OPTIONS)
 
 
 def _tokenizer_spec(teacher: str, given: str | None) -> str:

@@ -213,7 +213,6 @@ def block_importance(net: Any, batches: Sequence[CalibrationBatch]) -> list[floa
     """``1 - mean cos(input, output)`` of each layer's hidden states on the measured tokens."""
     layers = _layers(net)
     sums = [0.0] * len(layers)
-    count = 0
     current: dict[str, torch.Tensor] = {}
 
     def enter(index: int) -> Any:
@@ -238,14 +237,7 @@ def block_importance(net: Any, batches: Sequence[CalibrationBatch]) -> list[floa
     for i, (attention, mlp) in enumerate(layers):  # a layer's input, its MLP's output
         handles.append(attention.register_forward_pre_hook(enter(i), with_kwargs=True))
         handles.append(mlp.register_forward_hook(leave(i)))
-    try:
-        for b in batches:
-            current["mask"] = b.mask.t().to(_device(net))
-            _logits(net, b, 1)
-            count += int(b.mask.sum())
-    finally:
-        for h in handles:
-            h.remove()
+    count = _run_hooked(net, batches, handles, current)
     return [s / max(count, 1) for s in sums]
 
 
@@ -273,6 +265,16 @@ def ffn_importance(net: Any, batches: Sequence[CalibrationBatch]) -> list[torch.
                 f"layer {i} has no dense FFN (mlp.linear_fc2): width pruning takes dense models"
             )
         handles.append(fc2.register_forward_pre_hook(hook(i)))
+    count = _run_hooked(net, batches, handles, current)
+    return [(s if s is not None else torch.zeros(0)).cpu() / max(count, 1) for s in sums]
+
+
+def _run_hooked(
+    net: Any, batches: Sequence[CalibrationBatch], handles: list[Any], current: dict[str, Any]
+) -> int:
+    """Run every batch through ``net`` for the hooks ``handles`` to record, each batch's
+    measured tokens in ``current["mask"]`` (``[S, B]``, as the hidden states); then remove the
+    hooks. Returns the number of measured tokens."""
     count = 0
     try:
         for b in batches:
@@ -282,4 +284,4 @@ def ffn_importance(net: Any, batches: Sequence[CalibrationBatch]) -> list[torch.
     finally:
         for h in handles:
             h.remove()
-    return [(s if s is not None else torch.zeros(0)).cpu() / max(count, 1) for s in sums]
+    return count

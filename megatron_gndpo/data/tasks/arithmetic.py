@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from megatron_gndpo.data.tasks.request import check_request
+
 # Operators drawn at each difficulty; subtraction can give negative answers, which exercises the
 # reward's number parsing.
 _OPERATORS = ("+", "-")
@@ -34,13 +36,10 @@ def generate(n: int, seed: int = 0, difficulty: int = 2) -> list[Problem]:
     ``difficulty`` is the number of decimal digits of each operand (1..MAX_DIFFICULTY);
     ``OP`` is ``+`` or ``-``.
     """
-    if n < 1:
-        raise ValueError(f"arithmetic.generate needs n >= 1 problems, got {n}")
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise ValueError(
-            f"arithmetic difficulty is the number of digits per operand, 1..{MAX_DIFFICULTY}; "
-            f"got {difficulty}"
-        )
+    check_request(
+        "arithmetic", n, difficulty, MAX_DIFFICULTY,
+        f"the number of digits per operand, 1..{MAX_DIFFICULTY}",
+    )  # fmt: skip
     rng = random.Random(seed)
     high = 10**difficulty - 1
     return [_problem(rng, high) for _ in range(n)]

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from megatron_gndpo.data.tasks.request import check_request
+
 # More steps than this stop fitting a tiny model's context comfortably.
 MAX_DIFFICULTY = 6
 DEFAULT_DIFFICULTY = 3
@@ -49,12 +51,9 @@ class Problem:
 
 def generate(n: int, seed: int = 0, difficulty: int = DEFAULT_DIFFICULTY) -> list[Problem]:
     """``n`` chains of ``difficulty`` operations on digits, with worked solutions."""
-    if n < 1:
-        raise ValueError(f"chains.generate needs n >= 1 problems, got {n}")
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise ValueError(
-            f"chains difficulty is the number of operations, 1..{MAX_DIFFICULTY}; got {difficulty}"
-        )
+    check_request(
+        "chains", n, difficulty, MAX_DIFFICULTY, f"the number of operations, 1..{MAX_DIFFICULTY}"
+    )
     rng = random.Random(seed)
     return [_problem(rng, difficulty) for _ in range(n)]
 

@@ -22,6 +22,8 @@ import math
 import random
 from typing import TYPE_CHECKING
 
+from megatron_gndpo.data.tasks.request import check_request
+
 if TYPE_CHECKING:
     from PIL import Image, ImageDraw
 
@@ -61,13 +63,11 @@ def generate(
     n: int, seed: int = 0, difficulty: int = DEFAULT_DIFFICULTY, size: int = DEFAULT_SIZE
 ) -> list[VisualProblem]:
     """``n`` problems on ``size`` x ``size`` RGB canvases."""
-    if n < 1:
-        raise ValueError(f"visual.generate needs n >= 1 problems, got {n}")
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise ValueError(
-            f"visual difficulty is 1..{MAX_DIFFICULTY} (1: two digits, sum; 2: three digits, "
-            f"sum; 3: two or three digits, sum or product); got {difficulty}"
-        )
+    check_request(
+        "visual", n, difficulty, MAX_DIFFICULTY,
+        f"1..{MAX_DIFFICULTY} (1: two digits, sum; 2: three digits, sum; 3: two or three "
+        "digits, sum or product)",
+    )  # fmt: skip
     if size < MIN_SIZE:
         raise ValueError(
             f"visual canvases need size >= {MIN_SIZE} pixels to be legible, got {size}"

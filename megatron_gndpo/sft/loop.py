@@ -1,11 +1,15 @@
-"""Supervised fine-tuning on megatron-core's schedules: ``-log p`` of the response tokens.
+"""The SFT loop, one for every model family: build, batch, step, the seeded data stream.
 
-Used by the demo to make its teacher and its student start. The machinery is the student's
-(``build_model``, megatron-core DDP and optimizer, ``get_forward_backward_func``), at any TP/PP/DP.
-The model's output processor is the fused log-prob head, so no ``[tokens, vocab]`` logits exist;
-the loss function returns megatron's ``(Σ -log p, token count, report)`` with
-``calculate_per_token_loss``, so megatron divides the summed gradients by the global number of
-response tokens of the step, once.
+Used by the demo to make its teachers and students start, and by the sequence-level KD
+benchmark. The machinery is the student's (megatron-core DDP and optimizer,
+``get_forward_backward_func``), at any TP/PP/DP. The model's output processor is the fused
+log-prob head, so no ``[tokens, vocab]`` logits exist; the loss function returns megatron's
+``(Σ -log p, token count, report)`` with ``calculate_per_token_loss``, so megatron divides the
+summed gradients by the global number of response tokens of the step, once.
+
+What differs between model families is an :class:`SFTFamily`: how the model is built (a
+language model, or a VLM with its pretrained encoder), how a micro-batch's sequences become
+tensors (a VLM's also carry their image tiles) and how the model is called on one.
 
 Data order: step ``k`` takes the next ``batch_size`` sequences of a seeded endless stream of
 epochs (:class:`~megatron_gndpo.data.PromptSampler`); data-parallel rank ``r`` takes its
@@ -19,9 +23,9 @@ of the response.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,7 +34,6 @@ from megatron_gndpo.algorithms import aggregate_loss
 from megatron_gndpo.checkpoint.dist import load_checkpoint
 from megatron_gndpo.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_gndpo.data.sampler import PromptSampler
-from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.engine.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -38,50 +41,32 @@ from megatron_gndpo.engine.optimizer import (
     wrap_ddp,
 )
 from megatron_gndpo.engine.scoring import sequence_multiple
-from megatron_gndpo.models.build import build_model
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups
+from megatron_gndpo.sft.text import TEXT, SFTSequence
+
+# Turns one micro-batch's sequences into tensors: tokens, targets, mask [b, L] (and more).
+MakeBatch = Callable[[list[Any]], dict[str, torch.Tensor]]
 
 
-@dataclasses.dataclass(frozen=True)
-class SFTSequence:
-    """A chat-templated prompt followed by its response (which ends with EOS)."""
+class SFTFamily(Protocol):
+    """What SFT needs to know of a model family (``sft/text.py``, ``sft/vision.py``)."""
 
-    tokens: tuple[int, ...]
-    prompt_length: int
+    def build(self, model: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups) -> Any:
+        """This rank's shard of a fresh model (weights from the CPU generator's state), with
+        any pretrained part the family loads before training."""
+        ...
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.prompt_length < len(self.tokens):
-            raise ValueError(
-                f"an SFT sequence needs a non-empty prompt and response; got prompt_length="
-                f"{self.prompt_length} of {len(self.tokens)} tokens"
-            )
+    def batch(
+        self, sequences: Sequence[Any], pad_id: int, multiple: int
+    ) -> dict[str, torch.Tensor]:
+        """Right-padded ``tokens``, next-token ``targets`` and response ``mask`` ``[b, L]``
+        (``L`` a multiple of ``multiple``), plus whatever :meth:`logprobs` also reads."""
+        ...
 
-
-def encode_sft(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> list[SFTSequence]:
-    """``(prompt, response)`` texts -> chat template + response ids + EOS."""
-    out = []
-    for prompt, response in pairs:
-        ids = tokenizer.apply_chat_template(prompt)
-        out.append(SFTSequence((*ids, *tokenizer.encode(response), tokenizer.eos_id), len(ids)))
-    return out
-
-
-def micro_batch(
-    sequences: Sequence[SFTSequence], pad_id: int, multiple: int = 1
-) -> dict[str, torch.Tensor]:
-    """Right-padded ``tokens``, next-token ``targets`` and response ``mask``, each ``[b, L]``;
-    ``L`` a multiple of ``multiple`` (the TP size under sequence parallelism)."""
-    width = -(-max(len(s.tokens) for s in sequences) // multiple) * multiple
-    tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        tokens[i, : len(s.tokens)] = torch.tensor(s.tokens)
-        # position t predicts token t + 1: response tokens are prompt_length .. len - 1
-        mask[i, s.prompt_length - 1 : len(s.tokens) - 1] = True
-    targets = torch.zeros_like(tokens)
-    targets[:, :-1] = tokens[:, 1:]
-    return {"tokens": tokens, "targets": targets, "mask": mask}
+    def logprobs(self, net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs) -> torch.Tensor:
+        """The model's log-probs of ``mb["targets"]`` through the fused head, ``[b, L]``."""
+        ...
 
 
 def sft_loss(
@@ -98,7 +83,7 @@ def sft_loss(
 
 @dataclasses.dataclass
 class SFTModel:
-    """A GPTModel shard with its DDP wrapper, optimizer and learning-rate schedule."""
+    """A model shard with its DDP wrapper, optimizer and learning-rate schedule."""
 
     model: Any
     ddp: Any
@@ -106,6 +91,7 @@ class SFTModel:
     scheduler: Any
     head: TokenLogProbs
     groups: ParallelGroups
+    family: SFTFamily = TEXT
 
 
 def build_sft_model(
@@ -118,11 +104,14 @@ def build_sft_model(
     steps: int,
     seed: int,
     init: str | Path | None = None,
+    family: SFTFamily = TEXT,
 ) -> SFTModel:
     """A trainable model on the student's groups: random from ``seed``, or loaded from ``init``.
 
     ``vocab_size`` is the number of real token ids (the tokenizer's); ``steps`` sizes the
-    learning-rate schedule of ``optimizer_cfg``; ``init`` is a model-only checkpoint (any layout).
+    learning-rate schedule of ``optimizer_cfg``; ``init`` is a model-only checkpoint (any layout),
+    loaded after the family's pretrained parts. Frozen parameters (``requires_grad=False``, a
+    VLM's encoder) get no gradient buffer and no optimizer state.
     """
     if model_cfg.vocab_size < vocab_size:
         raise ValueError(
@@ -130,48 +119,30 @@ def build_sft_model(
             f"vocabulary ({vocab_size}); build the model with vocab_size >= {vocab_size}"
         )
     torch.manual_seed(seed)  # weights are initialised on the CPU generator
-    model = build_model(model_cfg, parallel_cfg, groups)
+    model = family.build(model_cfg, parallel_cfg, groups)
     if init is not None:
         load_checkpoint(init, model)
     ddp = wrap_ddp(model, use_distributed_optimizer=optimizer_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, optimizer_cfg)
+    scheduler = build_scheduler(
+        optimizer, optimizer_cfg, total_steps=steps, warmup_steps=optimizer_cfg.warmup_steps
+    )
     return SFTModel(
         model=model,
         ddp=ddp,
         optimizer=optimizer,
-        scheduler=_scheduler(optimizer, optimizer_cfg, steps),
+        scheduler=scheduler,
         head=TokenLogProbs(vocab_size=vocab_size),
         groups=groups,
+        family=family,
     )
 
 
-def _scheduler(optimizer: Any, o: OptimizerConfig, steps: int) -> Any:
-    return build_scheduler(optimizer, o, total_steps=steps, warmup_steps=o.warmup_steps)
+def sft_step(m: SFTModel, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches (``m.family`` runs the model).
 
-
-# How a model shard turns a micro-batch into ``[b, L]`` target log-probs: (net, batch, head).
-ModelCall = Callable[[Any, dict[str, torch.Tensor], TokenLogProbs], torch.Tensor]
-
-
-def gpt_logprobs(net: Any, mb: dict[str, torch.Tensor], head: TokenLogProbs) -> torch.Tensor:
-    """A GPTModel's log-probs of ``mb["targets"]`` through the fused head, ``[b, L]``."""
-    positions = torch.arange(mb["tokens"].shape[1], device=mb["tokens"].device)
-    logprobs_bL: torch.Tensor = net(
-        mb["tokens"], positions.expand_as(mb["tokens"]), None,
-        output_processor=head, output_processor_context=mb["targets"],
-    )  # fmt: skip
-    return logprobs_bL
-
-
-def sft_step(
-    m: SFTModel, micro_batches: list[dict[str, torch.Tensor]], *, call: ModelCall = gpt_logprobs
-) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches.
-
-    ``call`` runs the model on one micro-batch (a GPTModel by default; the VLM's is in
-    ``engine/sft_vlm.py``). Returns ``loss`` (mean ``-log p`` over the step's response tokens on
-    all data-parallel ranks, on every pipeline stage), ``grad_norm`` (pre-clip, global), ``lr``,
-    ``skipped``.
+    Returns ``loss`` (mean ``-log p`` over the step's response tokens on all data-parallel
+    ranks, on every pipeline stage), ``grad_norm`` (pre-clip, global), ``lr``, ``skipped``.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -179,7 +150,7 @@ def sft_step(
 
     def forward_step(data_iterator: Any, net: Any) -> tuple[torch.Tensor, Any]:
         mb = {key: value.to(device) for key, value in next(data_iterator).items()}
-        logprobs_bL = call(net, mb, m.head)
+        logprobs_bL = m.family.logprobs(net, mb, m.head)
         return logprobs_bL, lambda logprobs: sft_loss(logprobs, mb["mask"])
 
     m.ddp.train()
@@ -226,8 +197,10 @@ def sft_train(
     pad_id: int,
     init: str | Path | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    family: SFTFamily = TEXT,
 ) -> tuple[SFTModel, list[dict[str, float]]]:
-    """Build a model (from ``seed``, or loaded from ``init``) and fine-tune it ``steps`` steps.
+    """Build a model of ``family`` (from ``seed``, or loaded from ``init``) and fine-tune it
+    ``steps`` steps on ``sequences`` (encoded by the family's module).
 
     ``batch_size`` sequences per step over all data-parallel ranks (a multiple of the DP size
     whose per-rank share is split into micro-batches of ``micro_batch_size``). ``on_step(step,
@@ -237,11 +210,11 @@ def sft_train(
     check_batching(groups, steps, batch_size, micro_batch_size)
     m = build_sft_model(
         model_cfg, parallel_cfg, groups, optimizer,
-        vocab_size=vocab_size, steps=steps, seed=seed, init=init,
+        vocab_size=vocab_size, steps=steps, seed=seed, init=init, family=family,
     )  # fmt: skip
     multiple = sequence_multiple(m.model)
     history = run_sft(
-        m, sequences, lambda rows: micro_batch(rows, pad_id, multiple),
+        m, sequences, lambda rows: family.batch(rows, pad_id, multiple),
         steps=steps, batch_size=batch_size, micro_batch_size=micro_batch_size, seed=seed,
         on_step=on_step,
     )  # fmt: skip
@@ -270,13 +243,13 @@ def run_sft[S: SFTSequence](
     batch_size: int,
     micro_batch_size: int,
     seed: int,
-    call: ModelCall = gpt_logprobs,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
     """``steps`` optimizer steps of ``m`` on the seeded stream of ``sequences`` (module doc).
 
-    ``make_batch`` pads a micro-batch's sequences into tensors (``tokens``, ``targets``,
-    ``mask``, and whatever ``call`` also reads). Returns the per-step metrics.
+    ``make_batch`` pads a micro-batch's sequences into tensors (``m.family.batch``: ``tokens``,
+    ``targets``, ``mask``, and whatever the family's model call also reads). Returns the
+    per-step metrics.
     """
     sampler = PromptSampler(
         len(sequences), prompts_per_step=batch_size, dp_rank=m.groups.coords["dp"],
@@ -289,7 +262,7 @@ def run_sft[S: SFTSequence](
             make_batch(mine[k : k + micro_batch_size])
             for k in range(0, len(mine), micro_batch_size)
         ]
-        metrics = sft_step(m, micro, call=call)
+        metrics = sft_step(m, micro)
         history.append(metrics)
         if on_step is not None:
             on_step(step, metrics)
