@@ -293,7 +293,7 @@ class Trainer:
         if share == 0.0:
             return generate_for(self.c.generator, prompts, params, seeds, vision=vision)
         return continue_teacher_prefixes(
-            [list(p.ids) for p in prompts], share, teacher=self.c.teacher.only,
+            [list(p.ids) for p in prompts], share, teacher=self.c.teacher.only.generate,
             generate=lambda ids, sampling, seeds: generate_for(
                 self.c.generator, prompts, sampling, seeds, vision=vision, ids=ids
             ),

@@ -125,7 +125,15 @@ def test_models_rollout_and_weight_sync_import_nothing_above_them() -> None:
         "megatron_gndpo.engine", "megatron_gndpo.teacher", "megatron_gndpo.methods",
         "megatron_gndpo.checks", *_TOP,
     )  # fmt: skip
-    for floor in ("models", "rollout", "weight_sync", "parallel", "data", "algorithms"):
+    for floor in (
+        "models",
+        "rollout",
+        "weight_sync",
+        "checkpoint",
+        "parallel",
+        "data",
+        "algorithms",
+    ):
         assert _violations(f"megatron_gndpo.{floor}", forbidden) == [], floor
 
 

@@ -41,6 +41,7 @@ from megatron_gndpo.demo.tokenizer import task_corpus, train_tokenizer
 from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
 from megatron_gndpo.sft import encode_sft, sft_train
+from megatron_gndpo.sft.loop import TEXT, SFTFamily
 
 # The supervised data: drawn from its own seed, with every held-out prompt removed.
 SFT_SEED = 2
@@ -243,14 +244,8 @@ def prepare(
 
     tokenizer = task.tokenizer
     sequences = encode_sft(tokenizer, [(p.prompt, p.solution) for p in task.sft])
-    parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)
     started = time.perf_counter()
-    trained, history = sft_train(
-        recipe.model, parallel, groups, sequences,
-        optimizer=recipe.optimizer, steps=recipe.steps, batch_size=recipe.batch_size,
-        micro_batch_size=recipe.micro_batch_size, seed=recipe.seed,
-        vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, on_step=on_step,
-    )  # fmt: skip
+    trained, history = train_recipe(recipe, groups, sequences, tokenizer, on_step)
     sft_seconds = time.perf_counter() - started
     started = time.perf_counter()
     accuracy = greedy_accuracy(
@@ -264,6 +259,25 @@ def prepare(
     )  # fmt: skip
     save_prepared(directory, recipe.steps, trained.model, meta, recipe.model)
     return _prepared(directory, recipe.name, recipe.model, meta, cached=False)
+
+
+def train_recipe(
+    recipe: Any,
+    groups: ParallelGroups,
+    sequences: Any,
+    tokenizer: Tokenizer,
+    on_step: Any,
+    family: SFTFamily = TEXT,
+) -> tuple[Any, list[dict[str, float]]]:
+    """A recipe's model trained by SFT on ``sequences`` at the layout of ``groups`` (the text
+    demo's and, with the VLM ``family``, the VLM demo's)."""
+    parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)
+    return sft_train(
+        recipe.model, parallel, groups, sequences,
+        optimizer=recipe.optimizer, steps=recipe.steps, batch_size=recipe.batch_size,
+        micro_batch_size=recipe.micro_batch_size, seed=recipe.seed,
+        vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, on_step=on_step, family=family,
+    )  # fmt: skip
 
 
 def sft_meta(

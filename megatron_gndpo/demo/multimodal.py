@@ -61,10 +61,11 @@ from megatron_gndpo.demo.models import (
     save_prepared,
     sft_meta,
     sft_optimizer,
+    train_recipe,
 )
 from megatron_gndpo.demo.tokenizer import MODEL_FILE, task_corpus, train_tokenizer
 from megatron_gndpo.parallel.groups import ParallelGroups
-from megatron_gndpo.sft import VisionFamily, encode_sft_multimodal, sft_train
+from megatron_gndpo.sft import VisionFamily, encode_sft_multimodal
 
 DIFFICULTY = 1
 # Supervised data: its own seed, apart from the rollout prompts (TRAIN_SEED) and the held-out
@@ -339,15 +340,9 @@ def prepare_vlm(
             for i, p in enumerate(task.sft)
         ),
     )
-    parallel = ParallelConfig(tensor_parallel=groups.layout.tp, pipeline_parallel=groups.layout.pp)
     started = time.perf_counter()
-    trained, history = sft_train(
-        recipe.model, parallel, groups, sequences,
-        optimizer=recipe.optimizer, steps=recipe.steps, batch_size=recipe.batch_size,
-        micro_batch_size=recipe.micro_batch_size, seed=recipe.seed,
-        vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, on_step=on_step,
-        family=VisionFamily(recipe.vision, encoder=encoder.state_dict()),
-    )  # fmt: skip
+    family = VisionFamily(recipe.vision, encoder=encoder.state_dict())
+    trained, history = train_recipe(recipe, groups, sequences, tokenizer, on_step, family)
     sft_seconds = time.perf_counter() - started
     started = time.perf_counter()
     rows = [encode_multimodal(e, tokenizer, layout) for e in task.eval_examples()]

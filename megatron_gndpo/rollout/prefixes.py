@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
 
 from megatron_gndpo import seeding
 from megatron_gndpo.data.datasets import PromptImages
@@ -22,24 +21,20 @@ from megatron_gndpo.rollout.base import Rollout, SamplingParams, with_teacher_pr
 StudentGenerate = Callable[[list[list[int]], SamplingParams, list[int]], Rollout]
 
 
-class PrefixWriter(Protocol):
-    """The teacher, as :class:`~megatron_gndpo.teacher.local.LocalTeacher` generates."""
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        seeds: list[int],
-        *,
-        images: list[PromptImages | None] | None = None,
-    ) -> list[list[int]]: ...
+# The teacher's answers (ids, its stop token included) to prompts, one sample each:
+# (prompts, params, seeds, images) -> answers; a local teacher's ``generate``
+# (:class:`~megatron_gndpo.teacher.local.LocalTeacher`).
+TeacherWrite = Callable[
+    [list[list[int]], SamplingParams, list[int], list[PromptImages | None] | None],
+    list[list[int]],
+]
 
 
 def continue_teacher_prefixes(
     prompts: list[list[int]],
     share: float,
     *,
-    teacher: PrefixWriter,
+    teacher: TeacherWrite,
     generate: StudentGenerate,
     params: SamplingParams,
     configured: SamplingParams,
@@ -51,9 +46,7 @@ def continue_teacher_prefixes(
     ``configured``: the configured parameters (the teacher samples with these, once per prompt;
     the response budget counts the prefix); ``seeds``: one per prompt, as on-policy."""
     once = dataclasses.replace(configured, samples_per_prompt=1)
-    answers = teacher.generate(
-        prompts, once, [seeding.teacher_answer_seed(s) for s in seeds], images=images
-    )
+    answers = teacher(prompts, once, [seeding.teacher_answer_seed(s) for s in seeds], images)
     prefixes = [a[: int(share * len(a))] for a in answers]
     room = configured.max_new_tokens - min(len(x) for x in prefixes)
     continued = generate(

@@ -93,7 +93,6 @@ class LocalTeacher:
         prompts: list[list[int]],
         params: SamplingParams,
         seeds: list[int],
-        *,
         images: list[PromptImages | None] | None = None,
     ) -> list[list[int]]:
         """The teacher's response (token ids, stop token included) to each of this rank's
