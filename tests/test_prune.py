@@ -228,7 +228,7 @@ def test_output_and_inputs_are_checked_before_loading(
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     assert main([*base, "--out", str(mine), "--calib-data", "builtin:arithmetic"]) == 2
-    assert "is not empty; name a new directory" in capsys.readouterr().err
+    assert "is not empty (it holds notes.txt); name a new directory" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me"
     assert main([*base, "--out", str(tmp / "new")]) == 2
     assert "prune needs calibration prompts: --calib-data" in capsys.readouterr().err
@@ -236,3 +236,52 @@ def test_output_and_inputs_are_checked_before_loading(
               "--calib-data", "builtin:arithmetic"]  # fmt: skip
     assert main(no_tok) == 2
     assert "no tokenizer files beside" in capsys.readouterr().err
+
+
+def _saved_step(root: Path, step: int, *, has_optimizer: bool) -> Path:
+    """A step directory as resolve() and training_steps() see it (its metadata only)."""
+    directory = root / f"iter_{step:07d}"
+    directory.mkdir(parents=True)
+    meta = {"step": step, "run_id": "r", "has_optimizer": has_optimizer}
+    (directory / "megatron_gndpo.json").write_text(json.dumps(meta))
+    (root / "latest").write_text(f"{step}\n")
+    return directory
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_the_student_never_replaces_the_teacher_a_run_or_other_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 48, probes 1-2: ``--out`` the teacher itself (``--overwrite`` deleted its steps and
+    tokenizer) or a run's checkpoints; and ``--overwrite`` on files prune did not write."""
+    from megatron_gndpo.cli import main
+
+    teacher = tmp_path / "teacher"
+    step = _saved_step(teacher, 0, has_optimizer=True)
+    (teacher / "tokenizer.model").write_bytes(b"sentencepiece")
+    run = tmp_path / "run"
+    _saved_step(run / "checkpoints", 330, has_optimizer=True)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    before = _files(tmp_path)
+    common = ["--keep-layers", "0,1,3", "--tokenizer", "builtin:char", "--calib-data",
+              "builtin:arithmetic", "--overwrite"]  # fmt: skip
+    for source, out, message in [
+        (teacher, teacher, "is the teacher checkpoint"),
+        (step, teacher, "is the teacher checkpoint"),
+        (teacher, step, "lies inside the teacher checkpoint"),
+        (teacher, teacher / "student", "lies inside the teacher checkpoint"),
+        (teacher, tmp_path, "holds the teacher checkpoint"),
+        (teacher, run / "checkpoints", "holds a training run's checkpoints (newest iter_0000330)"),
+        (teacher, run, "holds a training run's checkpoints in checkpoints/ (newest"),
+        (teacher, mine, "holds notes.txt, not a student prune wrote (no prune.json)"),
+    ]:
+        code = main(["prune", "--teacher", str(source), "--out", str(out), *common])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, (out, err)
+        assert err.count("\n") == 1 and "name a new directory" in err, err
+    assert _files(tmp_path) == before  # nothing written, nothing deleted

@@ -48,7 +48,8 @@ _OPTIONS = (
            "when no model_config.yaml is beside the checkpoint", default=None),
     option("--dtype", "measure and save in this dtype (default: as saved)",
            choices=["fp32", "bf16"], default=None),
-    option("--overwrite", "replace a non-empty --out", action="store_true"),
+    option("--overwrite", "replace a student prune wrote in --out before (its prune.json is "
+           "there); nothing else is ever replaced", action="store_true"),
 )  # fmt: skip
 
 
@@ -92,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_gndpo.data.tokenizer import load_tokenizer
     from megatron_gndpo.prune.run import PruneError, check_output, prune_checkpoint
 
-    check_output(args.out, args.overwrite)  # before anything is loaded
+    check_output(args.out, args.overwrite, args.teacher)  # before anything is loaded
     if args.calib_data is None:
         raise PruneError(
             "prune needs calibration prompts: --calib-data FILE.jsonl (or builtin:NAME), "

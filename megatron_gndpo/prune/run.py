@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,6 +58,7 @@ from megatron_gndpo.prune.importance import (
 from megatron_gndpo.prune.student import pruned_state, student_config, top_neurons
 
 REPORT_FILE = "prune.json"
+_STEP = re.compile(r"iter_\d{7}")  # a checkpoint's step directory
 # Calibration sequences scored together: bounds the [B, S, V] logits of one forward.
 BATCH_SIZE = 8
 
@@ -100,15 +102,75 @@ def _parameters(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() for k, t in state.items() if not hf_mapping.is_extra_state(k))
 
 
-def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse to write into a directory that holds files, unless ``overwrite``."""
+def check_output(out: Path, overwrite: bool, teacher: str | Path | None = None) -> None:
+    """Refuse an output directory whose content the student would replace or delete: the
+    ``teacher`` checkpoint (the directory itself, one inside it or one holding it), a training
+    run's checkpoints (or a run directory holding them), and, without ``overwrite``, any
+    directory that is not empty. ``overwrite`` replaces a student that prune wrote there before
+    (its prune.json is there), nothing else: the directory is removed first."""
     if out.exists() and not out.is_dir():
         raise PruneError(f"--out {out} is a file; name a new directory for the student")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if teacher is not None:
+        _check_apart_from_teacher(out, Path(teacher))
+    if not out.is_dir():
+        return
+    run = _training_run(out)
+    if run is not None:
         raise PruneError(
-            f"--out {out} is not empty; name a new directory for the student (or pass "
-            "--overwrite to replace what is there)"
+            f"--out {out} {run}: prune never writes there (the student would replace its "
+            "latest and model_config.yaml, and --overwrite would delete its steps); name a new "
+            "directory for the student"
         )
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    if not overwrite:
+        raise PruneError(
+            f"--out {out} is not empty (it holds {shown}); name a new directory for the student "
+            "(or pass --overwrite to replace a student prune wrote there before)"
+        )
+    if not (out / REPORT_FILE).is_file():
+        raise PruneError(
+            f"--out {out} holds {shown}, not a student prune wrote (no {REPORT_FILE}): "
+            "--overwrite replaces only such a student, so nothing of yours is deleted; name a "
+            "new directory for the student"
+        )
+
+
+def _check_apart_from_teacher(out: Path, teacher: Path) -> None:
+    """``out`` must neither be the teacher checkpoint (root or step) nor hold it nor lie in it."""
+    where = out.resolve()
+    t = teacher.resolve()
+    roots = [t, t.parent] if _STEP.fullmatch(t.name) else [t]
+    how = (
+        "is the teacher checkpoint" if where in roots
+        else "lies inside the teacher checkpoint" if any(where.is_relative_to(r) for r in roots)
+        else "holds the teacher checkpoint" if t.is_relative_to(where)
+        else None
+    )  # fmt: skip
+    if how is not None:
+        raise PruneError(
+            f"--out {out} {how} ({teacher}): writing the student there would delete the "
+            "teacher's steps and tokenizer; name a new directory for the student"
+        )
+
+
+def _training_run(out: Path) -> str | None:
+    """What of a training run ``out`` holds (its checkpoints, or a run's lock file), directly or
+    in a directory one level down (a run directory's checkpoints/); None when nothing."""
+    from megatron_gndpo.checkpoint.dist import step_dir, training_steps
+    from megatron_gndpo.job.runlock import LOCK_FILE
+
+    for directory in [out, *sorted(p for p in out.iterdir() if p.is_dir())]:
+        steps = training_steps(directory)
+        inside = "" if directory == out else f" in {directory.name}/"
+        if steps:
+            newest = step_dir(directory, steps[-1]).name
+            return f"holds a training run's checkpoints{inside} (newest {newest})"
+        if (directory / LOCK_FILE).exists():
+            return f"belongs to a training run (its lock file is there{inside.rstrip('/')})"
+    return None
 
 
 def teacher_sequences(
@@ -160,7 +222,7 @@ def prune_checkpoint(
     from megatron_gndpo.parallel.world import one_process_world
 
     out = Path(out)
-    check_output(out, overwrite)
+    check_output(out, overwrite, teacher)
     saved = _read_teacher(teacher, model, dtype)
     model = saved.model
     num_layers = _check_request(
