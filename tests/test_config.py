@@ -94,6 +94,18 @@ def test_yaml_and_overrides_give_typed_values(tmp_path: Path) -> None:
     assert cfg.trainer.steps == 7 and type(cfg.trainer.steps) is int
 
 
+def test_part_of_the_teachers_model_keeps_the_teachers_own_defaults(tmp_path: Path) -> None:
+    """Issue 48, probe 3: ``teacher.model.num_layers=8`` gave a teacher of the student's width
+    (hidden 64, FFN 256) instead of the teacher's documented 128 / 512, without a word."""
+    given = [
+        load_config(None, ["teacher.model.num_layers=8"]).teacher.model,
+        load_config(write(tmp_path, "teacher:\n  model:\n    num_layers: 8\n")).teacher.model,
+        load_config(None, ["teachers=[{name: a, model: {num_layers: 8}}]"]).teachers[0].model,
+    ]
+    for model in given:
+        assert (model.num_layers, model.hidden_size, model.ffn_hidden_size) == (8, 128, 512)
+
+
 def test_float_field_accepts_an_integer_as_float() -> None:
     cfg = load_config(None, ["algorithm.kl_clip=3"])
     assert cfg.algorithm.kl_clip == 3.0 and type(cfg.algorithm.kl_clip) is float

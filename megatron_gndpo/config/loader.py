@@ -234,6 +234,18 @@ def _is_path(annotation: Any) -> bool:
     return get_origin(annotation) is typing.Annotated and PATH in annotation.__metadata__
 
 
+def _under_default(field: dataclasses.Field[Any], value: Any) -> Any:
+    """A section given in part keeps the rest of the field's own default (the teacher's model
+    section defaults differ from the student's: ``teacher.model.num_layers=8`` keeps the
+    teacher's hidden and FFN sizes), not the section class's defaults."""
+    if not isinstance(value, Mapping) or field.default_factory is dataclasses.MISSING:
+        return value
+    default = field.default_factory()
+    if not dataclasses.is_dataclass(default):
+        return value
+    return merge(to_dict(default), value)
+
+
 def build[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Build dataclass ``cls`` from a mapping, strictly (see the module docstring)."""
     hints = typing.get_type_hints(cls)
@@ -247,6 +259,7 @@ def build[T](cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
         raise ConfigError(
             f"unknown key {prefix}{key}{hint} (keys of {section}: {', '.join(fields)})"
         )
+    data = {name: _under_default(fields[name], value) for name, value in data.items()}
     kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
     marked = typing.get_type_hints(cls, include_extras=True)
     for name, value in kwargs.items():
