@@ -347,19 +347,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _lock_run_dirs(cfg: Config, rank: int) -> RunLock | None:
-    """Rank 0 takes the run directory's lock (and the checkpoint directory's, when it is
-    elsewhere) for the job; every rank raises the same refusal when another run holds one."""
+    """Rank 0 takes the locks of the run directory and of the checkpoint directory for the job
+    (both: another run whose checkpoint.save names this run's checkpoints is refused, wherever
+    its own run directory is); every rank raises the same refusal when another run holds one."""
     import torch.distributed as dist
 
     from megatron_gndpo.job.runlock import RunDirLockedError, RunLock
 
-    run_dir = Path(cfg.logging.run_dir)
-    dirs = [run_dir]
-    if not save_dir(cfg).absolute().is_relative_to(run_dir.absolute()):
-        dirs.append(save_dir(cfg))
     lock, refusal = None, [""]
     if rank == 0:
-        lock = RunLock(dirs, "train")
+        lock = RunLock([cfg.logging.run_dir, save_dir(cfg)], "train")
         try:
             lock.acquire()
         except RunDirLockedError as err:

@@ -412,6 +412,35 @@ def test_known_notices_are_one_line_and_a_log_file(
 
 
 # ---------------------------------------------------------------------------------------------
+# Issue 48: what a hostile user found in the newer features (probe numbers as in the issue)
+
+
+def test_a_run_locks_its_checkpoint_directory_too(tmp_path: Path) -> None:
+    """Probe 4: while run A trained in R, a run with its own run directory but
+    checkpoint.save=R/checkpoints was accepted, moved A's checkpoints aside and wrote A's steps."""
+    from megatron_gndpo.cli import _lock_run_dirs
+    from megatron_gndpo.config import load_config
+    from megatron_gndpo.job.runlock import LOCK_FILE, RunDirLockedError
+
+    a = load_config(None, [f"logging.run_dir={tmp_path / 'R'}"])
+    others = f"checkpoint.save={tmp_path / 'R' / 'checkpoints'}"
+    b = load_config(None, [f"logging.run_dir={tmp_path / 'R2'}", others])
+    lock = _lock_run_dirs(a, 0)
+    assert lock is not None
+    try:
+        with pytest.raises(RunDirLockedError) as refused:
+            _lock_run_dirs(b, 0)
+        assert str(refused.value).startswith(
+            f"{tmp_path / 'R' / 'checkpoints'} is in use by another megatron-gndpo run: pid "
+            f"{os.getpid()}"
+        )
+        assert not (tmp_path / "R2" / LOCK_FILE).exists()  # what B took, B gave back
+    finally:
+        lock.release()
+    assert not list(tmp_path.rglob(LOCK_FILE))
+
+
+# ---------------------------------------------------------------------------------------------
 # The story on a real run (one process each, the tiny config): items 3, 4, 7, 10, 11, 12
 
 

@@ -1,8 +1,9 @@
 """One owner per run directory: a lock file naming the process that writes there.
 
 Two ``train`` commands in one run directory would write the same checkpoints and metrics and
-lose both (issue 35). The command takes ``DIR/megatron-gndpo.lock`` for the run directory (and
-for a checkpoint directory outside it) before it builds anything, once for the job (rank 0),
+lose both (issue 35). The command takes ``DIR/megatron-gndpo.lock`` for the run directory and
+for its checkpoint directory (another run may name it as its checkpoint.save) before it builds
+anything, once for the job (rank 0),
 and removes it when it ends. The file names the holder: host, pid, the process's start time,
 and the Slurm job when there is one.
 
