@@ -116,19 +116,33 @@ class Trainer:
                 draw=self._draw, resolve=self.c.data.resolve, seeds=self._seeds,
                 sampling=self._sampling,
             )  # fmt: skip
-        if skipped := self.c.data.skipped:
-            self._warn(
-                f"{skipped} of {skipped + len(self.c.data.train)} training prompts are longer "
-                f"than rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens and are "
-                "left out (logged as prompts/skipped_too_long); raise rollout.max_prompt_length "
-                "to train on them"
-            )
+        self._data_notices()
         inflight = self._resume()
         self.checkpoints.describe()
         if self.pipeline is not None:  # the rollout ranks start without the student's weights
             self.pipeline.start(self.step_count, inflight)
         else:
             self._sync_engine()  # so does an external engine
+
+    def _data_notices(self) -> None:
+        """Once at the start: training prompts left out for length, and a training set smaller
+        than a step's prompts (each step then draws some of them more than once)."""
+        cfg, train, skipped = self.cfg, len(self.c.data.train), self.c.data.skipped
+        if skipped:
+            self._warn(
+                f"{skipped} of {skipped + train} training prompts are longer "
+                f"than rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens and are "
+                "left out (logged as prompts/skipped_too_long); raise rollout.max_prompt_length "
+                "to train on them"
+            )
+        per_step = cfg.rollout.prompts_per_step
+        if train < per_step:
+            prompts = f"{train} usable prompt{'s' if train > 1 else ''}"
+            self._warn(
+                f"data.train ({cfg.data.train}) has {prompts}, fewer than "
+                f"rollout.prompts_per_step={per_step}: each step repeats them ({per_step} draws "
+                f"from {prompts}); add prompts, or lower rollout.prompts_per_step"
+            )
 
     @property
     def run_id(self) -> str:

@@ -275,15 +275,20 @@ def test_a_bad_collective_timeout_is_one_message_not_a_traceback(
 
 @pytest.mark.megatron
 def test_prompts_left_out_for_length_are_said_on_the_console(tmp_path: Path) -> None:
-    """Before: only ``prompts/skipped_too_long`` in metrics.jsonl (issue 15's probe d06)."""
+    """Before: only ``prompts/skipped_too_long`` in metrics.jsonl (issue 15's probe d06); and
+    nothing at all about a training set smaller than a step (issue 48's probe 5)."""
     data = tmp_path / "p.jsonl"
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(7)]
     rows.append({"prompt": "1+" * 40 + "1=", "answer": "41"})
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _train(tmp_path, f"data.train={data}", "trainer.steps=1")
+    proc = _train(tmp_path, f"data.train={data}", "trainer.steps=1", "rollout.prompts_per_step=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("1 of 8 training prompts are longer than "
                              "rollout.max_prompt_length=48 tokens") == 1  # fmt: skip
+    # issue 48, probe 5: fewer prompts than a step takes is said too, once
+    assert proc.stderr.count(f"data.train ({data}) has 7 usable prompts, fewer than "
+                             "rollout.prompts_per_step=8: each step repeats them (8 draws from "
+                             "7 usable prompts)") == 1  # fmt: skip
 
 
 @pytest.mark.megatron
