@@ -94,6 +94,30 @@ def test_yaml_and_overrides_give_typed_values(tmp_path: Path) -> None:
     assert cfg.trainer.steps == 7 and type(cfg.trainer.steps) is int
 
 
+def _alias_bomb(levels: int) -> str:
+    """A YAML list of nested aliases: 9 ** (levels + 1) values in a few hundred bytes."""
+    lists = ["&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lists += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return f"[{', '.join(lists)}, 0]"
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path: Path) -> None:
+    """Issue 48, probe 6: the type error quoted the expanded value (8 levels: a 351 MB message,
+    1.55 GB of memory). A value in a message is cut short; YAML that expands past MAX_VALUES
+    is refused before anything walks it."""
+    path = write(tmp_path, f"trainer:\n  steps: {_alias_bomb(4)}\n")  # 59,049 values: allowed
+    msg = config_error(path=path)
+    assert msg.startswith("trainer.steps: expected an integer, got [[1, 1, 1, 1, ...], [[...], ")
+    assert len(msg) < 200, msg
+    path = write(tmp_path, f"trainer:\n  steps: {_alias_bomb(8)}\n", "bomb.yaml")
+    assert config_error(path=path) == (
+        f"{path} expands to more than 100,000 values (YAML anchors and aliases repeat what they "
+        "name): no configuration is that large; write the values out"
+    )
+    msg = config_error(f"trainer.steps={_alias_bomb(8)}")
+    assert msg.startswith("override 'trainer.steps' expands to more than 100,000 values")
+
+
 def test_part_of_the_teachers_model_keeps_the_teachers_own_defaults(tmp_path: Path) -> None:
     """Issue 48, probe 3: ``teacher.model.num_layers=8`` gave a teacher of the student's width
     (hidden 64, FFN 256) instead of the teacher's documented 128 / 512, without a word."""

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import os
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -58,6 +59,50 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
+# The most values a config may expand to. YAML's aliases repeat a node without copying it, so a
+# few hundred bytes can stand for billions of values (an "alias bomb"): walking or printing them
+# would take the machine's memory. The largest real config holds a few hundred.
+MAX_VALUES = 100_000
+# How much of a value an error message quotes: two levels of four items (then "..."), and at
+# most _QUOTED_CHARS characters in all.
+_QUOTED = reprlib.Repr(maxlevel=2, maxlist=4, maxtuple=4, maxdict=4, maxstring=60, maxother=60)
+_QUOTED_CHARS = 120
+
+
+def _count_values(data: Any) -> int:
+    """How many values ``data`` holds once its aliases are expanded (each shared node counted
+    as often as it appears), computed without expanding them; at most ``MAX_VALUES + 1``."""
+    sizes: dict[int, int] = {}
+
+    def count(node: Any) -> int:
+        if not isinstance(node, dict | list):
+            return 1
+        if id(node) not in sizes:
+            children = node.values() if isinstance(node, dict) else node
+            sizes[id(node)] = min(1 + sum(count(c) for c in children), MAX_VALUES + 1)
+        return sizes[id(node)]
+
+    return count(data)
+
+
+def _load_yaml(source: Any, where: str) -> Any:
+    """YAML of ``source`` (text or an open file), strictly, refused when its aliases expand to
+    more than :data:`MAX_VALUES` values."""
+    data = yaml.load(source, Loader=_StrictLoader)
+    if _count_values(data) > MAX_VALUES:
+        raise ConfigError(
+            f"{where} expands to more than {MAX_VALUES:,} values (YAML anchors and aliases "
+            "repeat what they name): no configuration is that large; write the values out"
+        )
+    return data
+
+
+def quoted(value: Any) -> str:
+    """``repr(value)`` cut to a few items and characters: what an error message quotes of a
+    value the user gave (a long list, or a YAML alias bomb, would be megabytes)."""
+    text = _QUOTED.repr(value)
+    return text if len(text) <= _QUOTED_CHARS else text[: _QUOTED_CHARS - 3] + "..."
+
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(os.path.expanduser(path))
@@ -69,7 +114,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         # From the open file, not its text, so error marks name the file ("<unicode string>" else).
         with path.open(encoding="utf-8") as stream:
-            data = yaml.load(stream, Loader=_StrictLoader)
+            data = _load_yaml(stream, str(path))
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from err
     if data is None:  # nothing but comments: almost always the wrong file, not "all defaults"
@@ -103,7 +148,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(f"override {key!r} is given twice on the command line; keep one")
         seen.add(key)
         try:
-            value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""
+            value = _load_yaml(raw, f"override {key!r}") if raw.strip() else ""
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from err
         node = nested
@@ -160,7 +205,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{key} is a section: expected a mapping, got {value!r}")
+            raise ConfigError(f"{key} is a section: expected a mapping, got {quoted(value)}")
         return build(tp, value, prefix=f"{key}.")  # type: ignore[arg-type]
     if origin in (types.UnionType, typing.Union):
         sections = [a for a in get_args(tp) if dataclasses.is_dataclass(a)]
@@ -180,7 +225,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         result = _try_convert(value, tp, key)
         if result is not _NO_MATCH:
             return result
-    raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(
+        f"{key}: expected {type_name(tp)}, got {quoted(value)} ({type(value).__name__})"
+    )
 
 
 def _try_convert(value: Any, tp: Any, key: str) -> Any:
