@@ -203,6 +203,14 @@ class Trainer:
                     f"the log-probs of {' and '.join(bad)} are not finite (NaN or inf) on a "
                     "response token"
                 )
+            elif metrics.get("xtok/aligned_tokens", math.inf) < MIN_STEP_TOKENS:  # global
+                metrics |= {"skipped": 1.0, "skipped/unaligned": 1.0}
+                self._skipped(
+                    f"only {metrics['xtok/aligned_tokens']:.0f} response tokens of the batch "
+                    "align with the teacher's tokens (teacher.cross_tokenizer scores spans that "
+                    "both tokenizers end, which responses this short seldom hold); raise "
+                    "rollout.max_response_length"
+                )
             else:
                 with timer.time("advantages"):
                     targets, found = self._targets(rollout, scored, rewards, routes)

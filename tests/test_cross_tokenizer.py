@@ -178,6 +178,19 @@ def test_a_dropped_span_takes_no_part_in_the_statistics() -> None:
     assert abs(float(kept.mean())) < 1e-6 and float(kept.std()) == pytest.approx(1.0, abs=1e-5)
 
 
+def test_a_batch_without_any_aligned_span_scores_nothing() -> None:
+    """Issue 48, probe 7: with rollout.max_response_length=1 a batch may hold no aligned span at
+    all (span ids all -1): ``index 0 is out of bounds`` at step 2. Nothing is scored, and the
+    metrics say so (the trainer skips such a step: ``xtok/aligned_tokens`` under 2)."""
+    lo, lt = -torch.rand(2, 3), -torch.rand(2, 4)
+    s_span, t_span = torch.full((2, 3), NO_SPAN), torch.full((2, 4), NO_SPAN)
+    lt_s, scored = span_teacher_logprobs(lt, t_span, lo, s_span)
+    assert torch.equal(lt_s, torch.zeros(2, 3)) and not scored.any()
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    m = alignment_metrics(lt, t_span, lo, s_span, mask, {"teacher_tokens": 0.0})
+    assert (m["xtok/aligned_frac"], m["xtok/aligned_tokens"], m["xtok/span_kl"]) == (0, 0, 0)
+
+
 def test_alignment_metrics_by_hand() -> None:
     lo = torch.tensor([[0.0, -1.0, -0.5, -2.0, -0.1, 0.0]])
     s_span = torch.tensor([[NO_SPAN, 0, 0, 1, 2, NO_SPAN]])
@@ -526,3 +539,27 @@ def test_a_teacher_with_another_tokenizer_and_layout_trains_the_student(
                 got = (lt[i][s_at] - lo[i][s_at]).double()
                 torch.testing.assert_close(got, torch.full_like(got, want), atol=1e-5, rtol=0)
         assert torch.equal(r["scored"], (rows.student_span >= 0) & r["mask"])
+
+
+@pytest.mark.megatron
+def test_a_step_whose_responses_do_not_align_is_skipped_and_said(
+    sp: Any, tmp_path: Path
+) -> None:
+    """Issue 48, probe 7, end to end: one-token answers under the demo's tokenizer; step 2's
+    batch has no aligned span (deterministic at this seed). Before: a RuntimeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_gndpo.cli", "train", "-c", str(TINY),
+         f"logging.run_dir={tmp_path / 'run'}", "teacher.cross_tokenizer=true",
+         f"teacher.tokenizer={sp._path}", "rollout.max_response_length=1", "trainer.steps=2"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "megatron-gndpo: warning: step 2 skipped: only 0 response tokens of the batch align "
+        "with the teacher's tokens" in proc.stderr
+    ), proc.stderr[-3000:]

@@ -71,7 +71,9 @@ def span_teacher_logprobs(
     """
     check_same_shape(old_logprobs=old_logprobs_BT, student_span=student_span_BT)
     with torch.no_grad():
-        j = _num_spans(teacher_span_BU, student_span_BT)
+        # at least one (empty) column: a batch without any kept span (every response a token
+        # long, say) still gathers column 0 for the tokens it then leaves unscored
+        j = max(_num_spans(teacher_span_BU, student_span_BT), 1)
         t_BJ = span_sums(teacher_logprobs_BU, teacher_span_BU, j)
         l_BJ = span_sums(old_logprobs_BT, student_span_BT, j)
         scored_BT = student_span_BT >= 0
@@ -94,7 +96,8 @@ def alignment_metrics(
 ) -> dict[str, float]:
     """How well the two tokenizations met, over the whole step (global over ``group``).
 
-    ``xtok/aligned_frac``: share of student response tokens in a kept span;
+    ``xtok/aligned_frac``: share of student response tokens in a kept span (``/aligned_tokens``:
+    how many: the tokens the step can train on);
     ``xtok/one_to_one_frac``: share in a 1:1 span (there the score is the same-tokenizer one);
     ``xtok/span_max_student``, ``/span_max_teacher``: the longest span's tokens on each side;
     ``xtok/span_kl``: mean over kept spans of ``L_j − T_j`` (the per-span reverse KL, k1);
@@ -129,6 +132,7 @@ def alignment_metrics(
     response, aligned, one, spans, kl = (float(x) for x in total[:5])
     out = {
         "xtok/aligned_frac": aligned / max(response, 1.0),
+        "xtok/aligned_tokens": aligned,
         "xtok/one_to_one_frac": one / max(response, 1.0),
         "xtok/span_max_student": float(longest[0]),
         "xtok/span_max_teacher": float(longest[1]),
