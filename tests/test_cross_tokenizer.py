@@ -542,9 +542,7 @@ def test_a_teacher_with_another_tokenizer_and_layout_trains_the_student(
 
 
 @pytest.mark.megatron
-def test_a_step_whose_responses_do_not_align_is_skipped_and_said(
-    sp: Any, tmp_path: Path
-) -> None:
+def test_a_step_whose_responses_do_not_align_is_skipped_and_said(sp: Any, tmp_path: Path) -> None:
     """Issue 48, probe 7, end to end: one-token answers under the demo's tokenizer; step 2's
     batch has no aligned span (deterministic at this seed). Before: a RuntimeError traceback."""
     import os
