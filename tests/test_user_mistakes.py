@@ -440,6 +440,29 @@ def test_a_run_locks_its_checkpoint_directory_too(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob(LOCK_FILE))
 
 
+def test_the_demos_tokenizer_directory_is_its_sentencepiece_model(tmp_path: Path) -> None:
+    """Probe 8: ``--tokenizer DIR`` / ``teacher.tokenizer=DIR`` on the demo's tokenizer directory
+    (its tokenizer.json is the demo's note, not a Hugging Face tokenizer): KeyError 'added_tokens'
+    from transformers, 26-36 lines."""
+    from megatron_gndpo.data.tasks import chains
+    from megatron_gndpo.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+    from megatron_gndpo.demo.tokenizer import task_corpus, train_tokenizer
+    from megatron_gndpo.errors import DataError
+
+    problems = chains.generate(100, seed=3, difficulty=chains.DEFAULT_DIFFICULTY)
+    trained = train_tokenizer(
+        tmp_path / "demo", task_corpus((p.prompt, p.solution) for p in problems)
+    )
+    loaded = load_tokenizer(str(tmp_path / "demo"))
+    assert isinstance(loaded, SentencePieceTokenizer)
+    assert loaded.fingerprint() == trained.fingerprint()
+    note = tmp_path / "note_only"  # a tokenizer.json that is no tokenizer, and nothing else
+    note.mkdir()
+    (note / "tokenizer.json").write_text((tmp_path / "demo" / "tokenizer.json").read_text())
+    with pytest.raises(DataError, match=r"tokenizer\.json is not a Hugging Face tokenizer"):
+        load_tokenizer(str(note))
+
+
 # ---------------------------------------------------------------------------------------------
 # The story on a real run (one process each, the tiny config): items 3, 4, 7, 10, 11, 12
 

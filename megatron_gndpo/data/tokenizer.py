@@ -257,8 +257,6 @@ class HFTokenizer:
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        from transformers import AutoTokenizer
-
         path = Path(directory)
         if not path.is_dir():
             raise MissingFileError(
@@ -270,6 +268,9 @@ class HFTokenizer:
                 f"{path} holds none of {', '.join(_HF_TOKENIZER_FILES)}; point data.tokenizer "
                 "at the directory where the tokenizer was saved (tokenizer.save_pretrained)"
             )
+        _check_tokenizer_json(path / "tokenizer.json")
+        from transformers import AutoTokenizer
+
         self._path = path
         self._tok: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if self._tok.eos_token_id is None:
@@ -332,11 +333,44 @@ class HFTokenizer:
 # ---------------------------------------------------------------------------------------------
 
 
+def _is_hf_tokenizer_json(path: Path) -> bool:
+    """Whether ``path`` reads as a Hugging Face ``tokenizer.json`` (a JSON object with a
+    ``model`` section); the demo's tokenizer directory has a note of that name instead."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("model"), dict)
+
+
+def _sentencepiece_directory(directory: Path) -> Path | None:
+    """The ``tokenizer.model`` of a directory that holds a SentencePiece model and no Hugging
+    Face tokenizer (the demo's tokenizer directory and the checkpoints made from it: their
+    ``tokenizer.json`` is the demo's note of how the model was trained); None otherwise."""
+    model, note = directory / "tokenizer.model", directory / "tokenizer.json"
+    if not model.is_file() or (directory / "tokenizer_config.json").is_file():
+        return None
+    return model if not note.is_file() or not _is_hf_tokenizer_json(note) else None
+
+
+def _check_tokenizer_json(path: Path) -> None:
+    """A ``tokenizer.json`` that is not a Hugging Face tokenizer is a DataError naming it (not a
+    KeyError from deep inside ``transformers``)."""
+    if path.is_file() and not _is_hf_tokenizer_json(path):
+        raise DataError(
+            f"{path} is not a Hugging Face tokenizer (no JSON object with a 'model' section): "
+            "point the tokenizer setting at the directory tokenizer.save_pretrained wrote, or at "
+            "a SentencePiece '.model' file"
+        )
+
+
 def load_tokenizer(spec: str | None) -> Tokenizer:
     """The tokenizer named by ``data.tokenizer``.
 
     Accepted forms: ``None`` or ``"builtin:char"`` (``CharTokenizer``), a path ending in
-    ``.model`` (``SentencePieceTokenizer``), a directory (``HFTokenizer``).
+    ``.model`` (``SentencePieceTokenizer``), a directory (``HFTokenizer``; a directory with a
+    ``tokenizer.model`` and no Hugging Face tokenizer, such as the demo's, is that
+    ``SentencePieceTokenizer``).
     """
     if spec is None or spec == BUILTIN_CHAR:
         return CharTokenizer()
@@ -349,7 +383,8 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
     if spec.endswith(".model"):
         return SentencePieceTokenizer(spec)
     if Path(spec).is_dir():
-        return HFTokenizer(spec)
+        sentencepiece = _sentencepiece_directory(Path(spec))
+        return HFTokenizer(spec) if sentencepiece is None else SentencePieceTokenizer(sentencepiece)
     if not Path(spec).exists():
         raise MissingFileError(
             f"tokenizer {spec!r} does not exist; data.tokenizer accepts {accepted}"

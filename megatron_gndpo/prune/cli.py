@@ -19,6 +19,7 @@ from megatron_gndpo.errors import UserError
 # L^2/2 forwards of them, seconds for the demo's 4 layers on a CPU, about two hours for
 # SmolLM2's 30 (8 prompts: 30 min; docs/PRUNING.md).
 CALIB_SAMPLES = 32
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def _layers(text: str) -> list[int]:
@@ -75,8 +76,8 @@ def _tokenizer_spec(teacher: str, given: str | None) -> str:
 
     step = resolve(teacher)
     base = Path(teacher) if step != Path(teacher) else step.parent
-    if (base / "tokenizer.json").is_file() or (base / "tokenizer_config.json").is_file():
-        return str(base)
+    if any((base / name).is_file() for name in _TOKENIZER_FILES):
+        return str(base)  # a Hugging Face tokenizer, or a SentencePiece model (the demo's)
     raise UserError(
         f"no tokenizer files beside {base}: pass --tokenizer (the teacher's data.tokenizer: a "
         "SentencePiece .model file or a Hugging Face tokenizer directory)"
