@@ -463,6 +463,63 @@ def test_the_demos_tokenizer_directory_is_its_sentencepiece_model(tmp_path: Path
         load_tokenizer(str(note))
 
 
+@pytest.mark.parametrize("how", ["enospc", "torch"])
+def test_a_full_disk_at_save_is_one_line_naming_the_disk_and_the_intact_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Probe 9: a full disk at save printed 45 lines and two CheckpointException tracebacks.
+    CI cannot mount a small tmpfs (that needs root), so the write fails here as a full disk makes
+    it fail: ``OSError(ENOSPC)``, or torch's CheckpointException around its zip writer's
+    RuntimeError, which has no errno (what ``mount -t tmpfs -o size=3m`` as the run directory
+    gave), on a disk with nothing left."""
+    import errno
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_gndpo.checkpoint import disk, dist
+    from megatron_gndpo.checkpoint.errors import CheckpointError
+
+    root = tmp_path / "checkpoints"
+    intact = _fake_step(root, 1, has_optimizer=True)
+    (root / "latest").write_text("1\n")
+    (intact / "__0_0.distcp").write_bytes(b"w" * 4096)
+
+    def full_disk(tmp: Path, *args: Any) -> None:
+        (tmp / "__0_0.distcp").write_bytes(b"w" * 100)  # half a step
+        if how == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise CheckpointException("write", {0: (RuntimeError("unexpected pos 704 vs 598"), None)})
+
+    usage = namedtuple("usage", "total used free")
+    room = shutil_module.disk_usage
+    monkeypatch.setattr(dist, "_write_step", full_disk)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda _: usage(3 << 20, 3 << 20, 0))
+    with pytest.raises(CheckpointError) as err:
+        dist.save_checkpoint(root, 2, torch.nn.Linear(4, 4))
+    assert str(err.value) == (
+        f"cannot save step 2: the disk of {root} is full (mounted at {disk._mount_point(root)}, "
+        "3.0 MiB: 0 bytes left when the save stopped). Nothing of step 2 was kept and nothing "
+        f"saved before was touched: the newest checkpoint, {intact}, is intact and the same "
+        "command resumes from it. Free space there, or point checkpoint.save at a larger disk "
+        "(checkpoint.keep_last=1 keeps one step)"
+    )
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", "latest"]
+    # a failure on a disk with room to spare is no full disk: it keeps its own error
+    monkeypatch.setattr(disk.shutil, "disk_usage", room)
+
+    def broken(tmp: Path, *args: Any) -> None:
+        if how == "enospc":
+            raise OSError(errno.EIO, "Input/output error")
+        raise CheckpointException("write", {0: (RuntimeError("a bug"), None)})
+
+    monkeypatch.setattr(dist, "_write_step", broken)
+    with pytest.raises(OSError if how == "enospc" else CheckpointException):
+        dist.save_checkpoint(root, 2, torch.nn.Linear(4, 4))
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", "latest"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The story on a real run (one process each, the tiny config): items 3, 4, 7, 10, 11, 12
 

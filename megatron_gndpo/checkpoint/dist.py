@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from megatron_gndpo.checkpoint import foreign_config, interop, model_class
+from megatron_gndpo.checkpoint import disk, foreign_config, interop, model_class
 from megatron_gndpo.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from megatron_gndpo.checkpoint.integrity import (
     _META,
@@ -210,7 +210,8 @@ def save_checkpoint(
     ``extra_files`` writes further files of this rank into the step directory (called on every rank
     with it, before the checksums that cover them).
     Raises :class:`CheckpointError`, writing nothing, when a weight or optimizer value is not
-    finite or ``root`` holds this step from another run. Returns the final step directory.
+    finite or ``root`` holds this step from another run, and, keeping nothing of the step, when
+    the disk fills up (``checkpoint/disk.py``). Returns the final step directory.
     """
     root = Path(root)
     refusal = _save_refusal(root, step, model, optimizer, run_id)
@@ -222,29 +223,39 @@ def save_checkpoint(
         # A run whose every step so far was skipped (a filter that dropped every row) has
         # taken no optimizer step: its state is what a fresh optimizer starts from.
         _init_empty_optimizer_state(optimizer)
+    steps = complete_steps(root)
+    needed = disk.step_bytes(step_dir(root, steps[-1]) if steps else None, model)
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    writer_errors = disk.HeldWriterErrors()  # megatron's writer logs a failure: said below
     try:
-        _write_step(tmp, step, model, optimizer, model_config, tokenizer, extra_files)
-    except BaseException:
+        with writer_errors:
+            _write_step(tmp, step, model, optimizer, model_config, tokenizer, extra_files)
+        files = _manifest(tmp)
+        if rank() == 0:
+            meta = {
+                "step": step, "run_id": run_id, "has_optimizer": optimizer is not None,
+                "extra": extra or {}, "files": files,
+            }  # fmt: skip
+            (tmp / _META).write_text(json.dumps(meta, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            write_latest(root, step)
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        interrupted = isinstance(err, KeyboardInterrupt | SystemExit)
+        full = None if interrupted else disk.disk_full(err, tmp, needed)  # before tmp goes
         if rank() == 0:  # no half-written step is left behind (the next save would remove it)
             shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            newest = step_dir(root, steps[-1]) if steps else None
+            raise CheckpointError(disk.cannot_save(step, full, newest)) from err
+        writer_errors.release()
         raise
-    files = _manifest(tmp)
-    if rank() == 0:
-        meta = {
-            "step": step, "run_id": run_id, "has_optimizer": optimizer is not None,
-            "extra": extra or {}, "files": files,
-        }  # fmt: skip
-        (tmp / _META).write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        write_latest(root, step)
-        if keep_last:
-            _prune(root, keep_last, run_id)
+    if rank() == 0 and keep_last:
+        _prune(root, keep_last, run_id)
     barrier()
     return final
 
