@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import signal
 import sys
@@ -73,8 +74,8 @@ def _add_config_args(parser: argparse.ArgumentParser, *, world_default: int | No
 
 def _positive(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

@@ -339,3 +339,13 @@ def test_new_reliability_keys_are_validated(capsys: pytest.CaptureFixture[str]) 
     assert code == 2
     assert "trainer.heartbeat_timeout_s (700.0) must be below trainer.collective_timeout_s" in err
     assert "checkpoint.start_fresh=true starts at step 1 but checkpoint.load names" in err
+
+
+def test_plan_refuses_hardware_numbers_that_are_not_finite(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 48, probe 10, the command line's side: ``--gpu-memory-gib inf`` planned on."""
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--gpu-memory-gib", "inf"])
+    assert exc.value.code == 2
+    assert "--gpu-memory-gib: must be a finite number > 0, got inf" in capsys.readouterr().err

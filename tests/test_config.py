@@ -118,6 +118,19 @@ def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path: Path) -> None:
     assert msg.startswith("override 'trainer.steps' expands to more than 100,000 values")
 
 
+@pytest.mark.parametrize(
+    "override", ["optimizer.lr=nan", "algorithm.kl_clip=.inf", "algorithm.kl_clip=-1e400"]
+)
+def test_numbers_that_are_not_finite_are_refused_at_load(override: str) -> None:
+    """Issue 48, probe 10: ``optimizer.lr=nan`` was torch's ValueError (31 lines) and
+    ``algorithm.kl_clip=.inf`` passed validation to fail in step 1."""
+    key, value = override.split("=")
+    shown = {"nan": "nan", ".inf": "inf", "-1e400": "-1e400"}[value]
+    assert config_error(override) == (
+        f"{key}={shown}: expected a finite number (NaN and infinities are never a valid setting)"
+    )
+
+
 def test_part_of_the_teachers_model_keeps_the_teachers_own_defaults(tmp_path: Path) -> None:
     """Issue 48, probe 3: ``teacher.model.num_layers=8`` gave a teacher of the student's width
     (hidden 64, FFN 256) instead of the teacher's documented 128 / 512, without a word."""

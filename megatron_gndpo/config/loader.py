@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import reprlib
@@ -239,13 +240,20 @@ def _try_convert(value: Any, tp: Any, key: str) -> Any:
         return value if isinstance(value, int) and not isinstance(value, bool) else _NO_MATCH
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-6 as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-6 as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 return _NO_MATCH
-        return _NO_MATCH
+        else:
+            return _NO_MATCH
+        if not math.isfinite(number):  # no setting means NaN or infinity: it fails later
+            raise ConfigError(
+                f"{key}={str(value)[:40]}: expected a finite number (NaN and infinities are "
+                "never a valid setting)"
+            )
+        return number
     if tp is str:
         return value if isinstance(value, str) else _NO_MATCH
     try:
