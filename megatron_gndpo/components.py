@@ -22,7 +22,7 @@ from megatron_gndpo.checkpoint.dist import load_checkpoint
 from megatron_gndpo.checks.vocab import check_top_k
 from megatron_gndpo.config import Config, save_dir, to_dict
 from megatron_gndpo.data import load_tokenizer
-from megatron_gndpo.data.prompt_sets import PromptSets, load_prompt_sets
+from megatron_gndpo.data.prompt_sets import PromptSets, load_prompt_sets, require_answers
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.data.vocab import scoring_vocab
 from megatron_gndpo.engine.optimizer import build_optimizer, build_scheduler, wrap_ddp
@@ -101,6 +101,8 @@ def build_components(cfg: Config) -> Components:
     check_top_k(cfg, vocab)
     # The data before the models: a malformed prompt file fails in seconds, not after a build.
     data = load_prompt_sets(cfg, tokenizer, student_groups.coords["dp"], student_groups.layout.dp)
+    if method.uses_reward:
+        require_answers(cfg, data)
     check_routes(routing_of(cfg), data.train, data.outlier)  # evaluation needs no teacher
 
     # Weights are initialised on the CPU generator (use_cpu_initialization): seed each model on

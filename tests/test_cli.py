@@ -305,6 +305,24 @@ def test_a_malformed_prompt_file_is_one_message_not_a_traceback(tmp_path: Path) 
     assert "GPTModel" not in proc.stderr  # the data is read before the models are built
 
 
+@pytest.mark.megatron
+def test_an_outcome_estimator_on_prompts_without_answers_stops_before_the_models(
+    tmp_path: Path,
+) -> None:
+    """Issue 48, probe 11: the right message, but as a traceback at step 1, after the build."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(4)))
+    proc = _train(tmp_path, f"data.train={data}", "algorithm.estimator=grpo")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("megatron-gndpo: error:") == 1
+    assert (
+        f"megatron-gndpo: error: algorithm.estimator=grpo trains on the verifiable reward, but 4 "
+        f"of the 4 prompts of data.train ({data}) have no answer (the first: {data}:1) under "
+        "data.answer_key='answer': add the answers" in proc.stderr
+    )
+    assert "GPTModel" not in proc.stderr  # before the models are built
+
+
 def test_unexpected_exceptions_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     import megatron_gndpo.cli as cli
 

@@ -22,6 +22,7 @@ from megatron_gndpo.data.datasets import (
 )
 from megatron_gndpo.data.sampler import PromptSampler
 from megatron_gndpo.data.tokenizer import Tokenizer
+from megatron_gndpo.errors import DataError
 
 # A batch's prompts: their prompt set ("train" or "outlier") and indices (checkpointed).
 Drawn = tuple[str, list[int]]
@@ -130,3 +131,26 @@ def load_prompt_sets(cfg: Config, tokenizer: Tokenizer, dp_rank: int, dp_size: i
         source = f"data.outlier_train ({d.outlier_train})"
         sets.outlier_sampler = _sampler(cfg, sets.outlier, dp_rank, dp_size, source)
     return sets
+
+
+def require_answers(cfg: Config, sets: PromptSets) -> None:
+    """For an estimator that trains on the verifiable reward: every training (and outlier)
+    prompt has its reference answer, else a DataError naming the first without one and the fix.
+    Checked once the prompts are read, before any model is built."""
+    d = cfg.data
+    named = [
+        ("data.train", d.train, sets.train),
+        ("data.outlier_train", d.outlier_train, sets.outlier),
+    ]
+    for key, spec, prompts in named:
+        missing = [p.example for p in prompts if p.example.answer is None]
+        if not missing:
+            continue
+        first = f" (the first: {missing[0].where})" if missing[0].where else ""
+        raise DataError(
+            f"algorithm.estimator={cfg.algorithm.estimator} trains on the verifiable reward, but "
+            f"{len(missing)} of the {len(prompts)} prompts of {key} ({spec}) have no answer"
+            f"{first} under data.answer_key={d.answer_key!r}: add the answers, set "
+            "data.answer_key to the field that holds them, or choose a distillation estimator "
+            "(gndpo, opd)"
+        )
