@@ -520,6 +520,28 @@ def test_a_full_disk_at_save_is_one_line_naming_the_disk_and_the_intact_step(
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", "latest"]
 
 
+def test_a_truncated_config_json_is_one_line_before_any_start_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Probe 12: ``convert hf-to-mcore`` on a truncated config.json was a JSONDecodeError
+    traceback (29 lines), after the distributed start-up."""
+    import torch.distributed as dist
+
+    from megatron_gndpo.cli import main
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama", "hidden_si')
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"megatron-gndpo: error: {hf / 'config.json'} is not valid JSON (Unterminated string "
+        "starting at: line 1, column 25): the file is truncated or damaged; copy or download it "
+        "again\n"
+    ), err
+    assert "Traceback" not in err and not dist.is_initialized()
+
+
 # ---------------------------------------------------------------------------------------------
 # The story on a real run (one process each, the tiny config): items 3, 4, 7, 10, 11, 12
 

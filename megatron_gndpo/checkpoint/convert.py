@@ -40,6 +40,7 @@ from megatron_gndpo.config.schema import Dtype, ModelClass, ModelConfig, Paralle
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import ConversionError, MissingFileError
+from megatron_gndpo.fileio import read_json
 from megatron_gndpo.models import naming
 from megatron_gndpo.parallel.distributed import barrier, rank
 from megatron_gndpo.parallel.groups import ParallelGroups
@@ -64,7 +65,7 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
             f"no config.json in {hf_dir}: point --hf-dir at a Hugging Face model directory "
             "(the one save_pretrained / huggingface-cli download wrote)"
         )
-    config = json.loads(path.read_text())
+    config = read_json(path)
     if not isinstance(config, dict):
         raise ConversionError(f"{path} does not hold a JSON object: is it a config.json?")
     return config
@@ -80,7 +81,7 @@ class HFCheckpoint:
         self.dir = Path(hf_dir)
         index, single = self.dir / _INDEX, self.dir / _SAFETENSORS
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index)["weight_map"]
             self.files: dict[str, str] = {str(k): str(v) for k, v in weight_map.items()}
         elif single.is_file():
             from safetensors import safe_open
@@ -333,7 +334,7 @@ def source_hf_config(
         candidates.append(tokenizer_dir / "config.json")
     for candidate in candidates:
         if candidate.is_file():
-            data = json.loads(candidate.read_text())
+            data = read_json(candidate)
             return data if isinstance(data, dict) else None
     return foreign_config.source_hf_config(step) if step is not None else None
 

@@ -96,8 +96,10 @@ def hf_to_mcore_main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
-    from megatron_gndpo.checkpoint.convert import convert_hf_to_mcore
+    from megatron_gndpo.checkpoint.convert import convert_hf_to_mcore, read_hf_config
     from megatron_gndpo.checkpoint.vlm_convert import convert_vlm_hf_to_mcore, is_hf_vlm
+
+    read_hf_config(args.hf_dir)  # a missing or damaged config.json: said before any start-up
     from megatron_gndpo.compat import cpu
     from megatron_gndpo.config.schema import ParallelConfig
     from megatron_gndpo.parallel.distributed import init_distributed, shutdown_distributed

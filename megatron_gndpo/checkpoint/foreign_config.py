@@ -24,7 +24,6 @@ sliding windows, ...) refuses, naming the field.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 from megatron_gndpo.checkpoint import interop
 from megatron_gndpo.config.schema import Dtype, ModelConfig
 from megatron_gndpo.errors import UserError
+from megatron_gndpo.fileio import read_json
 from megatron_gndpo.models import naming
 
 BRIDGE = "Megatron-Bridge"
@@ -304,7 +304,7 @@ def source_hf_config(step: Path) -> dict[str, Any] | None:
     path = Path(source) / "config.json" if isinstance(source, str) and source else None
     if path is None or not path.is_file():
         return None
-    data = json.loads(path.read_text())
+    data = read_json(path)
     return data if isinstance(data, dict) else None
 
 

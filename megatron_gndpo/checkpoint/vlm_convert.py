@@ -47,6 +47,7 @@ from megatron_gndpo.config.schema import Dtype, ModelConfig, ParallelConfig
 from megatron_gndpo.config.vision import VisionConfig
 from megatron_gndpo.data.tokenizer import copy_tokenizer_files
 from megatron_gndpo.errors import ConversionError, MissingFileError
+from megatron_gndpo.fileio import read_json
 from megatron_gndpo.parallel.groups import ParallelGroups
 
 # The image processor's files, carried beside the tokenizer's.
@@ -57,7 +58,7 @@ VLM_LAYERS = "language_model.decoder.layers."  # the layers split over pipeline 
 def _read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
+    data = read_json(path)
     return data if isinstance(data, dict) else None
 
 
