@@ -440,6 +440,40 @@ def test_a_run_locks_its_checkpoint_directory_too(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob(LOCK_FILE))
 
 
+def test_a_lock_that_cannot_be_taken_over_or_created_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probe 13: a stale lock that cannot be renamed (made immutable with ``chattr +i``) was a
+    PermissionError traceback from runlock._take. The rename fails here as it does on an
+    immutable file (chattr needs root and a file system that has the attribute)."""
+    import errno
+
+    from megatron_gndpo.job import runlock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _holder(tmp_path / runlock.LOCK_FILE, pid=dead.pid)
+
+    def immutable(src: Any, dst: Any) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(runlock.os, "rename", immutable)
+    with pytest.raises(runlock.RunDirLockedError) as refused:
+        runlock.RunLock([tmp_path], "train").acquire()
+    lock = tmp_path / runlock.LOCK_FILE
+    assert str(refused.value) == (
+        f"{lock} names pid {dead.pid} on host {socket.gethostname()} (started then), and it is "
+        "no longer running, but the lock cannot be taken over: renaming it failed (Operation not "
+        f"permitted). Remove it yourself: rm -f {lock} (an immutable file needs chattr -i {lock} "
+        "first)"
+    )
+    monkeypatch.undo()
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr(runlock.RunLock, "_create", lambda self, path: immutable(path, path))
+    with pytest.raises(runlock.RunDirLockedError, match=r"cannot create the lock file .*ro/"):
+        runlock.RunLock([tmp_path / "ro"], "train").acquire()
+
+
 def test_the_demos_tokenizer_directory_is_its_sentencepiece_model(tmp_path: Path) -> None:
     """Probe 8: ``--tokenizer DIR`` / ``teacher.tokenizer=DIR`` on the demo's tokenizer directory
     (its tokenizer.json is the demo's note, not a Hugging Face tokenizer): KeyError 'added_tokens'

@@ -163,7 +163,10 @@ class RunLock:
             if holder is not None and (holder.get("host"), holder.get("pid")) == (
                 self.me["host"], self.me["pid"],
             ):  # fmt: skip
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as err:  # the next run takes it over as stale, or names it
+                    self.say(f"could not remove {path} ({err.strerror}): remove it by hand")
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -174,9 +177,16 @@ class RunLock:
 
     # -------------------------------------------------------------------------------------
     def _take(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            created = self._create(path)
+        except OSError as err:  # a read-only file system, a directory of another user
+            raise RunDirLockedError(
+                f"cannot create the lock file {path} ({err.strerror}): the run's directories "
+                "(logging.run_dir, checkpoint.save) must be ones this user can write"
+            ) from None
         for _ in range(20):  # each round: create, or find the holder and decide
-            if self._create(path):
+            if created or self._create(path):
                 return
             holder = self._holder(path)
             if holder is None:  # vanished, or being written this instant: look again
@@ -195,6 +205,12 @@ class RunLock:
                 os.rename(path, aside)  # only one taker wins this rename
             except FileNotFoundError:
                 continue
+            except OSError as err:  # an immutable file (chattr +i), a directory we cannot write
+                raise RunDirLockedError(
+                    f"{path} names {_describe(holder)}, and {why}, but the lock cannot be taken "
+                    f"over: renaming it failed ({err.strerror}). Remove it yourself: rm -f "
+                    f"{path} (an immutable file needs chattr -i {path} first)"
+                ) from None
             aside.unlink(missing_ok=True)
             self.say(f"{path} named {_describe(holder)}, and {why}: taking it over")
         raise RunDirLockedError(f"could not take {path}: it keeps changing; try again")
