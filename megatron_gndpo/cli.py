@@ -291,6 +291,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_gndpo.compat import cpu, notices
     from megatron_gndpo.config import check_environment
     from megatron_gndpo.job.watchdog import Watchdog, report_error
+    from megatron_gndpo.parallel import launch
     from megatron_gndpo.parallel.distributed import (
         DEFAULT_TIMEOUT_S,
         barrier,
@@ -332,10 +333,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if watchdog is not None:
             watchdog.stop(failed=True)  # the ranks still waiting for this one end too
         return 2
-    except BaseException:
+    except BaseException as err:
         if watchdog is not None:
             watchdog.stop(failed=True, said_why=False)  # a crash: the launcher names this rank
-        raise
+        if (gone := launch.lost_a_rank(err)) is None:
+            raise
+        _say_lost_rank(env.rank, gone)  # not this rank's failure: the launcher names the one
+        return launch.LOST_A_RANK_EXIT
     else:
         if watchdog is not None:
             watchdog.stop()
@@ -345,6 +349,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
             lock.release()
         shutdown_distributed()
     return 0
+
+
+def _say_lost_rank(rank: int, gone: str) -> None:
+    """A collective of this rank failed because another rank went away: nothing under
+    ``megatron-gndpo launch`` (its line names the rank that failed first), else one line."""
+    from megatron_gndpo.parallel import launch
+
+    if os.environ.get(launch.LAUNCHED_ENV) != "1":
+        print(
+            f"megatron-gndpo: rank {rank} stopped: another rank went away during a collective "
+            f"({gone}); the launcher's output names it",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
 
 
 def _lock_run_dirs(cfg: Config, rank: int) -> RunLock | None:

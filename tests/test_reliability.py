@@ -381,6 +381,9 @@ def test_launch_names_a_killed_rank_in_one_line_with_its_exit_code(tmp_path: Pat
         "failed first: exit code -9 (SIGKILL); the other workers were stopped"
     ), lines[0]
     assert "ChildFailedError" not in err and "Root Cause" not in err
+    # issue 48, probe 14: rank 0's collective fails with gloo's "Connection closed by peer";
+    # that was a 40-line traceback above the line, and is nothing now
+    assert "Traceback" not in err and "[rank0]" not in err and "closed by peer" not in err, err
     assert not any(_alive(pid) for pid in rank_of.values())
     # console noise: the known upstream warnings go to the run's upstream_notices.log, said once
     assert err.count("known upstream notices") == 1, err[-3000:]
@@ -415,6 +418,24 @@ def test_launch_exit_codes_and_failure_line() -> None:
     assert line.startswith(
         "megatron-gndpo: launch: rank 2 (rollout rank; local rank 0 on h, pid 7) "
     )
+
+
+def test_a_rank_that_only_lost_a_peer_is_never_the_one_named() -> None:
+    """Issue 48, probe 14: a rank whose collective failed because another was killed exits
+    with LOST_A_RANK_EXIT, quietly; the launcher names the other rank even when the one that
+    lost its peer exited first."""
+    from collections import namedtuple
+
+    from megatron_gndpo.parallel.launch import LOST_A_RANK_EXIT, _first_failure, lost_a_rank
+
+    failure = namedtuple("failure", "exitcode timestamp")
+    lost = LOST_A_RANK_EXIT
+    assert _first_failure({0: failure(lost, 10), 1: failure(-9, 11)})[0] == 1
+    assert _first_failure({0: failure(1, 10), 1: failure(-15, 10)})[0] == 0  # a crash, first
+    assert _first_failure({0: failure(lost, 12), 1: failure(lost, 11)})[0] == 1
+    gloo = "[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:43947"
+    assert lost_a_rank(RuntimeError(gloo)) == "Connection closed by peer"
+    assert lost_a_rank(RuntimeError("a bug")) is None and lost_a_rank(KeyboardInterrupt()) is None
 
 
 def test_launch_names_the_role_of_the_failed_rank(tmp_path: Path) -> None:

@@ -21,19 +21,54 @@ a failure box, and exits with 1 whatever its workers' codes were. Here:
 - a launcher stopped by a signal (srun's SIGTERM when another node failed) says so in one line
   and exits with 128 + N.
 
+A worker whose collective fails because another worker went away (gloo's "Connection closed by
+peer" when a rank is killed) prints nothing under the launcher and exits with
+:data:`LOST_A_RANK_EXIT`; it is never the worker the line names (under plain torchrun or srun it
+says so in one line instead of a traceback).
+
 The worker's own traceback, when it has one, is in its output above the line, as with torchrun.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 COMMANDS = ("train", "convert")
 _MODULE = "megatron_gndpo.cli"
 _USER_ERROR_EXIT = 2  # cli.main's exit code for an error we raise on purpose
+# The exit code of a worker whose collective failed because another worker went away (killed,
+# crashed): never the failure the launcher names, whichever exited first.
+LOST_A_RANK_EXIT = 3
+# Set for the workers of `megatron-gndpo launch`: the launcher names a failed worker itself.
+LAUNCHED_ENV = "MEGATRON_GNDPO_LAUNCH"
+# How torch's collectives say that the other end is gone (gloo's TCP pair, NCCL's remote error).
+_PEER_GONE = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+    "remote process exited or there was a network error",
+)  # fmt: skip
+
+
+def lost_a_rank(err: BaseException) -> str | None:
+    """The one line a collective's error says when another worker went away (``Connection
+    closed by peer``: it was killed or crashed), else None."""
+    text = str(err)
+    for words in _PEER_GONE:
+        if isinstance(err, RuntimeError) and words in text:
+            return words
+    return None
+
+
+def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure to name: the earliest, leaving out the workers that only lost a peer
+    (:data:`LOST_A_RANK_EXIT`) unless every failure is one; ties go to the lower rank."""
+    named = {r: f for r, f in failures.items() if f.exitcode != LOST_A_RANK_EXIT} or failures
+    rank = min(named, key=lambda r: (named[r].timestamp, r))
+    return rank, named[rank]
 
 
 class _DropFailureLog(logging.Filter):
@@ -133,6 +168,7 @@ def main(argv: Sequence[str], rollout_ranks: Callable[[Sequence[str]], int] = la
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     drop = _DropFailureLog()
     agent_log.addFilter(drop)
+    os.environ[LAUNCHED_ENV] = "1"  # the workers inherit it
     try:
         torchrun.run(args)
     except ChildFailedError as err:
@@ -143,7 +179,7 @@ def main(argv: Sequence[str], rollout_ranks: Callable[[Sequence[str]], int] = la
             # a rank the watchdog ends after another one crashed exits with 1, not 2, so that a
             # crash is named below; job/watchdog.py's Watchdog.)
             return _USER_ERROR_EXIT
-        rank, failure = err.get_first_failure()
+        rank, failure = _first_failure(err.failures)
         host = socket.getfqdn()
         world = _world_size(str(args.nnodes), str(args.nproc_per_node))
         role = role_of(rank, world, rollout_ranks(args.training_script_args))
@@ -171,4 +207,5 @@ def main(argv: Sequence[str], rollout_ranks: Callable[[Sequence[str]], int] = la
         return _USER_ERROR_EXIT
     finally:
         agent_log.removeFilter(drop)
+        os.environ.pop(LAUNCHED_ENV, None)
     return 0
