@@ -53,20 +53,34 @@ from megatron_gndpo.version import __version__
 if TYPE_CHECKING:
     from megatron_gndpo.job.runlock import RunLock
 
-_EPILOG_HEAD = """\
-Every configuration field (set in the YAML file or as section.key=value overrides):
-"""
+# Where the commands that read a config point for its fields (910 lines: `config fields` only).
+_FIELDS_EPILOG = (
+    "Every configuration field, with its type, default and meaning: `megatron-gndpo config "
+    "fields` (also docs/CONFIG.md). Overrides are section.key=value, the value read as YAML."
+)
+# The two configs a command without --config starts from.
+RELEASE_DEFAULTS = (
+    "YAML config (default: the release defaults, with tiny models; `megatron-gndpo config show` "
+    "prints them; train's default is another: examples/tiny_cpu.yaml)"
+)
+TINY_CPU_DEFAULT = (
+    "YAML config (default: the tiny CPU example, examples/tiny_cpu.yaml, embedded as "
+    "megatron_gndpo/configs/tiny_cpu.yaml: a tiny student and teacher on built-in prompts; "
+    "`megatron-gndpo config show -c examples/tiny_cpu.yaml` prints it)"
+)
 
 
-def _add_config_args(parser: argparse.ArgumentParser, *, world_default: int | None) -> None:
-    parser.add_argument("--config", "-c", type=Path, help="YAML config (default: embedded)")
-    parser.add_argument(
-        "--world-size",
-        "-n",
-        type=int,
-        default=world_default,
-        help="number of ranks (GPUs) to plan for / validate against",
-    )
+def _add_config_args(
+    parser: argparse.ArgumentParser,
+    *,
+    config_help: str,
+    world_default: int | None = None,
+    world_help: str | None = None,
+) -> None:
+    """--config, the overrides and (``world_help``: for plan and config) --world-size."""
+    parser.add_argument("--config", "-c", type=Path, help=config_help)
+    if world_help is not None:
+        parser.add_argument("--world-size", "-n", type=int, default=world_default, help=world_help)
     parser.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="dotted config overrides"
     )
@@ -117,8 +131,9 @@ _DEMO_OPTIONS = (
            "smaller model fine-tuned briefly on its own, the regime where the sampled-token "
            "methods do not teach", choices=("pruned", "sft"), default="pruned"),
     option("--stability", "the stability study instead: a near-teacher student, outlier "
-           "batches every 10th step, OPD vs GNDPO and GNDPO's two halves over 2 seeds (about 15 "
-           "minutes)", action="store_true"),
+           "batches every 10th step, OPD vs GNDPO and GNDPO's two halves over 2 seeds (about 7 "
+           "minutes on 2 CPU cores, docs/demo/RESULTS.md; --cache-dir runs/demo/cache reuses the "
+           "demo's teacher)", action="store_true"),
     option("--engine", "where rollouts are sampled: the built-in generator, or a real vLLM "
            "(the vLLM tier; each method runs in its own process)",
            choices=("builtin", "vllm"), default="builtin"),
@@ -129,14 +144,11 @@ _DEMO_OPTIONS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fields = _EPILOG_HEAD + format_fields(names=config_names())
-    # the commands that read a config list every field after their own options
-    documented: dict[str, Any] = dict(
-        epilog=fields, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    documented: dict[str, Any] = dict(epilog=_FIELDS_EPILOG)
     parser = argparse.ArgumentParser(
         prog="megatron-gndpo",
-        description="On-policy distillation with GNDPO on megatron-core.",
+        description="On-policy distillation with GNDPO on megatron-core. `megatron-gndpo "
+        "COMMAND --help` for a command's options.",
         **documented,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -152,18 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
         "Needs no GPU and starts nothing.",
         **documented,
     )
-    _add_config_args(p_plan, world_default=8)
+    _add_config_args(
+        p_plan, config_help=RELEASE_DEFAULTS, world_default=8,
+        world_help="number of ranks (GPUs) to plan for (default: 8)",
+    )  # fmt: skip
     add_options(p_plan, *_PLAN_OPTIONS)
 
     p_train = sub.add_parser(
         "train",
-        help="run GNDPO training (launch with torchrun or srun; one process is fine on CPU)",
+        help="run GNDPO training (one process on a CPU; several under `megatron-gndpo launch` "
+        "or srun)",
         description="Train the student against the teacher. Launch one process per GPU with "
-        "torchrun or Slurm's srun; without a launcher it runs as a single process. Resumes from "
-        "the newest checkpoint in the save directory automatically.",
+        "`megatron-gndpo launch` (torchrun) or Slurm's srun, which set the number of ranks; "
+        "without a launcher it runs as a single process. Resumes from the newest checkpoint in "
+        "the save directory automatically. Ctrl-C (or SIGTERM) stops after the current step "
+        "with a checkpoint; a second Ctrl-C stops at once.",
         **documented,
     )
-    _add_config_args(p_train, world_default=None)
+    _add_config_args(p_train, config_help=TINY_CPU_DEFAULT)
 
     p_convert = sub.add_parser(
         "convert",
@@ -199,10 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p_cfg = sub.add_parser(
-        "config", help="show, validate or document the configuration", **documented
+        "config",
+        help="show, validate or document the configuration",
+        description="show: print the resolved configuration (defaults, then the --config file, "
+        "then the overrides) as YAML, every field included. validate: check it (against "
+        "--world-size ranks when given) and say `config is valid`, or name what is wrong and "
+        "the fix. fields: every field with its type, default and meaning. Without --config "
+        "both start from the release defaults, as plan does; train's default is the tiny CPU "
+        "example (`config show -c examples/tiny_cpu.yaml`).",
+        **documented,
     )
-    p_cfg.add_argument("action", choices=("show", "validate", "fields"))
-    _add_config_args(p_cfg, world_default=None)
+    p_cfg.add_argument(
+        "action", choices=("show", "validate", "fields"), help="show, validate or fields (above)"
+    )
+    _add_config_args(
+        p_cfg, config_help=RELEASE_DEFAULTS,
+        world_help="validate against this many ranks (GPUs) too (default: no rank-count checks)",
+    )  # fmt: skip
 
     p_demo = sub.add_parser(
         "demo",

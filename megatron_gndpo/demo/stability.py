@@ -93,7 +93,7 @@ class StabilitySettings:
 
 
 def stability_settings(quick: bool) -> StabilitySettings:
-    """The full study fits 15 minutes on 2 CPU cores with cached models; quick about one.
+    """The full study took 7 minutes on 2 CPU cores (docs/demo/RESULTS.md); quick about one.
 
     lr 2e-4 as the main demo; clip 100: above every pre-clip norm of these runs (the largest
     was ~20, docs/demo/RESULTS.md), so no step is clipped. The outlier steps' chains have 4
