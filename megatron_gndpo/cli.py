@@ -337,7 +337,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     d = cfg.rollout.disaggregate
     env = init_distributed(timeout_s=timeout_s, rollout_ranks=d.ranks)
     rollout_rank = 0 < d.ranks < env.world_size and env.rank >= env.world_size - d.ranks
-    watchdog, lock = None, None
+    watchdog, lock, code = None, None, 0
     if env.world_size > 1 and t.heartbeat_timeout_s > 0:
         watchdog = Watchdog(env, t.heartbeat_timeout_s)
     try:
@@ -359,6 +359,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if env.rank == 0:  # only once the run has started: a failed resume keeps the old one
                 print(f"resolved config written to {save_resolved(cfg, cfg.logging.run_dir)}")
             trainer.train()
+            if trainer.interrupted:  # a first Ctrl-C: stopped after a step, and saved it
+                code = _interrupted("train", saved=(trainer.step_count, trainer.c.save_dir))
     except UserError as err:
         report_error(str(err))  # once for the job, while the other ranks can still be asked
         if watchdog is not None:
@@ -379,7 +381,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if lock is not None:
             lock.release()
         shutdown_distributed()
-    return 0
+    return code
 
 
 def _say_lost_rank(rank: int, gone: str) -> None:
@@ -557,15 +559,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             notices.restore()
 
 
-def _interrupted(command: str) -> int:
-    """One line for Ctrl-C (on the launcher's rank 0: every rank gets the signal), exit 130."""
+def _interrupted(command: str, saved: tuple[int, Path] | None = None) -> int:
+    """One line for Ctrl-C (on the launcher's rank 0: every rank gets the signal), exit 130.
+    ``saved``: train stopped on the first Ctrl-C, after saving (step, save directory)."""
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        resume = (
-            ": the checkpoints already written are intact, and the same command resumes from "
-            "the newest"
-            if command == "train"
-            else ""
-        )
+        if saved is not None:
+            resume = (
+                f": step {saved[0]} is saved in {saved[1]}, and the same command resumes from it"
+            )
+        elif command == "train":  # a second Ctrl-C, or one before the first step
+            resume = (
+                ": the checkpoints already written are intact, and the same command resumes "
+                "from the newest (a single Ctrl-C during training saves the step first)"
+            )
+        else:
+            resume = ""
         print(f"megatron-gndpo: interrupted (Ctrl-C){resume}", file=sys.stderr, flush=True)
     return 128 + signal.SIGINT
 

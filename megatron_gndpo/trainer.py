@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -70,15 +72,26 @@ _OPTIONAL_KEYS = ("guidance/kl_mean",)
 
 
 class _StopRequest:
-    """SIGTERM/SIGUSR1 set a flag; every rank stops at the same step (one all-reduce)."""
+    """SIGTERM/SIGUSR1 and a first Ctrl-C (SIGINT) set a flag; every rank stops at the same step
+    (one all-reduce), with a checkpoint. A second Ctrl-C stops at once (KeyboardInterrupt)."""
 
-    _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested = False
+        self.interrupted = False  # by Ctrl-C
         self.previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+                print(
+                    "megatron-gndpo: Ctrl-C: stopping after this step, with a checkpoint "
+                    "(Ctrl-C again stops at once)", file=sys.stderr, flush=True,
+                )  # fmt: skip
         self.requested = True
 
     def agreed(self) -> bool:
@@ -103,6 +116,7 @@ class Trainer:
         self.method = build_method(cfg.algorithm)  # what differs between estimators
         self.params = SamplingParams.from_config(cfg.rollout, eos_id=self.c.tokenizer.eos_id)
         self.step_count = 0
+        self.interrupted = False  # train() ended on a Ctrl-C (after saving)
         self._syncs = 0  # weight syncs into an external engine so far
         self.stability = StabilityMonitor(clip=cfg.optimizer.clip_grad)  # checkpointed
         self.ending = EndingWatch(cfg.rollout.max_response_length, self.method.never_stops_advice)
@@ -240,10 +254,12 @@ class Trainer:
         """Steps until ``trainer.steps``, with logging, evaluation and a final checkpoint.
 
         SIGTERM or SIGUSR1 (Slurm's warning before preemption or the time limit) ends the run
-        after the current step, with a checkpoint the requeued job resumes from.
+        after the current step, with a checkpoint the requeued job resumes from; so does a
+        first Ctrl-C (``interrupted`` is then True), a second one stops at once.
         """
         history = []
         stop = _StopRequest()
+        self.interrupted = False
         if self.step_count >= self.cfg.trainer.steps:
             self._say(
                 f"{self.c.save_dir} is already at step {self.step_count} of "
@@ -258,12 +274,14 @@ class Trainer:
             bar.update(1)
             history.append(metrics)
             if stop.agreed():
-                self._say(f"stop requested: saving at step {self.step_count} and exiting")
+                if not stop.interrupted:  # Ctrl-C said it already, and says the rest at the end
+                    self._say(f"stop requested: saving at step {self.step_count} and exiting")
                 break
         stop.restore()
         bar.close()
         if not self.checkpoints.due(self.step_count):  # not saved by the last step
             self._save()
+        self.interrupted = stop.interrupted
         if self.pipeline is not None:
             self.pipeline.stop()  # the rollout ranks end their loop
         self.c.logger.close()

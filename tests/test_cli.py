@@ -400,3 +400,35 @@ def test_plan_refuses_hardware_numbers_that_are_not_finite(
         main(["plan", "--gpu-memory-gib", "inf"])
     assert exc.value.code == 2
     assert "--gpu-memory-gib: must be a finite number > 0, got inf" in capsys.readouterr().err
+
+
+@pytest.mark.megatron
+def test_the_first_ctrl_c_during_train_saves_the_step(tmp_path: Path) -> None:
+    """Issue 48, probe 15: Ctrl-C during ``train`` stopped without saving (SIGTERM saved). The
+    first Ctrl-C now ends the step, saves it and says so; exit 130 as for any Ctrl-C."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_gndpo.cli", "train", f"logging.run_dir={run_dir}",
+         "trainer.steps=1000"],
+        cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    saved = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert err.endswith(
+        "megatron-gndpo: Ctrl-C: stopping after this step, with a checkpoint (Ctrl-C again stops "
+        f"at once)\nmegatron-gndpo: interrupted (Ctrl-C): step {saved} is saved in "
+        f"{run_dir / 'checkpoints'}, and the same command resumes from it\n"
+    ), err[-3000:]
