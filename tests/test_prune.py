@@ -230,8 +230,10 @@ def test_output_and_inputs_are_checked_before_loading(
     assert main([*base, "--out", str(mine), "--calib-data", "builtin:arithmetic"]) == 2
     assert "is not empty (it holds notes.txt); name a new directory" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me"
-    assert main([*base, "--out", str(tmp / "new")]) == 2
-    assert "prune needs calibration prompts: --calib-data" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse: --calib-data is required
+        main([*base, "--out", str(tmp / "new")])
+    assert exc.value.code == 2
+    assert "the following arguments are required: --calib-data" in capsys.readouterr().err
     no_tok = ["prune", "--teacher", teacher, "--num-layers", "2", "--out", str(tmp / "n2"),
               "--calib-data", "builtin:arithmetic"]  # fmt: skip
     assert main(no_tok) == 2
@@ -285,3 +287,47 @@ def test_the_student_never_replaces_the_teacher_a_run_or_other_files(
         assert code == 2 and message in err, (out, err)
         assert err.count("\n") == 1 and "name a new directory" in err, err
     assert _files(tmp_path) == before  # nothing written, nothing deleted
+
+
+def test_a_request_is_checked_before_loading_and_errors_name_prunes_own_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 48, probe 15: a bad --num-layers was refused only after ~40 s of loading; prune's
+    hints named train's settings (data.prompt_key, checkpoint.start_fresh); --calib-data was
+    shown as optional."""
+    from megatron_gndpo.checkpoint.convert import describe_checkpoints
+    from megatron_gndpo.cli import main
+
+    teacher = tmp_path / "teacher"
+    _saved_step(teacher, 0, has_optimizer=False)
+    describe_checkpoints(teacher, tiny_model(**_TEACHER))  # its architecture; no weights
+    base = ["prune", "--teacher", str(teacher), "--out", str(tmp_path / "student")]
+    calib = ["--calib-data", "builtin:arithmetic"]
+
+    def error(*args: str) -> str:
+        assert main([*base, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        return err
+
+    # before the tokenizer (which does not exist here) or anything else is loaded
+    err = error("--num-layers", "9", "--tokenizer", str(tmp_path / "none.model"), *calib)
+    assert "--num-layers 9: the teacher has 4 layers; keep 1 to 3" in err
+    err = error("--num-layers", "2", "--tokenizer", str(tmp_path / "none.model"), *calib)
+    assert "none.model does not exist; set --tokenizer to an existing .model file" in err
+    err = error("--keep-layers", "0,7", "--tokenizer", str(tmp_path / "none.model"), *calib)
+    assert "--keep-layers 0,7: name distinct teacher layers in increasing order, each 0 to 3" in err
+    prompts = tmp_path / "calib.jsonl"
+    prompts.write_text('{"question": "1 + 1 = ?"}\n')
+    err = error("--num-layers", "2", "--tokenizer", "builtin:char", "--calib-data", str(prompts))
+    assert "no 'prompt' field; the record has ['question']. Set --calib-prompt-key to" in err
+    err = error("--num-layers", "2", "--tokenizer", "builtin:char", "--calib-data", "x.jsonl")
+    assert "fix --calib-data, or use builtin:arithmetic" in err and "data.train" not in err
+    (teacher / "latest").write_text("zero\n")
+    err = error("--num-layers", "2", "--tokenizer", "builtin:char", *calib)
+    assert "is corrupt (holds 'zero'" in err and "checkpoint.start_fresh" not in err
+    assert "or name a complete iter_* step directory instead of its root" in err
+    with pytest.raises(SystemExit):
+        main(["prune", "--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    assert "--calib-data CALIB_DATA" in usage and "[--calib-data" not in usage

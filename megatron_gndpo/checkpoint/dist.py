@@ -102,20 +102,26 @@ def training_steps(root: str | Path) -> list[int]:
     return steps
 
 
-def latest_step(root: str | Path) -> int | None:
-    """The newest complete step under ``root`` (its ``latest`` file), or None when there is none."""
+# What a run resuming from its own save directory may do instead of repairing `latest`.
+START_FRESH = "set checkpoint.start_fresh=true to move the iterations aside and start at step 1"
+
+
+def latest_step(root: str | Path, *, instead: str | None = None) -> int | None:
+    """The newest complete step under ``root`` (its ``latest`` file), or None when there is none.
+    A corrupt ``latest`` is a CheckpointError naming the fix: repair it, name a step directory
+    instead of the root, or ``instead`` (a resuming run: :data:`START_FRESH`)."""
     marker = Path(root) / _LATEST
     if not marker.is_file():
         return None
     text = marker.read_text().strip()
     steps = complete_steps(root)
+    other = instead or "name a complete iter_* step directory instead of its root"
     if not text.isdigit():
         newest = f"; the newest complete step is {steps[-1]}" if steps else ""
         raise CheckpointError(
             f"{marker} is corrupt (holds {text!r}, expected a step number){newest}. Write the "
             f"step of a complete iter_* directory into it (echo {steps[-1] if steps else 'N'} > "
-            f"{marker}), or set checkpoint.start_fresh=true to move the existing iterations "
-            "aside and start at step 1"
+            f"{marker}), or {other}"
         )
     step = int(text)
     if step not in steps:
@@ -123,7 +129,7 @@ def latest_step(root: str | Path) -> int | None:
         fix = (
             f"point it at the newest older complete step (echo {older[-1]} > {marker})"
             if older
-            else "set checkpoint.start_fresh=true to move what is there aside and start at step 1"
+            else other
         )
         raise CheckpointError(
             f"{marker} names step {step} but {step_dir(root, step)} is incomplete or missing; "

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gndpo.checkpoint.dist import (
+    START_FRESH,
     TRACKERS,
     CheckpointError,
     CorruptCheckpointError,
@@ -93,7 +94,7 @@ def plan_start(ck: CheckpointConfig, save_dir: Path) -> StartPlan:
             "at step 1 anyway, set checkpoint.start_fresh=true (the iterations are moved into "
             f"{save_dir}/{_ASIDE_PREFIX}<time>/ first, none is deleted)"
         )
-    step = latest_step(save_dir)  # a corrupt `latest` is an error naming the fix
+    step = latest_step(save_dir, instead=START_FRESH)  # a corrupt `latest`: names the fix
     assert step is not None
     older = [s for s in reversed(steps) if s <= step]
     return StartPlan(

@@ -129,19 +129,29 @@ BUILTIN_ROUTED: dict[str, Callable[[], list[tuple[str, str, str]]]] = {"mixed": 
 # Loading
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptOptions:
+    """The settings an error message names as the fix: the config keys of ``train``, or the
+    options of another command (``prune``: ``--calib-data``, ``--calib-prompt-key``)."""
+
+    file: str = "data.train / data.eval"
+    prompt_key: str = "data.prompt_key"
+
+
 def load_prompts(
     spec: str,
     *,
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     source_key: str | None = None,
+    named_by: PromptOptions = PromptOptions(),
 ) -> list[PromptExample]:
     """The prompts named by ``spec``: a ``.jsonl`` file, a ``.parquet`` file or ``builtin:NAME``.
 
     Each JSONL line (blank lines aside) and each Parquet row is one record; ``prompt_key`` names
     its prompt (a non-empty string), ``answer_key`` its reference answer (optional; numbers are
     turned into text), ``source_key`` (when given) its routing value (an optional string: the
-    teacher that scores it).
+    teacher that scores it). ``named_by``: the settings the errors name as the fix.
     """
     if spec.startswith(BUILTIN_PREFIX):
         return _load_builtin(spec[len(BUILTIN_PREFIX) :], routed=source_key is not None)
@@ -155,7 +165,7 @@ def load_prompts(
     why = not_a_file(path)
     if why is not None:
         raise MissingFileError(
-            f"prompt file {why}; fix data.train / data.eval, or use builtin:arithmetic for the "
+            f"prompt file {why}; fix {named_by.file}, or use builtin:arithmetic for the "
             "built-in task"
         )
     examples = [
@@ -166,6 +176,7 @@ def load_prompts(
             answer_key=answer_key,
             index=index,
             source_key=source_key,
+            key_option=named_by.prompt_key,
         )
         for index, (where, record) in enumerate(file_records(path))
     ]
@@ -288,11 +299,12 @@ def _example(
     answer_key: str,
     index: int,
     source_key: str | None = None,
+    key_option: str = "data.prompt_key",
 ) -> PromptExample:
     if prompt_key not in record:
         raise DataError(
             f"{where}: no {prompt_key!r} field; the record has {sorted(record)}. Set "
-            "data.prompt_key to the field that holds the prompt"
+            f"{key_option} to the field that holds the prompt"
         )
     prompt = record[prompt_key]
     if not isinstance(prompt, str):

@@ -171,13 +171,15 @@ class SentencePieceTokenizer:
     padding piece, EOS pads.
     """
 
-    def __init__(self, model_file: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, model_file: str | os.PathLike[str], *, setting: str = "data.tokenizer"
+    ) -> None:
         import sentencepiece as spm
 
         path = Path(model_file)
         if not path.is_file():
             raise MissingFileError(
-                f"SentencePiece model {path} does not exist; set data.tokenizer to an existing "
+                f"SentencePiece model {path} does not exist; set {setting} to an existing "
                 ".model file"
             )
         self._path = path
@@ -256,16 +258,18 @@ class HFTokenizer:
     base vocabulary plus added tokens.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, setting: str = "data.tokenizer"
+    ) -> None:
         path = Path(directory)
         if not path.is_dir():
             raise MissingFileError(
-                f"Hugging Face tokenizer directory {path} does not exist; set data.tokenizer to "
+                f"Hugging Face tokenizer directory {path} does not exist; set {setting} to "
                 "a directory holding tokenizer.json / tokenizer_config.json"
             )
         if not any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
             raise MissingFileError(
-                f"{path} holds none of {', '.join(_HF_TOKENIZER_FILES)}; point data.tokenizer "
+                f"{path} holds none of {', '.join(_HF_TOKENIZER_FILES)}; point {setting} "
                 "at the directory where the tokenizer was saved (tokenizer.save_pretrained)"
             )
         _check_tokenizer_json(path / "tokenizer.json")
@@ -364,8 +368,9 @@ def _check_tokenizer_json(path: Path) -> None:
         )
 
 
-def load_tokenizer(spec: str | None) -> Tokenizer:
-    """The tokenizer named by ``data.tokenizer``.
+def load_tokenizer(spec: str | None, *, setting: str = "data.tokenizer") -> Tokenizer:
+    """The tokenizer named by ``data.tokenizer`` (``setting``: what the errors name as the fix,
+    such as prune's ``--tokenizer``).
 
     Accepted forms: ``None`` or ``"builtin:char"`` (``CharTokenizer``), a path ending in
     ``.model`` (``SentencePieceTokenizer``), a directory (``HFTokenizer``; a directory with a
@@ -379,14 +384,14 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
         "'.model' file, or a Hugging Face tokenizer directory"
     )
     if spec.startswith("builtin:"):
-        raise DataError(f"unknown built-in tokenizer {spec!r}; data.tokenizer accepts {accepted}")
+        raise DataError(f"unknown built-in tokenizer {spec!r}; {setting} accepts {accepted}")
     if spec.endswith(".model"):
-        return SentencePieceTokenizer(spec)
+        return SentencePieceTokenizer(spec, setting=setting)
     if Path(spec).is_dir():
         sentencepiece = _sentencepiece_directory(Path(spec))
-        return HFTokenizer(spec) if sentencepiece is None else SentencePieceTokenizer(sentencepiece)
+        if sentencepiece is not None:
+            return SentencePieceTokenizer(sentencepiece, setting=setting)
+        return HFTokenizer(spec, setting=setting)
     if not Path(spec).exists():
-        raise MissingFileError(
-            f"tokenizer {spec!r} does not exist; data.tokenizer accepts {accepted}"
-        )
-    raise DataError(f"cannot tell which tokenizer {spec!r} is; data.tokenizer accepts {accepted}")
+        raise MissingFileError(f"tokenizer {spec!r} does not exist; {setting} accepts {accepted}")
+    raise DataError(f"cannot tell which tokenizer {spec!r} is; {setting} accepts {accepted}")

@@ -37,8 +37,11 @@ _OPTIONS = (
     option("--importance", "kl: drop, one at a time, the layer whose removal moves the output "
            "least (greedy; default); cosine: Block Importance from one forward (faster on deep "
            "models)", choices=["kl", "cosine"], default="kl"),
-    option("--calib-data", "calibration prompts: a .jsonl/.parquet prompt file or builtin:NAME; "
-           "the teacher's greedy answers to them are the calibration text", default=None),
+    option("--calib-data", "calibration prompts (required): a .jsonl/.parquet prompt file or "
+           "builtin:NAME; the teacher's greedy answers to them are the calibration text",
+           required=True),
+    option("--calib-prompt-key", "the field of a --calib-data record that holds its prompt "
+           "(default: prompt)", default="prompt"),
     option("--calib-samples", f"calibration prompts used (the first N; default {CALIB_SAMPLES})",
            type=int, default=CALIB_SAMPLES),
     option("--calib-new-tokens", "length limit of the teacher's calibration answers (default 64)",
@@ -90,27 +93,36 @@ def main(args: argparse.Namespace) -> int:
     notices.quiet_known_notices()
     from megatron_gndpo.checkpoint.convert import read_model_config_file
     from megatron_gndpo.compat import cpu
-    from megatron_gndpo.data.datasets import load_prompts
+    from megatron_gndpo.data.datasets import PromptOptions, load_prompts
     from megatron_gndpo.data.tokenizer import load_tokenizer
-    from megatron_gndpo.prune.run import PruneError, check_output, prune_checkpoint
+    from megatron_gndpo.prune.run import (
+        PruneError,
+        check_output,
+        check_shape,
+        prune_checkpoint,
+        teacher_architecture,
+    )
 
     check_output(args.out, args.overwrite, args.teacher)  # before anything is loaded
-    if args.calib_data is None:
-        raise PruneError(
-            "prune needs calibration prompts: --calib-data FILE.jsonl (or builtin:NAME), "
-            "prompts like the ones the student will be trained on"
-        )
     if args.calib_samples < 1 or args.calib_new_tokens < 1:
         raise PruneError("--calib-samples and --calib-new-tokens must be at least 1")
-    tokenizer = load_tokenizer(_tokenizer_spec(args.teacher, args.tokenizer))
-    prompts = [e.prompt for e in load_prompts(args.calib_data)[: args.calib_samples]]
+    model = None if args.model_config is None else read_model_config_file(args.model_config)
+    check_shape(  # the architecture beside the checkpoint is enough: before any weight is read
+        teacher_architecture(args.teacher, model), num_layers=args.num_layers or 0,
+        keep_layers=args.keep_layers, ffn_hidden_size=args.ffn_hidden_size,
+    )  # fmt: skip
+    tokenizer = load_tokenizer(_tokenizer_spec(args.teacher, args.tokenizer), setting="--tokenizer")
+    examples = load_prompts(
+        args.calib_data, prompt_key=args.calib_prompt_key,
+        named_by=PromptOptions(file="--calib-data", prompt_key="--calib-prompt-key"),
+    )  # fmt: skip
+    prompts = [e.prompt for e in examples[: args.calib_samples]]
     cpu.enable_if_no_cuda()
     result = prune_checkpoint(  # in a one-process world of its own
         args.teacher, args.out, num_layers=args.num_layers or 0, tokenizer=tokenizer,
         prompts=prompts, ffn_hidden_size=args.ffn_hidden_size, keep_layers=args.keep_layers,
         importance=args.importance, max_new_tokens=args.calib_new_tokens,
-        overwrite=args.overwrite, dtype=args.dtype,
-        model=None if args.model_config is None else read_model_config_file(args.model_config),
+        overwrite=args.overwrite, dtype=args.dtype, model=model,
     )  # fmt: skip
     m = result.model
     print(

@@ -28,7 +28,7 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -223,7 +223,7 @@ def prune_checkpoint(
 
     out = Path(out)
     check_output(out, overwrite, teacher)
-    saved = _read_teacher(teacher, model, dtype)
+    saved = _read_teacher(teacher, model, dtype or "saved")
     model = saved.model
     num_layers = _check_request(
         model, tokenizer, num_layers=num_layers, keep_layers=keep_layers,
@@ -269,17 +269,24 @@ def prune_checkpoint(
 
 
 def _read_teacher(
-    teacher: str | Path, model: ModelConfig | None, dtype: Dtype | None
+    teacher: str | Path, model: ModelConfig | None, dtype: Dtype | Literal["saved"] | None
 ) -> SavedModel:
-    """The teacher checkpoint and its architecture (``model`` when given), in ``dtype`` or the
-    dtype it was saved in; a CheckpointError or PruneError before anything is built."""
-    saved = saved_model(teacher, model, dtype=dtype or "saved")
+    """The teacher checkpoint and its architecture (``model`` when given), in ``dtype`` ("saved":
+    the dtype it was saved in; None: as the architecture says, reading no tensor); a
+    CheckpointError or PruneError before anything is built."""
+    saved = saved_model(teacher, model, dtype=dtype)
     if (saved.root / VISION_CONFIG_FILE).is_file():
         raise PruneError(
             f"{teacher} is a vision-language checkpoint; prune takes text models (prune the "
             "language model of a VLM through the demo's multimodal recipe, or ModelOpt)"
         )
     return saved
+
+
+def teacher_architecture(teacher: str | Path, model: ModelConfig | None = None) -> ModelConfig:
+    """The teacher checkpoint's architecture (``model`` when given, else what is beside it),
+    read without touching its weights: what :func:`check_shape` checks a request against."""
+    return _read_teacher(teacher, model, dtype=None).model
 
 
 def _check_request(
@@ -300,6 +307,21 @@ def _check_request(
         )
     if not calibrated:
         raise PruneError("pruning needs calibration prompts (--calib-data) or sequences")
+    return check_shape(
+        model, num_layers=num_layers, keep_layers=keep_layers, ffn_hidden_size=ffn_hidden_size
+    )
+
+
+def check_shape(
+    model: ModelConfig,
+    *,
+    num_layers: int,
+    keep_layers: Sequence[int] | None,
+    ffn_hidden_size: int | None,
+) -> int:
+    """How many of the teacher ``model``'s layers the student keeps (``--num-layers`` or
+    ``--keep-layers``, and ``--ffn-hidden-size``), or a PruneError naming the fix; needs only
+    the architecture, so the command checks it before loading anything."""
     width_only = ffn_hidden_size is not None  # then every layer may stay
     if keep_layers is not None:
         _check_keep(keep_layers, model.num_layers, width_only)
