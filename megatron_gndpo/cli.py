@@ -331,6 +331,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
 
     cfg = load_config(args.config or TINY_CPU, args.overrides)  # config errors before start-up
+    notices.name_gpt_models(_gpt_models(cfg))
     t = cfg.trainer
     # A timeout <= 0 is reported by validate() below, once for the job: start with the default
     timeout_s = t.collective_timeout_s if t.collective_timeout_s > 0 else DEFAULT_TIMEOUT_S
@@ -382,6 +383,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
             lock.release()
         shutdown_distributed()
     return code
+
+
+def _gpt_models(cfg: Config) -> list[str]:
+    """The config sections of the models this run builds as a GPTModel (model_class=gpt)."""
+    sections = [("model", cfg.model)] + [
+        (f"{key}.model", t.model) for key, t in teacher_sections(cfg) if t.server is None
+    ]
+    return [key for key, model in sections if model.model_class == "gpt"]
 
 
 def _say_lost_rank(rank: int, gone: str) -> None:

@@ -529,12 +529,42 @@ def test_known_megatron_notices_are_collected(caplog: pytest.LogCaptureFixture) 
     # megatron's deprecation notice is collected, and replaced by one line of ours, once
     assert not any(m.startswith("GPTModel IS DEPRECATED") for m in messages)
     assert messages.count(notices.GPT_DEPRECATION[1]) == 1
-    assert "model.model_class=hybrid" in notices.GPT_DEPRECATION[1]
+    assert "set its model_class=hybrid" in notices.GPT_DEPRECATION[1]
     assert collected == [
         "megatron.core.models.gpt.gpt_model: GPTModel IS DEPRECATED. GPTModel is only accepting "
         "critical fixes"
     ]
     assert messages.count("something else entirely") == 2  # unknown messages are not touched
+
+
+def test_the_gptmodel_line_names_the_models_that_run_as_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 48, probe 15: with model.model_class=hybrid the teacher still builds a GPTModel,
+    and the line told the user to set model.model_class=hybrid, which was set."""
+    import logging
+
+    from megatron_gndpo.cli import _gpt_models
+    from megatron_gndpo.compat import notices
+    from megatron_gndpo.config import load_config
+
+    cfg = load_config(TINY, ["model.model_class=hybrid"])
+    assert _gpt_models(cfg) == ["teacher.model"]
+    assert _gpt_models(load_config(TINY)) == ["model", "teacher.model"]
+    notices.quiet_known_notices()
+    try:
+        notices.name_gpt_models(_gpt_models(cfg))
+        with caplog.at_level(logging.WARNING):
+            logging.getLogger("megatron.core.models.gpt.gpt_model").warning(
+                "GPTModel IS DEPRECATED. GPTModel is only accepting critical fixes"
+            )
+    finally:
+        notices.restore()
+    assert [r.getMessage() for r in caplog.records] == [
+        "megatron-core's GPTModel runs teacher.model (model_class=gpt), which megatron-core "
+        "deprecates: set teacher.model.model_class=hybrid to run the same layers as a "
+        "HybridModel (same log-probs; gpt checkpoints load into it)"
+    ]
 
 
 def _warn_known_and_unknown() -> None:

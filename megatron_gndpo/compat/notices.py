@@ -24,20 +24,33 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 NOTICES_FILE = "upstream_notices.log"
 SHOW_ENV = "MEGATRON_GNDPO_NOTICES"
 
+
+def gpt_deprecation(sections: Sequence[str] = ()) -> str:
+    """Our line instead of megatron-core's GPTModel notice: which models run as a GPTModel (the
+    config ``sections`` with model_class=gpt, such as ``teacher.model``; unnamed when the command
+    does not know) and how to switch."""
+    if not sections:
+        which, fix = "a model of this command", "set its model_class=hybrid"
+    else:
+        which = " and ".join(sections)
+        fix = "set " + " and ".join(f"{s}.model_class=hybrid" for s in sections)
+    return (
+        f"megatron-core's GPTModel runs {which} (model_class=gpt), which megatron-core "
+        f"deprecates: {fix} to run the same layers as a HybridModel (same log-probs; gpt "
+        "checkpoints load into it)"
+    )
+
+
 # megatron-core 0.19 logs "GPTModel IS DEPRECATED ... migration guide ..." on every GPTModel
-# build; this line says it instead, once: which class runs and how to switch.
-GPT_DEPRECATION = (
-    "GPTModel IS DEPRECATED",
-    "megatron-core's GPTModel runs this model (model.model_class=gpt), which megatron-core "
-    "deprecates: set model.model_class=hybrid to run the same layers as a HybridModel "
-    "(same log-probs; gpt checkpoints load into it)",
-)
+# build; our line says it instead, once: which model runs as one and how to switch.
+GPT_DEPRECATION = ("GPTModel IS DEPRECATED", gpt_deprecation())
 # (logger, start of the message) of notices logged on every build.
 KNOWN_LOGGED = (
     ("megatron.core.models.gpt.gpt_model", GPT_DEPRECATION[0]),
@@ -227,6 +240,15 @@ def quiet_known_notices() -> bool:
     _SHOWWARNING.append(warnings.showwarning)
     warnings.showwarning = _KnownWarnings(warnings.showwarning, collector)
     return True
+
+
+def name_gpt_models(sections: Sequence[str]) -> None:
+    """The config sections whose model runs as a GPTModel (``model``, ``teacher.model``...):
+    the GPTModel line names them (with ``model.model_class=hybrid`` the teacher may still be
+    one). After :func:`quiet_known_notices`."""
+    for _, collect in _INSTALLED:
+        if collect.prefix == GPT_DEPRECATION[0]:
+            collect.instead = gpt_deprecation(sections)
 
 
 def log_to(path: str | Path) -> None:
