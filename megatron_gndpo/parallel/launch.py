@@ -81,6 +81,35 @@ class _DropFailureLog(logging.Filter):
         return not message.startswith(("failed (exitcode", "Sending process"))
 
 
+HELP = """\
+usage: megatron-gndpo launch [torchrun options] train|convert ...
+
+Start the command on several processes, as torchrun does (its options, rendezvous and elastic
+agent), with one line instead of torchrun's traceback when a worker fails, and the worker's
+exit code: 2 for an error we print (`megatron-gndpo: error: ...`, once for the job), 128 + N
+for a worker killed by signal N (`megatron-gndpo: launch: rank R (...) failed first: ...`).
+
+commands:
+  train [--config FILE] [section.key=value ...]     `megatron-gndpo train --help`
+  convert hf-to-mcore|mcore-to-hf [options]         `megatron-gndpo convert DIRECTION --help`
+
+torchrun's options most runs need (every torchrun option is accepted; `python -m
+torch.distributed.run --help` lists them all):
+  --nproc-per-node N        processes on this node: one per GPU (on a CPU, any number)
+  --nnodes N                nodes in the job (MIN:MAX for an elastic range)
+  --node-rank R             this node's rank, with --master-addr/--master-port (static start)
+  --master-addr HOST        the host of rank 0 (default 127.0.0.1)
+  --master-port PORT        a free port on it (default 29500)
+  --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID
+                            a rendezvous for several nodes instead of --node-rank
+  --max-restarts N          start the workers again after a failure, N times (default 0)
+
+examples:
+  megatron-gndpo launch --nproc-per-node 2 train parallel.tensor_parallel=2
+  megatron-gndpo launch --nproc-per-node 4 convert hf-to-mcore --hf-dir HF --out CKPT --tp 2 --pp 2
+"""
+
+
 def _usage_error(message: str) -> int:
     print(f"megatron-gndpo launch: error: {message}", file=sys.stderr)
     return _USER_ERROR_EXIT
@@ -144,10 +173,7 @@ def main(argv: Sequence[str], rollout_ranks: Callable[[Sequence[str]], int] = la
 
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.split("\n\n", 2)[1].rstrip() + "\n\ntorchrun's options:\n")
-        parser = torchrun.get_args_parser()
-        parser.prog, parser.usage = "megatron-gndpo launch", "%(prog)s [options] COMMAND ..."
-        parser.print_help()
+        print(HELP, end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else _USER_ERROR_EXIT
     # torchrun's own parser: its first positional (the script) is our command
     args = torchrun.parse_args(argv)
