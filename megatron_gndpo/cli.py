@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torchrun for train/convert: the same options, one line instead of a traceback "
         "when a worker fails, and the worker's exit code",
         description="megatron-gndpo launch [torchrun options] train|convert ... "
-        "(`megatron-gndpo launch --help` lists torchrun's options)",
+        "(`megatron-gndpo launch --help`: its page)",
     )
     p_launch.add_argument(
         "rest", nargs=argparse.REMAINDER, help="torchrun's options, then the command"
