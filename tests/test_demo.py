@@ -96,10 +96,31 @@ def test_verdict_of_the_weak_student_regime_names_noise_and_no_teaching() -> Non
     text = verdict(_numbers(weak, finals, clip_active=1.0))
     assert "GNDPO did not change the greedy held-out accuracy beyond noise (0.211 -> 0.266)" in text
     assert "RLVR lowered the greedy held-out accuracy (0.211 -> 0.047" in text
-    assert "): neither." in text
+    assert "): neither. GNDPO met no part of it: greedy accuracy (+0.055: within noise " in text
+    assert "OPD met no part of it: greedy accuracy (-0.023: within noise" in text
     assert "did not reach it within the 10 steps" not in text  # no OPD lead to race
     assert "active on 100% of the steps of GNDPO and OPD" in text
     assert "Values are of one seed" in text
+
+
+def test_verdict_says_what_of_the_bar_each_method_met() -> None:
+    """Issue 48: the quick demo said "Taught the student (...): neither." on a run where GNDPO
+    raised greedy accuracy +0.30 and cut the reverse KL 82%, its sampled accuracy +0.18 short
+    of the +0.20 bar: a newcomer read "distillation failed"."""
+    start = {"greedy": 0.445, "sampled": 0.30, "reverse_kl": 0.50}
+    finals = {
+        "gndpo": {"greedy": (0.742,), "sampled": (0.48,), "reverse_kl": (0.09,)},
+        "opd": {"greedy": (0.734,), "sampled": (0.52,), "reverse_kl": (0.10,)},
+    }
+    text = verdict(_numbers(start, finals))
+    assert (
+        "): OPD. GNDPO met greedy accuracy (+0.297) and reverse KL (-82%); not sampled accuracy "
+        "(+0.180: under +0.20 and under 80% of the teacher's 0.984)." in text
+    ), text
+    finals["opd"]["sampled"] = (0.45,)
+    text = verdict(_numbers(start, finals))
+    assert "): neither in full. GNDPO met greedy accuracy (+0.297) and reverse KL (-82%); " in text
+    assert "OPD met greedy accuracy (+0.289) and reverse KL (-80%); not sampled accuracy" in text
 
 
 def test_noise_grows_with_the_seed_spread_and_never_falls_below_a_problem() -> None:

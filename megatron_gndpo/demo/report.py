@@ -347,19 +347,55 @@ def noise_between(a: dict[str, Any], b: dict[str, Any], problems: int) -> float:
     return max(1.0 / problems, math.hypot(noise_of(a, problems), noise_of(b, problems)))
 
 
-def teaches(m: dict[str, Any], start: dict[str, float], teacher: float, problems: int) -> bool:
-    """Whether a method taught the student: greedy and sampled accuracy up beyond noise, each
-    by ``MIN_GAIN`` or to ``TEACHER_SHARE`` of the teacher's, and the reverse KL at most
-    ``KL_SHARE`` of the start's."""
-    f = m["final"]
+def bar_parts(
+    m: dict[str, Any], start: dict[str, float], teacher: float, problems: int
+) -> list[tuple[bool, str]]:
+    """The three parts of the bar for one method, each ``(met, in words)``: greedy and sampled
+    accuracy up beyond noise, each by ``MIN_GAIN`` or to ``TEACHER_SHARE`` of the teacher's;
+    the reverse KL at most ``KL_SHARE`` of the start's."""
+    f, parts = m["final"], []
     for measure in ("greedy", "sampled"):
         mean, base = f[measure]["mean"], start[measure]
-        if math.isnan(mean) or mean - base <= noise_of(f[measure], problems):
-            return False
-        if mean - base < MIN_GAIN and mean < TEACHER_SHARE * teacher:
-            return False
-    kl = f["reverse_kl"]["mean"]
-    return not math.isnan(kl) and kl <= KL_SHARE * start["reverse_kl"]
+        if math.isnan(mean):
+            parts.append((False, f"{measure} accuracy (not measured)"))
+            continue
+        delta, noise = mean - base, noise_of(f[measure], problems)
+        words = f"{measure} accuracy ({delta:+.3f}"
+        if delta <= noise:
+            parts.append((False, f"{words}: within noise {noise:.3f})"))
+        elif delta < MIN_GAIN and mean < TEACHER_SHARE * teacher:
+            parts.append((False, f"{words}: under +{MIN_GAIN:.2f} and under {TEACHER_SHARE:.0%} "
+                                 f"of the teacher's {teacher:.3f})"))  # fmt: skip
+        else:
+            parts.append((True, f"{words})"))
+    kl, base = f["reverse_kl"]["mean"], start["reverse_kl"]
+    if math.isnan(kl) or base <= 0:
+        parts.append((False, "reverse KL (not measured)"))
+    else:
+        words = f"reverse KL ({kl / base - 1.0:+.0%}"
+        met = kl <= KL_SHARE * base
+        parts.append(
+            (met, f"{words})" if met else f"{words}: above {KL_SHARE:.0%} of the start's)")
+        )
+    return parts
+
+
+def teaches(m: dict[str, Any], start: dict[str, float], teacher: float, problems: int) -> bool:
+    """Whether a method taught the student: every part of :func:`bar_parts` met."""
+    return all(met for met, _ in bar_parts(m, start, teacher, problems))
+
+
+def _and(words: list[str]) -> str:
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else words[0]
+
+
+def _short_of_the_bar(name: str, parts: list[tuple[bool, str]]) -> str:
+    """What of the bar a method that did not meet all of it met, and what it missed."""
+    met = [words for ok, words in parts if ok]
+    missed = [words for ok, words in parts if not ok]
+    if not met:
+        return f"{_display(name)} met no part of it: {_and(missed)}."
+    return f"{_display(name)} met {_and(met)}; not {_and(missed)}."
 
 
 def _learning_sentence(name: str, m: dict[str, Any], start: dict[str, float],
@@ -457,8 +493,12 @@ def verdict(numbers: dict[str, Any]) -> str:
         f"{KL_SHARE:.0%} of the start's"
     )
     if distill:
-        who = " and ".join(_display(x) for x in taught) or "neither"
-        lines.append(f"Taught the student ({bar}): {who}.")
+        parts = {x: bar_parts(methods[x], start, teacher, n) for x in distill if x not in taught}
+        some = any(met for p in parts.values() for met, _ in p)  # the bar met in part
+        nobody = "neither" if len(distill) > 1 else "no"
+        who = " and ".join(_display(x) for x in taught) or (f"{nobody} in full" if some else nobody)
+        short = [_short_of_the_bar(x, p) for x, p in parts.items()]
+        lines.append(" ".join([f"Taught the student ({bar}): {who}.", *short]))
     if len(distill) == 2:
         g, o = (methods[x]["final"]["greedy"] for x in distill)
         apart = abs(g["mean"] - o["mean"]) > noise_between(g, o, n)
