@@ -186,6 +186,11 @@ def test_help_says_which_config_each_command_starts_from(
     assert "show: print the resolved configuration" in helps["config"]
     assert "validate: check it" in helps["config"] and "fields: every field" in helps["config"]
     assert "number of ranks (GPUs) to plan for (default: 8)" in helps["plan"]
+    with pytest.raises(SystemExit):  # the README's measured time, not an older 15 minutes
+        main(["demo", "--help"])
+    assert "over 2 seeds (about 7 minutes on 2 CPU cores" in " ".join(
+        capsys.readouterr().out.split()
+    )
 
 
 def test_undocumented_field_is_reported_with_an_empty_doc() -> None:
