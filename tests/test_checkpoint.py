@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_gndpo.checkpoint.dist import (
+    START_FRESH,
     CheckpointError,
     latest_step,
     resolve,
@@ -388,10 +389,14 @@ def test_latest_errors_point_at_a_complete_step_not_at_deleting(tmp_path: Path) 
     _fake_step(tmp_path, 3)
     (tmp_path / "latest").write_text("garbage")
     with pytest.raises(CheckpointError) as err:
-        latest_step(tmp_path)
+        latest_step(tmp_path, instead=START_FRESH)  # a run resuming from its save directory
     msg = str(err.value)
     assert "delete" not in msg  # deleting `latest` used to start over on top of the iterations
     assert f"echo 3 > {tmp_path / 'latest'}" in msg and "checkpoint.start_fresh=true" in msg
+    with pytest.raises(CheckpointError) as err:  # reading a checkpoint (a teacher, prune)
+        latest_step(tmp_path)
+    assert "name a complete iter_* step directory instead of its root" in str(err.value)
+    assert "checkpoint.start_fresh" not in str(err.value)
     (tmp_path / "latest").write_text("9\n")
     with pytest.raises(CheckpointError, match=rf"echo 3 > {re.escape(str(tmp_path))}/latest"):
         latest_step(tmp_path)
