@@ -35,6 +35,13 @@ class PromptExample:
     """Where the record came from (``FILE:LINE``, ``FILE row N``), for error messages."""
     source: str | None = None
     """The record's routing value (data.teacher_key: which teacher scores it), None without."""
+    fields: tuple[tuple[str, str], ...] = ()
+    """The record's fields a teacher's own prompt names (teacher.context), as text: what the
+    teacher sees and the student does not."""
+
+    def field(self, name: str) -> str | None:
+        """The record's field ``name`` as text (``fields``), None when the record has none."""
+        return dict(self.fields).get(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +142,15 @@ def load_prompts(
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     source_key: str | None = None,
+    fields: tuple[str, ...] = (),
 ) -> list[PromptExample]:
     """The prompts named by ``spec``: a ``.jsonl`` file, a ``.parquet`` file or ``builtin:NAME``.
 
     Each JSONL line (blank lines aside) and each Parquet row is one record; ``prompt_key`` names
     its prompt (a non-empty string), ``answer_key`` its reference answer (optional; numbers are
     turned into text), ``source_key`` (when given) its routing value (an optional string: the
-    teacher that scores it).
+    teacher that scores it), ``fields`` the further fields kept (as text, when present: the
+    privileged context a teacher's own prompt names).
     """
     if spec.startswith(BUILTIN_PREFIX):
         return _load_builtin(spec[len(BUILTIN_PREFIX) :], routed=source_key is not None)
@@ -166,6 +175,7 @@ def load_prompts(
             answer_key=answer_key,
             index=index,
             source_key=source_key,
+            fields=fields,
         )
         for index, (where, record) in enumerate(file_records(path))
     ]
@@ -288,6 +298,7 @@ def _example(
     answer_key: str,
     index: int,
     source_key: str | None = None,
+    fields: tuple[str, ...] = (),
 ) -> PromptExample:
     if prompt_key not in record:
         raise DataError(
@@ -304,7 +315,22 @@ def _example(
         raise DataError(f"{where}: the prompt ({prompt_key!r}) is empty; remove the record")
     answer = _answer(record.get(answer_key))
     source = None if source_key is None else routing_value(record, source_key, where)
-    return PromptExample(prompt=prompt, answer=answer, index=index, where=where, source=source)
+    kept = tuple((k, _field(record[k], k, where)) for k in fields if k in record)
+    return PromptExample(
+        prompt=prompt, answer=answer, index=index, where=where, source=source, fields=kept
+    )
+
+
+def _field(value: Any, key: str, where: str) -> str:
+    """A context field's value as text: a string, or a number turned into text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise DataError(
+        f"{where}: field {key!r} is a {type(value).__name__}; a teacher's prompt takes text or "
+        "a number there"
+    )
 
 
 def routing_value(record: Mapping[str, Any], key: str, where: str) -> str | None:

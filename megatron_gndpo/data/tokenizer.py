@@ -64,13 +64,19 @@ class Tokenizer(Protocol):
         """Text of ``ids``, special tokens dropped."""
         ...
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
-        """The prompt as the model should see it, generation prompt included."""
+    def apply_chat_template(self, prompt: str, system: str | None = None) -> list[int]:
+        """The prompt as the model should see it, generation prompt included; ``system``: a
+        system prompt (None: the template's own, if any)."""
         ...
 
     def fingerprint(self) -> str:
         """Stable hash of the vocabulary (id -> token string)."""
         ...
+
+
+def _system_line(system: str | None) -> str:
+    """A system prompt where a tokenizer has no chat template for one: its own line first."""
+    return "" if system is None else system + "\n"
 
 
 def vocabulary_fingerprint(tokens: Sequence[str | None]) -> str:
@@ -148,8 +154,8 @@ class CharTokenizer:
                 pieces.append(self._tokens[i])
         return "".join(pieces)
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
-        return [self.BOS_ID, *self.encode(QA_PREFIX + prompt + QA_SUFFIX)]
+    def apply_chat_template(self, prompt: str, system: str | None = None) -> list[int]:
+        return [self.BOS_ID, *self.encode(_system_line(system) + QA_PREFIX + prompt + QA_SUFFIX)]
 
     def fingerprint(self) -> str:
         return vocabulary_fingerprint(self._tokens)
@@ -209,10 +215,10 @@ class SentencePieceTokenizer:
         # Control pieces (BOS, EOS, padding) decode to nothing in SentencePiece.
         return str(self._sp.decode([int(i) for i in ids]))
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
+    def apply_chat_template(self, prompt: str, system: str | None = None) -> list[int]:
         bos = self._sp.bos_id()
         prefix = [bos] if bos >= 0 else []
-        return prefix + self.encode(QA_PREFIX + prompt + QA_SUFFIX)
+        return prefix + self.encode(_system_line(system) + QA_PREFIX + prompt + QA_SUFFIX)
 
     def fingerprint(self) -> str:
         return vocabulary_fingerprint([self._sp.id_to_piece(i) for i in range(self.vocab_size)])
@@ -311,14 +317,16 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
+    def apply_chat_template(self, prompt: str, system: str | None = None) -> list[int]:
         if not self.has_chat_template:
-            return list(self._tok.encode(prompt, add_special_tokens=True))
+            text = _system_line(system) + prompt
+            return list(self._tok.encode(text, add_special_tokens=True))
+        messages = [{"role": "user", "content": prompt}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
         # Rendering to text and encoding it is what tokenize=True does, and its return type
         # (list vs BatchEncoding) changed between transformers releases.
-        text = self._tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 
     def fingerprint(self) -> str:
