@@ -31,7 +31,9 @@ from megatron_gndpo.teacher.cross_tokenizer import NO_SPAN, CrossTokenizer, Teac
 from tests.harness import run_distributed
 from tests.trainers import TINY, reset_megatron, snapshot, tiny_trainer
 
-HINTED = TeacherContextConfig(template="{hint} {prompt}", system="Answer with {answer}.")
+HINTED = TeacherContextConfig(
+    template="{hint} {prompt}", system="Answer with {answer}.", turns=(("1 + 1 = ?", "{answer}"),)
+)
 
 
 def _prompt_file(path: Path, n: int = 16) -> Path:
@@ -63,10 +65,13 @@ def test_the_context_reaches_the_teacher_and_never_the_student(tmp_path: Path) -
         tokens, torch.full((3,), n), torch.tensor(list(map(len, rows))), torch.zeros(3, width),
         torch.zeros(3, dtype=torch.long), torch.tensor([False, True, False]),
     )  # fmt: skip
-    prompt, system = render(HINTED, example)
-    assert prompt == f"{example.field('hint')} {example.prompt}"
-    assert system == f"Answer with {example.answer}."
-    teacher_prompt = tok.apply_chat_template(prompt, system=system)
+    rendered = render(HINTED, example)
+    assert rendered.prompt == f"{example.field('hint')} {example.prompt}"
+    assert rendered.system == f"Answer with {example.answer}."
+    assert rendered.turns == (("1 + 1 = ?", example.answer),)
+    teacher_prompt = tok.apply_chat_template(
+        rendered.prompt, system=rendered.system, turns=rendered.turns
+    )
     cross = CrossTokenizer(tok, [TeacherTokenizer(tok, same=True, max_length=512, context=HINTED)])
     built = cross.rows(rollout, [EncodedPrompt(example, student_prompt)], torch.zeros(3).long())
     hint_ids = tok.encode(example.field("hint") or "")
@@ -248,3 +253,26 @@ def test_a_context_teacher_at_another_layout_trains_the_student(tmp_path: Path) 
         for step in r["steps"]:
             assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]), step
             assert step["score/std"] > 0, step
+
+
+@pytest.mark.real
+def test_a_real_chat_template_takes_the_system_prompt_and_the_earlier_turns() -> None:
+    """SmolLM2's ChatML: the teacher's conversation is the template's rendering of the
+    messages (system, each example exchange, the prompt), as transformers writes it."""
+    from transformers import AutoTokenizer
+
+    from megatron_gndpo.data.tokenizer import load_tokenizer
+    from tests.real import real_model_dir
+
+    path = real_model_dir()
+    ours = load_tokenizer(str(path))
+    turns = (("What is the capital of Italy?", "Rome"), ("The opposite of hot?", "cold"))
+    got = ours.apply_chat_template("The plural of cat?", system="Answer briefly.", turns=turns)
+    messages = [{"role": "system", "content": "Answer briefly."}]
+    for user, answer in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": "The plural of cat?"})
+    hf = AutoTokenizer.from_pretrained(path)
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert got == hf(text, add_special_tokens=False)["input_ids"]
+    assert got != ours.apply_chat_template("The plural of cat?")  # the default system prompt

@@ -227,12 +227,17 @@ class TeacherContextConfig:
     Literal braces are doubled: {{ }}."""
     system: str | None = None
     """A system prompt for the teacher (the same fields); null: the chat template's own."""
+    turns: tuple[tuple[str, str], ...] = ()
+    """Earlier exchanges of the conversation before the prompt, each [user, assistant] (the
+    same fields): few-shot examples in the chat template, e.g. [["{q1}", "{a1}"]]. A small
+    instruct model follows examples given as turns far better than examples inlined in one
+    message (SmolLM2-135M-Instruct: docs/TEACHERS.md)."""
 
     def fields(self) -> tuple[str, ...]:
         """The row fields the template and the system prompt name, in order, once each
         (``prompt`` and ``answer`` included); a malformed template is a ValueError."""
         names: list[str] = []
-        for text in (self.template, self.system or ""):
+        for text in (self.template, self.system or "", *(t for turn in self.turns for t in turn)):
             for _, name, spec, conversion in string.Formatter().parse(text):
                 if name is None:
                     continue

@@ -11,6 +11,7 @@ and is evaluated on the plain prompt alone. With the student's own weights as th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from megatron_gndpo.config.schema import TeacherContextConfig
@@ -27,12 +28,22 @@ def _values(example: PromptExample) -> dict[str, str]:
     return values
 
 
-def render(context: TeacherContextConfig, example: PromptExample) -> tuple[str, str | None]:
-    """The teacher's user prompt and system prompt (None: the chat template's own) for
-    ``example``; every field they name must be in the row (:func:`check_fields`)."""
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """The teacher's conversation for one row: its prompt, system prompt and earlier turns."""
+
+    prompt: str
+    system: str | None = None  # None: the chat template's own
+    turns: tuple[tuple[str, str], ...] = ()
+
+
+def render(context: TeacherContextConfig, example: PromptExample) -> Rendered:
+    """The teacher's conversation for ``example``; every field it names must be in the row
+    (:func:`check_fields`)."""
     values = _values(example)
     system = None if context.system is None else context.system.format_map(values)
-    return context.template.format_map(values), system
+    turns = tuple((u.format_map(values), a.format_map(values)) for u, a in context.turns)
+    return Rendered(context.template.format_map(values), system, turns)
 
 
 def prompt_ids(
@@ -42,8 +53,8 @@ def prompt_ids(
     template, or the student's prompt when it has none."""
     if context is None:
         return tokenizer.apply_chat_template(example.prompt)
-    prompt, system = render(context, example)
-    return tokenizer.apply_chat_template(prompt, system=system)
+    r = render(context, example)
+    return tokenizer.apply_chat_template(r.prompt, system=r.system, turns=r.turns)
 
 
 def check_fields(
