@@ -36,6 +36,7 @@ from megatron_gndpo.rollout.build import build_generator, never_sampled
 from megatron_gndpo.scorer import RolloutScorer
 from megatron_gndpo.teacher.build import (
     build_teachers,
+    check_context_fields,
     check_routes,
     routing_of,
     teacher_tokenizers,
@@ -104,6 +105,7 @@ def build_components(cfg: Config) -> Components:
     if method.uses_reward:
         require_answers(cfg, data)
     check_routes(routing_of(cfg), data.train, data.outlier)  # evaluation needs no teacher
+    check_context_fields(cfg, data)  # what a teacher's own prompt names, in every row
 
     # Weights are initialised on the CPU generator (use_cpu_initialization): seed each model on
     # its own so a randomly initialised teacher does not depend on the student's layout.
@@ -120,7 +122,7 @@ def build_components(cfg: Config) -> Components:
     # the student trains the distribution it samples from (and the teacher scores that support)
     never = never_sampled(cfg)
     teachers, teacher_groups = build_teachers(
-        cfg, student_groups, teacher_tokens, vocab, excluded_ids=never,
+        cfg, student_groups, teacher_tokens, vocab, student=student, excluded_ids=never,
         generates=method.teacher_samples,
     )  # fmt: skip
     head = TokenLogProbs(vocab_size=vocab, excluded_ids=never)

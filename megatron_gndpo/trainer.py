@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,7 @@ class Trainer:
                     weights, corrected = self._correction(rollout, scored.student.logprobs)
                 with timer.time("update"):
                     updated = self._update(rollout, scored.student.logprobs, targets, weights)
+                    c.teacher.after_update()  # a teacher that follows the student (EMA)
                 metrics |= found | corrected | updated
         # before the checkpoint, whose state must include this step
         metrics |= self.stability.observe(
@@ -500,10 +502,17 @@ class Trainer:
         }  # fmt: skip
 
     def _save(self) -> None:
-        extra, files = {}, None  # files: the batches sampled ahead (rollout.disaggregate)
-        if self.pipeline is not None:
+        extra: dict[str, Any] = {}
+        writers: list[Callable[[Path], None]] = [self.c.teacher.save_state]  # an EMA teacher
+        if self.pipeline is not None:  # the batches sampled ahead (rollout.disaggregate)
             replicas = self.c.student_groups.layout.dp
-            extra["inflight"], files = self.pipeline.checkpoint(replicas)
+            extra["inflight"], inflight = self.pipeline.checkpoint(replicas)
+            writers.append(inflight)
+
+        def files(directory: Path) -> None:
+            for write in writers:
+                write(directory)
+
         self.checkpoints.save(
             self.step_count, self.c.ddp, self.c.optimizer, self._run_state(), extra=extra,
             extra_files=files,
@@ -522,6 +531,11 @@ class Trainer:
         if resumed.directory is None:
             return {}
         self._say(f"resumed from {resumed.directory} at step {self.step_count}")
+        if not self.c.teacher.load_state(resumed.directory):
+            self._warn(
+                f"{resumed.directory} holds no EMA teacher (saved without teacher.weights=ema): "
+                "the EMA starts again from the student's initial weights"
+            )
         self.c.logger.truncate_after(self.step_count)
         return self._inflight_of(resumed.directory, resumed.meta["extra"].get("inflight"))
 

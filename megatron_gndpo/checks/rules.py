@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_gndpo.algorithms import AGGREGATIONS, POLICY_LOSSES
 from megatron_gndpo.algorithms.offpolicy import bounds_problem
+from megatron_gndpo.checks.context import context_problems
 from megatron_gndpo.checks.cross_tokenizer import cross_tokenizer_problems
 from megatron_gndpo.checks.moe import moe_problems, routing_replay_problems
 from megatron_gndpo.config.loader import ConfigError
@@ -624,6 +625,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     problems += _teachers_problems(cfg)
     problems += _served_problems(cfg)
     problems += cross_tokenizer_problems(cfg, _method(cfg))
+    problems += context_problems(cfg, _method(cfg))
     if problems:
         lines = "\n".join(f"  - {msg}" for msg in problems)
         raise ConfigError(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")

@@ -10,6 +10,7 @@ live in ``validate.py``.
 from __future__ import annotations
 
 import dataclasses
+import string
 from typing import Annotated, Literal
 
 from megatron_gndpo.config.vision import VisionConfig
@@ -213,6 +214,44 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherContextConfig:
+    """The teacher's own prompt (privileged context, docs/TEACHERS.md "A teacher that sees more"):
+    the teacher scores the student's sampled response after this prompt, rendered from the data
+    row, while the student sees (and is evaluated on) the plain prompt alone. With
+    teacher.weights the student's own model, this is on-policy context distillation."""
+
+    template: str = "{prompt}"
+    """The teacher's prompt, a Python format string over the data row: {prompt} is the student's
+    prompt, {answer} its reference answer (data.answer_key), any other {name} the row's field of
+    that name (a string or number), e.g. "{examples}\n\n{prompt}" or "{prompt}\nHint: {hint}".
+    Literal braces are doubled: {{ }}."""
+    system: str | None = None
+    """A system prompt for the teacher (the same fields); null: the chat template's own."""
+    turns: tuple[tuple[str, str], ...] = ()
+    """Earlier exchanges of the conversation before the prompt, each [user, assistant] (the
+    same fields): few-shot examples in the chat template, e.g. [["{q1}", "{a1}"]]. A small
+    instruct model follows examples given as turns far better than examples inlined in one
+    message (SmolLM2-135M-Instruct: docs/TEACHERS.md)."""
+
+    def fields(self) -> tuple[str, ...]:
+        """The row fields the template and the system prompt name, in order, once each
+        (``prompt`` and ``answer`` included); a malformed template is a ValueError."""
+        names: list[str] = []
+        for text in (self.template, self.system or "", *(t for turn in self.turns for t in turn)):
+            for _, name, spec, conversion in string.Formatter().parse(text):
+                if name is None:
+                    continue
+                if not name.isidentifier() or spec or conversion:
+                    plain = f"{{{name}{'!' + conversion if conversion else ''}"
+                    raise ValueError(
+                        f"{plain}{':' + spec if spec else ''}}}: name a field plainly, as {{hint}}"
+                    )
+                if name not in names:
+                    names.append(name)
+        return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
 class TeacherServerConfig:
     """A teacher served by vLLM's OpenAI-compatible server (``vllm serve``), queried for the
     log-probs of the student's token ids (docs/TEACHERS.md)."""
@@ -267,6 +306,22 @@ class TeacherConfig:
     """A teacher served by vLLM instead of built on the job's ranks (docs/TEACHERS.md): its
     model section still gives the vocabulary; load, when set, is only the start-up self-test's
     local reference. null: the teacher is colocated."""
+    context: TeacherContextConfig | None = None
+    """The teacher's own prompt, rendered from the data row (privileged context: worked
+    examples, an instruction, a hint, the reference answer); the student sees the plain prompt.
+    null: the teacher sees the student's prompt."""
+    weights: Literal["load", "initial", "live", "ema"] = "load"
+    """Where the teacher's weights come from. load: teacher.load (a model of its own; null
+    builds it randomly). The student's own model, so that with teacher.context the model learns
+    without the context what it does with it (docs/TEACHERS.md): initial: the student's initial
+    weights (checkpoint.init), frozen; live: the student being trained itself (no second model
+    in memory; gradients never flow through the teacher's pass; a moving target); ema: an
+    exponential moving average of the student, updated after every optimizer step
+    (teacher.ema_decay). With the student's weights, teacher.model is not read (the teacher is
+    model) and live and ema need the student's layout."""
+    ema_decay: float = 0.99
+    """teacher.weights=ema: after each optimizer step, teacher = ema_decay * teacher +
+    (1 - ema_decay) * student."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -710,7 +765,14 @@ class Config:
 
 def teacher_sections(cfg: Config) -> list[tuple[str, TeacherConfig]]:
     """Every teacher of ``cfg`` with the config key of its section (for messages): the
-    ``teachers`` list when set, else the one ``teacher``."""
-    if cfg.teachers:
-        return [(f"teachers[{i}]", t) for i, t in enumerate(cfg.teachers)]
-    return [("teacher", cfg.teacher)]
+    ``teachers`` list when set, else the one ``teacher``. A teacher with the student's weights
+    (``weights`` other than load) has the student's architecture: its ``model`` is ``model``."""
+    sections = (
+        [(f"teachers[{i}]", t) for i, t in enumerate(cfg.teachers)]
+        if cfg.teachers
+        else [("teacher", cfg.teacher)]
+    )
+    return [
+        (key, t if t.weights == "load" else dataclasses.replace(t, model=cfg.model))
+        for key, t in sections
+    ]

@@ -35,6 +35,13 @@ class PromptExample:
     """Where the record came from (``FILE:LINE``, ``FILE row N``), for error messages."""
     source: str | None = None
     """The record's routing value (data.teacher_key: which teacher scores it), None without."""
+    fields: tuple[tuple[str, str], ...] = ()
+    """The record's fields a teacher's own prompt names (teacher.context), as text: what the
+    teacher sees and the student does not."""
+
+    def field(self, name: str) -> str | None:
+        """The record's field ``name`` as text (``fields``), None when the record has none."""
+        return dict(self.fields).get(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +152,16 @@ def load_prompts(
     answer_key: str = "answer",
     source_key: str | None = None,
     named_by: PromptOptions = PromptOptions(),
+    fields: tuple[str, ...] = (),
 ) -> list[PromptExample]:
     """The prompts named by ``spec``: a ``.jsonl`` file, a ``.parquet`` file or ``builtin:NAME``.
 
     Each JSONL line (blank lines aside) and each Parquet row is one record; ``prompt_key`` names
     its prompt (a non-empty string), ``answer_key`` its reference answer (optional; numbers are
     turned into text), ``source_key`` (when given) its routing value (an optional string: the
-    teacher that scores it). ``named_by``: the settings the errors name as the fix.
+    teacher that scores it), ``fields`` the further fields kept (as text, when present: the
+    privileged context a teacher's own prompt names). ``named_by``: the settings the errors name
+    as the fix.
     """
     if spec.startswith(BUILTIN_PREFIX):
         return _load_builtin(spec[len(BUILTIN_PREFIX) :], routed=source_key is not None)
@@ -177,6 +187,7 @@ def load_prompts(
             index=index,
             source_key=source_key,
             key_option=named_by.prompt_key,
+            fields=fields,
         )
         for index, (where, record) in enumerate(file_records(path))
     ]
@@ -300,6 +311,7 @@ def _example(
     index: int,
     source_key: str | None = None,
     key_option: str = "data.prompt_key",
+    fields: tuple[str, ...] = (),
 ) -> PromptExample:
     if prompt_key not in record:
         raise DataError(
@@ -316,7 +328,22 @@ def _example(
         raise DataError(f"{where}: the prompt ({prompt_key!r}) is empty; remove the record")
     answer = _answer(record.get(answer_key))
     source = None if source_key is None else routing_value(record, source_key, where)
-    return PromptExample(prompt=prompt, answer=answer, index=index, where=where, source=source)
+    kept = tuple((k, _field(record[k], k, where)) for k in fields if k in record)
+    return PromptExample(
+        prompt=prompt, answer=answer, index=index, where=where, source=source, fields=kept
+    )
+
+
+def _field(value: Any, key: str, where: str) -> str:
+    """A context field's value as text: a string, or a number turned into text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise DataError(
+        f"{where}: field {key!r} is a {type(value).__name__}; a teacher's prompt takes text or "
+        "a number there"
+    )
 
 
 def routing_value(record: Mapping[str, Any], key: str, where: str) -> str | None:

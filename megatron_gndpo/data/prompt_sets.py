@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from megatron_gndpo.config import Config, ConfigError
+from megatron_gndpo.config.schema import teacher_sections
 from megatron_gndpo.data.datasets import (
     EncodedPrompt,
     PromptExample,
@@ -60,8 +61,9 @@ def encoded_prompts(
     key = d.teacher_key if cfg.teachers else None  # routing values matter with several only
     if cfg.model.vision is None:
         examples = load_prompts(
-            spec, prompt_key=d.prompt_key, answer_key=d.answer_key, source_key=key
-        )
+            spec, prompt_key=d.prompt_key, answer_key=d.answer_key, source_key=key,
+            fields=context_fields(cfg),
+        )  # fmt: skip
         return encode_prompts(examples, tokenizer, max_prompt_length=limit)
     from megatron_gndpo.data.images import (
         ImageLayout,
@@ -92,6 +94,16 @@ def encoded_prompts(
             f"with its image placeholders (the shortest has {shortest}); raise it"
         )
     return encoded, len(rows) - len(encoded)
+
+
+def context_fields(cfg: Config) -> tuple[str, ...]:
+    """The row fields the teachers' own prompts name (teacher.context), besides the prompt and
+    its answer: kept with each prompt for the teacher, never shown to the student."""
+    names: list[str] = []
+    for _, t in teacher_sections(cfg):
+        if t.context is not None:
+            names += [n for n in t.context.fields() if n not in ("prompt", "answer", *names)]
+    return tuple(names)
 
 
 def _prompt_images(row: Any) -> PromptImages | None:

@@ -64,13 +64,24 @@ class Tokenizer(Protocol):
         """Text of ``ids``, special tokens dropped."""
         ...
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
-        """The prompt as the model should see it, generation prompt included."""
+    def apply_chat_template(
+        self, prompt: str, system: str | None = None, turns: Sequence[tuple[str, str]] = ()
+    ) -> list[int]:
+        """The prompt as the model should see it, generation prompt included; ``system``: a
+        system prompt (None: the template's own, if any); ``turns``: earlier (user, assistant)
+        exchanges before it."""
         ...
 
     def fingerprint(self) -> str:
         """Stable hash of the vocabulary (id -> token string)."""
         ...
+
+
+def _preamble(system: str | None, turns: Sequence[tuple[str, str]]) -> str:
+    """A system prompt and earlier exchanges where a tokenizer has no chat template for them:
+    the system prompt's own line, then each exchange as the template's question and answer."""
+    lines = "" if system is None else system + "\n"
+    return lines + "".join(f"{QA_PREFIX}{user}{QA_SUFFIX}{answer}\n" for user, answer in turns)
 
 
 def vocabulary_fingerprint(tokens: Sequence[str | None]) -> str:
@@ -148,8 +159,11 @@ class CharTokenizer:
                 pieces.append(self._tokens[i])
         return "".join(pieces)
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
-        return [self.BOS_ID, *self.encode(QA_PREFIX + prompt + QA_SUFFIX)]
+    def apply_chat_template(
+        self, prompt: str, system: str | None = None, turns: Sequence[tuple[str, str]] = ()
+    ) -> list[int]:
+        text = _preamble(system, turns) + QA_PREFIX + prompt + QA_SUFFIX
+        return [self.BOS_ID, *self.encode(text)]
 
     def fingerprint(self) -> str:
         return vocabulary_fingerprint(self._tokens)
@@ -211,10 +225,12 @@ class SentencePieceTokenizer:
         # Control pieces (BOS, EOS, padding) decode to nothing in SentencePiece.
         return str(self._sp.decode([int(i) for i in ids]))
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
+    def apply_chat_template(
+        self, prompt: str, system: str | None = None, turns: Sequence[tuple[str, str]] = ()
+    ) -> list[int]:
         bos = self._sp.bos_id()
         prefix = [bos] if bos >= 0 else []
-        return prefix + self.encode(QA_PREFIX + prompt + QA_SUFFIX)
+        return prefix + self.encode(_preamble(system, turns) + QA_PREFIX + prompt + QA_SUFFIX)
 
     def fingerprint(self) -> str:
         return vocabulary_fingerprint([self._sp.id_to_piece(i) for i in range(self.vocab_size)])
@@ -316,14 +332,22 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
+    def apply_chat_template(
+        self, prompt: str, system: str | None = None, turns: Sequence[tuple[str, str]] = ()
+    ) -> list[int]:
         if not self.has_chat_template:
-            return list(self._tok.encode(prompt, add_special_tokens=True))
+            text = _preamble(system, turns) + prompt
+            return list(self._tok.encode(text, add_special_tokens=True))
+        messages = [] if system is None else [{"role": "system", "content": system}]
+        for user, assistant in turns:
+            messages += [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": assistant},
+            ]
+        messages.append({"role": "user", "content": prompt})
         # Rendering to text and encoding it is what tokenize=True does, and its return type
         # (list vs BatchEncoding) changed between transformers releases.
-        text = self._tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 
     def fingerprint(self) -> str:

@@ -75,8 +75,9 @@ def plan(cfg: Config, world_size: int) -> tuple[ModelPlan, ModelPlan | None]:
 
 
 def colocated_teachers(cfg: Config) -> list[TeacherConfig]:
-    """The teachers whose weights live on the job's ranks (not behind a server)."""
-    return [t for _, t in teacher_sections(cfg) if t.server is None]
+    """The teachers whose weights live on the job's ranks apart from the student's (not behind a
+    server, not the student itself: teacher.weights=live)."""
+    return [t for _, t in teacher_sections(cfg) if t.server is None and t.weights != "live"]
 
 
 def teacher_plans(cfg: Config, world_size: int) -> list[ModelPlan]:

@@ -8,12 +8,16 @@ A teacher kind is a class with this shape (:class:`Teacher`); the kinds live bes
   for the student's token ids;
 - ``routed.py``: :class:`~megatron_gndpo.teacher.routed.TeacherSet`, several teachers, each row
   scored by its prompt's (one teacher is a set of one);
-- ``cross_tokenizer.py``: the stage that lets a teacher with its own tokenizer score the
-  student's text (its rows before the pass, its span scores on the student's tokens after).
+- ``cross_tokenizer.py``: the stage that lets a teacher with its own tokenizer or its own
+  prompt (``context.py``: privileged context) score the student's text (its rows before the
+  pass, its scores on the student's tokens after).
+- the student's own model as its teacher (``teacher.weights``: its initial weights, the live
+  student, or an EMA of it, ``ema.py``),
+  with its own prompt: on-policy context distillation.
 
-``build.py`` makes the run's teachers from the config. A new kind of teacher (a privileged-
-context teacher, a teacher cache) is a new module here implementing :class:`Teacher` and a
-branch of ``build.py``; nothing above this package changes.
+``build.py`` makes the run's teachers from the config. A new kind of teacher (a teacher cache,
+a teacher behind another API) is a new module here implementing :class:`Teacher` and a branch of
+``build.py``; nothing above this package changes.
 """
 
 from __future__ import annotations

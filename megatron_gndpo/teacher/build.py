@@ -20,13 +20,16 @@ from megatron_gndpo.config import Config, TeacherConfig
 from megatron_gndpo.config.schema import teacher_sections
 from megatron_gndpo.data import load_tokenizer
 from megatron_gndpo.data.datasets import EncodedPrompt
+from megatron_gndpo.data.prompt_sets import PromptSets
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.models.build import build_teacher
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.parallel.groups import ParallelGroups, build_groups, layout_of
 from megatron_gndpo.rollout.builtin import MegatronGenerator
 from megatron_gndpo.teacher.base import Teacher
+from megatron_gndpo.teacher.context import check_fields
 from megatron_gndpo.teacher.cross_tokenizer import CrossTokenizer, TeacherTokenizer
+from megatron_gndpo.teacher.ema import EMAWeights
 from megatron_gndpo.teacher.local import LocalTeacher
 from megatron_gndpo.teacher.routed import Routing, TeacherSet
 from megatron_gndpo.teacher.served import ServedTeacher
@@ -35,22 +38,24 @@ from megatron_gndpo.teacher.served import ServedTeacher
 def teacher_tokenizers(
     cfg: Config, student: Tokenizer
 ) -> tuple[list[Tokenizer], CrossTokenizer | None]:
-    """Each teacher's tokenizer, in the teachers' order, and the cross-tokenizer stage when a
-    teacher scores in its own (``cross_tokenizer``; None when none does).
+    """Each teacher's tokenizer, in the teachers' order, and the stage that builds the teachers'
+    own rows when a teacher scores in its own tokenizer (``cross_tokenizer``) or after its own
+    prompt (``context``); None when none does.
 
     A teacher without ``cross_tokenizer`` must use the student's tokenizer; one with it must
     have a vocabulary its tokenizer's ids fit in.
     """
-    tokenizers, stages, cross = [], [], False
+    tokenizers, stages, own_rows = [], [], False
     for key, section in teacher_sections(cfg):
         own = student if section.tokenizer is None else load_tokenizer(section.tokenizer)
         check_teacher_tokenizer(cfg, key, student, own, section.cross_tokenizer)
-        cross = cross or section.cross_tokenizer
+        # its own tokenizer or its own prompt: the teacher scores rows of its own
+        own_rows = own_rows or section.cross_tokenizer or section.context is not None
         tokenizers.append(own)
         same = own.fingerprint() == student.fingerprint()
         limit = section.model.max_position_embeddings
-        stages.append(TeacherTokenizer(own, same=same, max_length=limit))
-    return tokenizers, CrossTokenizer(student, stages) if cross else None
+        stages.append(TeacherTokenizer(own, same=same, max_length=limit, context=section.context))
+    return tokenizers, CrossTokenizer(student, stages) if own_rows else None
 
 
 def routing_of(cfg: Config) -> Routing | None:
@@ -108,12 +113,59 @@ def _served(
     return served
 
 
+def check_context_fields(cfg: Config, data: PromptSets) -> None:
+    """Every prompt a teacher with its own prompt scores has the fields the prompt names:
+    training and outlier prompts, and the held-out ones when the evaluation samples (its
+    reverse KL is the teacher's); with several teachers, each prompt its own teacher's."""
+    routing = routing_of(cfg)
+    sets = [(data.train, cfg.data.train), (data.outlier, cfg.data.outlier_train or "")]
+    if cfg.trainer.eval_samples:
+        sets.append((data.eval, cfg.data.eval or ""))
+    for j, (key, section) in enumerate(teacher_sections(cfg)):
+        if section.context is None:
+            continue
+        for prompts, spec in sets:
+            mine = [
+                p for p in prompts
+                if routing is None or routing.of(p.example.source, p.example.where) == j
+            ]  # fmt: skip
+            check_fields(key, section.context, mine, spec)
+
+
+def _weights(
+    cfg: Config, section: TeacherConfig, model: Any, student: Any, same_layout: bool
+) -> EMAWeights | None:
+    """Load the teacher's weights into ``model``: ``teacher.load``, or the student's
+    (``teacher.weights``): its initial ones (``checkpoint.init`` at another layout, else a copy
+    of the student as built, on the same shards), and for an EMA the follower that updates them
+    after every optimizer step (returned; None otherwise)."""
+    if section.weights == "load":
+        if section.load is not None:
+            load_checkpoint(
+                section.load, model, verify=cfg.checkpoint.verify,
+                vocab_size=section.model.vocab_size,
+            )  # fmt: skip
+        return None
+    if not same_layout:  # another layout (checks/context.py: only with checkpoint.init)
+        assert cfg.checkpoint.init is not None
+        load_checkpoint(
+            cfg.checkpoint.init, model, verify=cfg.checkpoint.verify,
+            vocab_size=cfg.model.vocab_size,
+        )  # fmt: skip
+    else:
+        with torch.no_grad():
+            for t, s in zip(model.parameters(), student.parameters(), strict=True):
+                t.copy_(s)
+    return EMAWeights(model, student, section.ema_decay) if section.weights == "ema" else None
+
+
 def build_teachers(
     cfg: Config,
     student_groups: ParallelGroups,
     tokenizers: Sequence[Tokenizer],
     vocab: int,
     *,
+    student: Any = None,
     excluded_ids: tuple[int, ...] = (),
     generates: bool = False,
 ) -> tuple[TeacherSet, ParallelGroups]:
@@ -123,41 +175,71 @@ def build_teachers(
     ``tokenizers[j]``: teacher j's (:func:`teacher_tokenizers`); a teacher scoring in its own
     tokenizer (``cross_tokenizer``) restricts its distribution to that tokenizer's ids, the
     others to the student's ``vocab``; ``excluded_ids`` take no mass (a VLM's image
-    placeholder). ``generates``: the method has the teacher write (TrOPD's prefixes).
+    placeholder). ``student``: the student's model (this rank's shard), for a teacher with its
+    weights (``weights``). ``generates``: the method has the teacher write (TrOPD's prefixes).
     """
-    world, t = dist.get_world_size(), cfg.trainer
     built: list[Teacher] = []
+    emas: list[EMAWeights] = []
     first_groups = None
     for j, (_, section) in enumerate(teacher_sections(cfg)):
-        name, tokenizer = getattr(section, "name", "teacher"), tokenizers[j]
-        own_vocab = tokenizer.vocab_size if section.cross_tokenizer else vocab
-        groups = build_groups(layout_of(section.parallel, world), name=f"teacher:{name}")
+        name = getattr(section, "name", "teacher")
+        if section.weights == "live":  # the student itself, on its own groups
+            groups = student_groups
+        else:
+            world = dist.get_world_size()
+            groups = build_groups(layout_of(section.parallel, world), name=f"teacher:{name}")
         if first_groups is None:
             first_groups = groups
-        if section.server is not None and section.load is None:
-            built.append(_served(section, student_groups, name, vocab, reference=None))
-            continue
-        torch.manual_seed(cfg.trainer.seed + 1 + j)
-        model = _model(section, groups)
-        if section.load is not None:
-            load_checkpoint(
-                section.load, model, verify=cfg.checkpoint.verify,
-                vocab_size=section.model.vocab_size,
-            )  # fmt: skip
-        head = TokenLogProbs(
-            vocab_size=own_vocab, temperature=section.temperature, excluded_ids=excluded_ids
-        )
-        local = LocalTeacher(
-            model, groups, student_groups, head=head, token_budget=t.scoring_token_budget,
-            pack=t.pack_sequences, name=name,
-            generator=_generator(section, model, groups, tokenizer, vocab) if generates else None,
+        teacher, ema = _teacher(
+            cfg, j, section, groups, student_groups, tokenizers[j], vocab, student=student,
+            excluded_ids=excluded_ids, generates=generates,
         )  # fmt: skip
-        if section.server is not None:  # the local weights are the self-test's reference only
-            built.append(_served(section, student_groups, name, vocab, reference=local))
-            del local, model  # freed: the served teacher scores from now on
-            continue
-        built.append(local)
+        built.append(teacher)
+        emas += [ema] if ema is not None else []
     assert first_groups is not None
     weights = [getattr(s, "weight", 1.0) for _, s in teacher_sections(cfg)]
     pads = [tok.pad_id for tok in tokenizers]
-    return TeacherSet(built, weights=weights, pad_ids=pads, routing=routing_of(cfg)), first_groups
+    teachers = TeacherSet(built, weights=weights, pad_ids=pads, routing=routing_of(cfg), emas=emas)
+    return teachers, first_groups
+
+
+def _teacher(
+    cfg: Config,
+    j: int,
+    section: TeacherConfig,
+    groups: ParallelGroups,
+    student_groups: ParallelGroups,
+    tokenizer: Tokenizer,
+    vocab: int,
+    *,
+    student: Any,
+    excluded_ids: tuple[int, ...],
+    generates: bool,
+) -> tuple[Teacher, EMAWeights | None]:
+    """Teacher ``j`` of the config (:func:`build_teachers`) and, for an EMA of the student, the
+    follower that updates it."""
+    name, t = getattr(section, "name", "teacher"), cfg.trainer
+    if section.server is not None and section.load is None:
+        return _served(section, student_groups, name, vocab, reference=None), None
+    ema = None
+    if section.weights == "live":
+        model = student
+    else:
+        torch.manual_seed(cfg.trainer.seed + 1 + j)
+        model = _model(section, groups)
+        same = groups.layout == student_groups.layout
+        ema = _weights(cfg, section, model, student, same)
+    own_vocab = tokenizer.vocab_size if section.cross_tokenizer else vocab
+    head = TokenLogProbs(
+        vocab_size=own_vocab, temperature=section.temperature, excluded_ids=excluded_ids
+    )
+    local = LocalTeacher(
+        model, groups, student_groups, head=head, token_budget=t.scoring_token_budget,
+        pack=t.pack_sequences, name=name,
+        generator=_generator(section, model, groups, tokenizer, vocab) if generates else None,
+    )  # fmt: skip
+    if section.server is not None:  # the local weights are the self-test's reference only
+        served = _served(section, student_groups, name, vocab, reference=local)
+        del local, model  # freed: the served teacher scores from now on
+        return served, None
+    return local, ema

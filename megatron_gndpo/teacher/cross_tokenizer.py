@@ -1,9 +1,11 @@
-"""The cross-tokenizer stage: a teacher with its own tokenizer scores the student's responses.
+"""The teachers' own rows: a teacher with its own tokenizer or its own prompt scores the
+student's responses.
 
-Between the rollout and the teacher's pass, each response is decoded, re-encoded in the
-teacher's tokenizer after the prompt in the teacher's chat template, and aligned with the
-student's tokens (``data/alignment.py``); after the student's pass, the teacher's span
-log-probs become one effective teacher log-prob per student token
+Between the rollout and the teacher's pass, each response is put after the teacher's prompt (the
+student's prompt, or its own: ``teacher.context``, ``teacher/context.py``) in the teacher's chat
+template. A teacher of another tokenizer gets the response decoded, re-encoded in its tokenizer
+and aligned with the student's tokens (``data/alignment.py``); after the student's pass, the
+teacher's span log-probs become one effective teacher log-prob per student token
 (``algorithms/cross_tokenizer.py``), which every method then reads as it reads a
 same-tokenizer teacher's (docs/methods/cross_tokenizer.md):
 
@@ -12,12 +14,14 @@ same-tokenizer teacher's (docs/methods/cross_tokenizer.md):
     ... the student's old log-probs ...
     teacher, scored, metrics = cross.on_student(own, rows, old_lp, rollout.response_mask)
 
-A teacher whose tokenizer is the student's (same vocabulary fingerprint and the same chat
-template for the prompt) scores the student's own row, each token its own span: that is exactly
-the same-tokenizer score. The student's stop token (a finished response) is paired with the
-teacher's EOS as a span of its own; a response cut at the length limit has none. Spans the
-teacher's text does not reproduce are dropped (no score for their student tokens), and so are
-those beyond the teacher's ``max_position_embeddings`` (the row is cut there).
+A teacher whose tokenizer is the student's (the same vocabulary fingerprint) scores the
+student's own response ids, each token its own span, after its prompt: with the student's
+prompt that is the student's row itself, exactly the same-tokenizer score; with its own prompt
+the same ids shifted by the prompts' difference. The student's stop token (a finished
+response) is paired with the teacher's EOS as a span of its own; a response cut at the length
+limit has none. Spans the teacher's text does not reproduce are dropped (no score for their
+student tokens), and so are those beyond the teacher's ``max_position_embeddings`` (the row is
+cut there).
 
 Legend: n = rows of this rank, S = the student's padded row length, U = the teacher's.
 """
@@ -31,11 +35,13 @@ from typing import Any
 import torch
 
 from megatron_gndpo.algorithms.cross_tokenizer import alignment_metrics, span_teacher_logprobs
+from megatron_gndpo.config.schema import TeacherContextConfig
 from megatron_gndpo.data.alignment import align, decoded_ends, encode_ends
-from megatron_gndpo.data.datasets import EncodedPrompt
+from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample
 from megatron_gndpo.data.tokenizer import Tokenizer
 from megatron_gndpo.engine.scoring import Scores
 from megatron_gndpo.rollout.base import Rollout
+from megatron_gndpo.teacher.context import prompt_ids
 
 # A student token no kept span holds (prompt, padding, dropped span)
 NO_SPAN = -1
@@ -76,12 +82,18 @@ class _Row:
 
 @dataclasses.dataclass(frozen=True)
 class TeacherTokenizer:
-    """One teacher's tokenizer as the stage uses it: ``same`` when it is the student's (its
-    rows are then the student's own), and the longest row its model takes."""
+    """One teacher's tokenizer as the stage uses it: ``same`` when it is the student's (the
+    response ids are then the student's own), the longest row its model takes, and its own
+    prompt (``context``; None: the student's)."""
 
     tokenizer: Tokenizer
     same: bool
     max_length: int
+    context: TeacherContextConfig | None = None
+
+    def prompt(self, example: PromptExample) -> list[int]:
+        """The teacher's prompt ids for ``example``, in its chat template."""
+        return prompt_ids(self.tokenizer, self.context, example)
 
 
 class CrossTokenizer:
@@ -110,12 +122,12 @@ class CrossTokenizer:
             row = tokens[i, :end].tolist()
             teacher = self.teachers[j]
             if (j, p) not in templates:
-                templates[j, p] = teacher.tokenizer.apply_chat_template(prompts[p].example.prompt)
+                templates[j, p] = teacher.prompt(prompts[p].example)
             prompt = templates[j, p]
             if end == start:  # an empty response (a filtered row's stub): nothing to score
                 built.append(_Row(row if teacher.same else [teacher.tokenizer.pad_id]))
-            elif teacher.same and prompt == row[:start]:
-                built.append(_identity_row(row, start))
+            elif teacher.same:  # the student's response ids after the teacher's prompt
+                built.append(_shifted_row(prompt, row, start))
             else:
                 finished = bool(rollout.finished[i])
                 built.append(self._row(teacher, prompt, row, start, finished))
@@ -202,11 +214,13 @@ def teacher_input(
     return rows, rows.tokens, rows.lengths
 
 
-def _identity_row(row: list[int], start: int) -> _Row:
-    """The student's own row, each response token a span of one."""
-    out = _Row(list(row), teacher_tokens=len(row) - start)
+def _shifted_row(prompt: list[int], row: list[int], start: int) -> _Row:
+    """The student's response ids after the teacher's ``prompt``, each token a span of one
+    (with the student's own prompt: the student's row itself)."""
+    out = _Row([*prompt, *row[start:]], teacher_tokens=len(row) - start)
+    shift = len(prompt) - start
     for k, t in enumerate(range(start, len(row))):
-        out.add(k, range(t, t + 1), range(t, t + 1))
+        out.add(k, range(t, t + 1), range(t + shift, t + shift + 1))
     return out
 
 

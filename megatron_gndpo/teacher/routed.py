@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from megatron_gndpo.data.datasets import EncodedPrompt
 from megatron_gndpo.engine.scoring import ScoreRequest, Scores
 from megatron_gndpo.errors import DataError
 from megatron_gndpo.teacher.base import Teacher
+from megatron_gndpo.teacher.ema import EMAWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,7 @@ class TeacherSet:
         weights: Sequence[float] | None = None,
         pad_ids: Sequence[int] | None = None,
         routing: Routing | None = None,
+        emas: Sequence[EMAWeights] = (),
     ) -> None:
         if not teachers:
             raise ValueError("a TeacherSet needs at least one teacher")
@@ -70,6 +73,7 @@ class TeacherSet:
         # each teacher's padding id (its own tokenizer's with teacher.cross_tokenizer)
         self.pad_ids = tuple(pad_ids) if pad_ids is not None else (0,) * len(teachers)
         self.routing = routing
+        self.emas = list(emas)  # the teachers that follow the student (teacher.weights=ema)
 
     def __len__(self) -> int:
         return len(self.scorers)
@@ -84,6 +88,21 @@ class TeacherSet:
     @property
     def model(self) -> Any:
         return self.only.model
+
+    def after_update(self) -> None:
+        """The teachers that follow the student (EMA) take an optimizer step's weights in."""
+        for ema in self.emas:
+            ema.update()
+
+    def save_state(self, directory: Path) -> None:
+        """Write the teachers that change during training (EMA) into a step directory (every
+        rank, its own shards)."""
+        for j, ema in enumerate(self.emas):
+            ema.save(directory, j)
+
+    def load_state(self, directory: Path) -> bool:
+        """Read them back from a resumed step directory; False when one had nothing saved."""
+        return all([ema.load(directory, j) for j, ema in enumerate(self.emas)])
 
     def routes(self, prompts: Sequence[EncodedPrompt], prompt_index: torch.Tensor) -> torch.Tensor:
         """Teacher index ``[n]`` of each rollout row (row ``i``: ``prompts[prompt_index[i]]``)."""
