@@ -493,13 +493,13 @@ class DivergenceConfig:
     kl_type); jsd: GKD's generalized Jensen-Shannon divergence with beta (TRL); skew_forward /
     skew_reverse: the KL to a mixture skewed by skew_lambda (ROLL, DistiLLM)."""
     top_k: int = 64
-    """Teacher ids per position the distributions are compared on (NeMo-RL's default 64)."""
+    """Teacher ids per position the distributions are compared on (64 in NeMo-RL's examples)."""
     tail: Literal["bucket", "renormalize"] = "bucket"
     """The mass outside the top_k ids: bucket (one more bucket in each distribution holding it,
     TRL's loss_add_tail) or renormalize (both distributions renormalised over the top_k ids,
     NeMo-RL's zero_outside_topk=false; then top_k must exceed 1)."""
     mixed_kl_weight: float = 0.5
-    """kind=mixed: the forward KL's weight w, in [0, 1] (NeMo-RL's name and default)."""
+    """kind=mixed: the forward KL's weight w, in [0, 1] (NeMo-RL's name; 0.5 in its examples)."""
     beta: float = 0.5
     """kind=jsd: the mixture weight beta, in [0, 1]; 0 is the forward KL, 1 the reverse KL (TRL's
     GKD convention and default)."""
