@@ -323,6 +323,7 @@ def test_topk_kd_config_problems_name_the_fix() -> None:
         "algorithm.divergence.policy_gradient=opd",
     )  # fmt: skip
     assert "estimator=topk_kd" in problems("teacher.cross_tokenizer=true")
+    assert "set correction=none" in problems("algorithm.offpolicy.correction=tis")
     with pytest.raises(ConfigError, match="expected one of 'forward', 'reverse'"):
         load_config(None, ["algorithm.divergence.kind=hellinger"])
 

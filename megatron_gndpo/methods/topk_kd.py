@@ -111,6 +111,13 @@ class TopKKD(BaseMethod):
                 "gradient, and algorithm.divergence.policy_gradient=none has none; set the "
                 "weights to 1 or choose policy_gradient gndpo or opd"
             )
+        if cfg.algorithm.offpolicy.correction != "none" and self.policy_gradient is None:
+            p.append(
+                "algorithm.offpolicy.correction weights the policy gradient, and "
+                "algorithm.divergence.policy_gradient=none has none (the divergence is exact at "
+                "each position and needs no weight); set correction=none or choose "
+                "policy_gradient gndpo or opd"
+            )
         if self.policy_gradient is not None:
             p += self.policy_gradient.problems(cfg, world_size)
         return p
