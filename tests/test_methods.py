@@ -177,6 +177,7 @@ def test_registry_names_every_method_once_and_the_config_reference_lists_them() 
         "mix",
         "tgpo",
         "tropd",
+        "topk_kd",
     ]
     for name, kind in REGISTRY.items():
         assert kind.name == name

@@ -14,6 +14,8 @@ One per-token loss covers every method (``engine/update.py`` assembles it)::
 distillation term, whose target distribution ``q`` is given on ``K`` ids ``v``: the teacher's
 top-k (forward KL, unnormalised as the TrOPD formula writes it), or one guidance token with
 ``q = 1`` (then the term is the cross-entropy ``−ls(ŷ_t)``). ``H`` is the student's entropy.
+The distillation term generalises to other divergences on the K ids with a tail bucket
+(``divergences.py``, the ``topk_kd`` method); this forward KL is its default.
 
 Sources (abstracts and released code; the papers were not available, so every unstated detail
 here is our reading and a config option, see docs/methods/):

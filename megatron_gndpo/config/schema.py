@@ -481,6 +481,39 @@ class TrOPDConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DivergenceConfig:
+    """On-policy distillation by a divergence between the teacher's and the student's next-token
+    distributions at every position of the student's own samples, on the teacher's top_k ids
+    plus a tail bucket (estimator topk_kd: GKD with lmbda = 1, NeMo-RL's distillation;
+    docs/methods/divergences.md)."""
+
+    kind: Literal["forward", "reverse", "mixed", "jsd", "skew_forward", "skew_reverse"] = "forward"
+    """forward: KL(teacher || student), mode-covering; reverse: KL(student || teacher),
+    mode-seeking; mixed: mixed_kl_weight * forward + (1 - mixed_kl_weight) * reverse (NeMo-RL
+    kl_type); jsd: GKD's generalized Jensen-Shannon divergence with beta (TRL); skew_forward /
+    skew_reverse: the KL to a mixture skewed by skew_lambda (ROLL, DistiLLM)."""
+    top_k: int = 64
+    """Teacher ids per position the distributions are compared on (64 in NeMo-RL's examples)."""
+    tail: Literal["bucket", "renormalize"] = "bucket"
+    """The mass outside the top_k ids: bucket (one more bucket in each distribution holding it,
+    TRL's loss_add_tail) or renormalize (both distributions renormalised over the top_k ids,
+    NeMo-RL's zero_outside_topk=false; then top_k must exceed 1)."""
+    mixed_kl_weight: float = 0.5
+    """kind=mixed: the forward KL's weight w, in [0, 1] (NeMo-RL's name; 0.5 in its examples)."""
+    beta: float = 0.5
+    """kind=jsd: the mixture weight beta, in [0, 1]; 0 is the forward KL, 1 the reverse KL (TRL's
+    GKD convention and default)."""
+    skew_lambda: float = 0.1
+    """kind=skew_*: the mixture's skew lambda, in [0, 1); 0 is the plain KL (ROLL's default)."""
+    coef: float = 1.0
+    """Weight of the divergence term in the per-token loss (> 0)."""
+    policy_gradient: Literal["none", "gndpo", "opd"] = "none"
+    """The sampled-token policy gradient beside the divergence: none (the divergence alone, as
+    GKD and NeMo-RL), gndpo (GNDPO's score whitened over the step batch, with kl_clip and the
+    gndpo_* switches) or opd (the clamped score)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class OffPolicyConfig:
     """Importance-sampling correction of the policy gradient for the gap between the sampler's
     log-probs and the trainer's recomputation of them (docs/methods/offpolicy.md). The weight
@@ -586,6 +619,8 @@ class AlgorithmConfig:
     """TGPO settings (estimator tgpo)."""
     tropd: TrOPDConfig = dataclasses.field(default_factory=TrOPDConfig)
     """TrOPD settings (estimator tropd)."""
+    divergence: DivergenceConfig = dataclasses.field(default_factory=DivergenceConfig)
+    """Divergence settings (estimator topk_kd)."""
     offpolicy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)
     """Importance-sampling correction for the sampler/trainer log-prob gap (any estimator)."""
     filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megatron_gndpo.algorithms import aggregate_loss
-from megatron_gndpo.algorithms.guidance import forward_kl_to_targets
+from megatron_gndpo.algorithms.divergences import Divergence, topk_divergence
 from megatron_gndpo.algorithms.losses import (
     gspo_token_loss,
     importance_sampled_pg_loss,
@@ -47,8 +47,9 @@ class Targets:
     """A method's per-token inputs of the update beyond the tokens and the old log-probs
     (``methods/``: each method's ``targets``), in the scoring convention.
 
-    The update forms ``g·PG(A) + λ·d·Σ_k q (log q − log π_θ) − β·H`` per token
-    (``algorithms/guidance.py``).
+    The update forms ``g·PG(A) + λ·d·D(q, π_θ) − β·H`` per token (``algorithms/guidance.py``),
+    ``D`` the divergence ``aux_divergence`` between the target ``q`` and the student on the
+    ``K`` ids (``algorithms/divergences.py``); by default ``Σ_k q (log q − log π_θ)``.
     """
 
     advantages: torch.Tensor  # [n, S] float32: A
@@ -58,6 +59,8 @@ class Targets:
     aux_mask: torch.Tensor | None = None  # [n, S]: d, tokens with the distillation term
     aux_coef: float = 0.0  # λ
     entropy_coef: float = 0.0  # β
+    # D: by default the forward KL to q on the K ids as given (TGPO, TrOPD)
+    aux_divergence: Divergence = dataclasses.field(default_factory=Divergence)
 
 
 @dataclasses.dataclass
@@ -170,7 +173,7 @@ def token_loss(
     batch: UpdateBatch,
     cfg: AlgorithmConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss ``[b, L]`` = ``w·g·PG(A) + λ·d·Σ_k q (log q − ls) − β·H`` and its info.
+    """Per-token loss ``[b, L]`` = ``w·g·PG(A) + λ·d·D(q, π_θ) − β·H`` and its info.
 
     ``output``: the head's log-probs ``[b, L]`` (plain batches) or its :class:`Scores` with
     ``extra_logprobs`` at ``aux_ids`` and ``entropy``.
@@ -184,7 +187,7 @@ def token_loss(
     t = batch.targets
     if isinstance(output, Scores) and "aux_ids" in mb and t.aux_coef:
         extra = required(output.extra_logprobs, "the log-probs at aux_ids")
-        kl = forward_kl_to_targets(extra, mb["aux_logq"])
+        kl = topk_divergence(extra, mb["aux_logq"], t.aux_divergence)
         loss = loss + t.aux_coef * torch.where(mb["aux_mask"].bool(), kl, 0.0)
         info["aux"] = kl.detach()
     if isinstance(output, Scores) and t.entropy_coef:

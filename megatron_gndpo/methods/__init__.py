@@ -13,6 +13,7 @@ names from the registry.
     vopd        vopd                 (also a distillation part of mix)
     tgpo        tgpo
     tropd       tropd
+    topk_kd     topk_kd              (a divergence on the teacher's top-k; beside gndpo or opd)
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from megatron_gndpo.methods.distill import GNDPO, OPD
 from megatron_gndpo.methods.mix import DISTILL_PARTS, OUTCOME_PARTS, Mix
 from megatron_gndpo.methods.outcome import GRPO, ReinforcePP
 from megatron_gndpo.methods.tgpo import TGPO
+from megatron_gndpo.methods.topk_kd import TopKKD
 from megatron_gndpo.methods.tropd import TrOPD
 from megatron_gndpo.methods.vopd import VOPD
 
 METHODS: dict[str, type[BaseMethod]] = {
-    m.name: m for m in (GNDPO, OPD, GRPO, ReinforcePP, VOPD, Mix, TGPO, TrOPD)
+    m.name: m for m in (GNDPO, OPD, GRPO, ReinforcePP, VOPD, Mix, TGPO, TrOPD, TopKKD)
 }
 
 

@@ -169,7 +169,9 @@ class BaseMethod:
         return (
             "The distillation score teaches stopping only through the stop tokens the student "
             "samples, so this student is not taught to stop (docs/methods/README.md, 'A "
-            f"student that never stops'): {KD_FIRST}, use algorithm.estimator=tropd"
+            f"student that never stops'): {KD_FIRST}, use algorithm.estimator=tropd, or "
+            "algorithm.estimator=topk_kd (the forward KL to the teacher's top-k at every "
+            "position, alone or beside GNDPO's score)"
         )
 
     @property
