@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +38,7 @@ from megatron_gndpo.data.prompt_sets import Drawn
 from megatron_gndpo.engine.probe import check_engine, model_probe
 from megatron_gndpo.engine.scoring import Scores, required
 from megatron_gndpo.engine.update import Targets, UpdateBatch, run_update
+from megatron_gndpo.job.stop import StopRequest
 from megatron_gndpo.logging import progress
 from megatron_gndpo.logging.sinks import METRICS_FILE
 from megatron_gndpo.logging.throughput import update_mfu
@@ -72,39 +70,6 @@ _LAST_STAGE_KEYS = ("loss", "ratio/mean", "clip/frac", "guidance/kl_mean")
 _OPTIONAL_KEYS = ("guidance/kl_mean",)
 
 
-class _StopRequest:
-    """SIGTERM/SIGUSR1 and a first Ctrl-C (SIGINT) set a flag; every rank stops at the same step
-    (one all-reduce), with a checkpoint. A second Ctrl-C stops at once (KeyboardInterrupt)."""
-
-    _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.interrupted = False  # by Ctrl-C
-        self.previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT:
-            if self.interrupted:
-                raise KeyboardInterrupt
-            self.interrupted = True
-            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-                print(
-                    "megatron-gndpo: Ctrl-C: stopping after this step, with a checkpoint "
-                    "(Ctrl-C again stops at once)", file=sys.stderr, flush=True,
-                )  # fmt: skip
-        self.requested = True
-
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
 class Trainer:
     """On-policy distillation of the student towards the frozen teacher."""
 
@@ -131,33 +96,14 @@ class Trainer:
                 draw=self._draw, resolve=self.c.data.resolve, seeds=self._seeds,
                 sampling=self._sampling,
             )  # fmt: skip
-        self._data_notices()
+        for notice in self.c.data.notices(cfg):  # once: what the training set leaves out
+            self._warn(notice)
         inflight = self._resume()
         self.checkpoints.describe()
         if self.pipeline is not None:  # the rollout ranks start without the student's weights
             self.pipeline.start(self.step_count, inflight)
         else:
             self._sync_engine()  # so does an external engine
-
-    def _data_notices(self) -> None:
-        """Once at the start: training prompts left out for length, and a training set smaller
-        than a step's prompts (each step then draws some of them more than once)."""
-        cfg, train, skipped = self.cfg, len(self.c.data.train), self.c.data.skipped
-        if skipped:
-            self._warn(
-                f"{skipped} of {skipped + train} training prompts are longer "
-                f"than rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens and are "
-                "left out (logged as prompts/skipped_too_long); raise rollout.max_prompt_length "
-                "to train on them"
-            )
-        per_step = cfg.rollout.prompts_per_step
-        if train < per_step:
-            prompts = f"{train} usable prompt{'s' if train > 1 else ''}"
-            self._warn(
-                f"data.train ({cfg.data.train}) has {prompts}, fewer than "
-                f"rollout.prompts_per_step={per_step}: each step repeats them ({per_step} draws "
-                f"from {prompts}); add prompts, or lower rollout.prompts_per_step"
-            )
 
     @property
     def run_id(self) -> str:
@@ -260,7 +206,7 @@ class Trainer:
         first Ctrl-C (``interrupted`` is then True), a second one stops at once.
         """
         history = []
-        stop = _StopRequest()
+        stop = StopRequest()
         self.interrupted = False
         if self.step_count >= self.cfg.trainer.steps:
             self._say(

@@ -47,6 +47,27 @@ class PromptSets:
             return "outlier", self.outlier_sampler.next_step()
         return "train", self.sampler.next_step()
 
+    def notices(self, cfg: Config) -> list[str]:
+        """What to say once at the start: training prompts left out for length, and a training
+        set smaller than a step's prompts (each step then draws some of them more than once)."""
+        out, train, skipped = [], len(self.train), self.skipped
+        if skipped:
+            out.append(
+                f"{skipped} of {skipped + train} training prompts are longer than "
+                f"rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens and are left "
+                "out (logged as prompts/skipped_too_long); raise rollout.max_prompt_length to "
+                "train on them"
+            )
+        per_step = cfg.rollout.prompts_per_step
+        if train < per_step:
+            prompts = f"{train} usable prompt{'s' if train > 1 else ''}"
+            out.append(
+                f"data.train ({cfg.data.train}) has {prompts}, fewer than "
+                f"rollout.prompts_per_step={per_step}: each step repeats them ({per_step} draws "
+                f"from {prompts}); add prompts, or lower rollout.prompts_per_step"
+            )
+        return out
+
     def resolve(self, drawn: Drawn) -> list[EncodedPrompt]:
         source, indices = drawn
         prompts = self.outlier if source == "outlier" else self.train
