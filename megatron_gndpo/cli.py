@@ -30,7 +30,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,17 @@ def _add_config_args(
     parser.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="dotted config overrides"
     )
+
+
+# The demo's thread count, whatever the machine has: the README's numbers were measured with it.
+DEMO_THREADS = 2
+
+
+def _threads(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def _positive(text: str) -> float:
@@ -140,6 +151,9 @@ _DEMO_OPTIONS = (
     option("--run-dir", "report folder (default runs/demo, runs/demo_stability with "
            "--stability)", type=Path, default=None),
     option("--cache-dir", "tokenizer and trained models (default: RUN_DIR/cache)", type=Path),
+    option("--threads", "CPU threads the demo computes with (default 2, whatever the machine "
+           "has): its numbers depend on the thread count, which orders the floating-point sums; "
+           "with 2 they are the README's", type=_threads, default=DEMO_THREADS),
 )  # fmt: skip
 
 
@@ -445,7 +459,31 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _pinned_threads(threads: int) -> Iterator[None]:
+    """Compute with ``threads`` CPU threads here and in the processes started meanwhile (the
+    demo's numbers depend on the thread count: docs/demo/RESULTS.md); as before afterwards."""
+    import torch
+
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
+    with _pinned_threads(args.threads):
+        return _cmd_demo_pinned(args)
+
+
+def _cmd_demo_pinned(args: argparse.Namespace) -> int:
     from megatron_gndpo.compat import notices
     from megatron_gndpo.demo.report import summary_numbers, summary_table, verdict
     from megatron_gndpo.demo.run import SEED, run_demo

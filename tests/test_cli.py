@@ -437,3 +437,30 @@ def test_the_first_ctrl_c_during_train_saves_the_step(tmp_path: Path) -> None:
         f"at once)\nmegatron-gndpo: interrupted (Ctrl-C): step {saved} is saved in "
         f"{run_dir / 'checkpoints'}, and the same command resumes from it\n"
     ), err[-3000:]
+
+
+def test_the_demo_computes_with_its_own_thread_count_and_gives_it_back() -> None:
+    """The demo's numbers depend on the thread count (docs/demo/RESULTS.md): it computes with
+    --threads (2 by default, whatever the machine has) and restores the caller's afterwards."""
+    import torch
+
+    from megatron_gndpo import cli
+
+    seen: dict[str, object] = {}
+
+    def record(args: object) -> int:
+        seen["torch"], seen["env"] = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+        return 0
+
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    original = cli._cmd_demo_pinned
+    cli._cmd_demo_pinned = record  # type: ignore[assignment]
+    try:
+        args = cli.build_parser().parse_args(["demo", "--quick"])
+        assert args.threads == cli.DEMO_THREADS == 2
+        assert cli._cmd_demo(args) == 0 and seen == {"torch": 2, "env": "2"}
+        args = cli.build_parser().parse_args(["demo", "--threads", "1"])
+        assert cli._cmd_demo(args) == 0 and seen == {"torch": 1, "env": "1"}
+    finally:
+        cli._cmd_demo_pinned = original  # type: ignore[assignment]
+    assert (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")) == (before, env)
