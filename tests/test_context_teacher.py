@@ -22,7 +22,7 @@ import torch
 from megatron_gndpo.checks import validate
 from megatron_gndpo.config import ConfigError, load_config
 from megatron_gndpo.config.schema import TeacherContextConfig
-from megatron_gndpo.data.datasets import EncodedPrompt, load_prompts
+from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample, load_prompts
 from megatron_gndpo.data.tokenizer import CharTokenizer
 from megatron_gndpo.errors import DataError
 from megatron_gndpo.rollout.base import Rollout
@@ -276,3 +276,47 @@ def test_a_real_chat_template_takes_the_system_prompt_and_the_earlier_turns() ->
     text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert got == hf(text, add_special_tokens=False)["input_ids"]
     assert got != ours.apply_chat_template("The plural of cat?")  # the default system prompt
+
+
+def test_with_several_teachers_each_prompt_needs_only_its_own_teachers_fields(
+    tmp_path: Path,
+) -> None:
+    """Two teachers routed by a field, one with a context naming {hint}: the rows routed to the
+    other need no hint; a row routed to the first without one fails naming it."""
+    from megatron_gndpo.data.prompt_sets import PromptSets, encoded_prompts
+    from megatron_gndpo.data.sampler import PromptSampler
+    from megatron_gndpo.teacher.build import check_context_fields
+
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "1 + 1 = ?", "answer": "2", "domain": "math", "hint": "two"},
+        {"prompt": "2 + 2 = ?", "answer": "4", "domain": "code"},  # the other teacher's: no hint
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = (
+        "hidden_size: 64, ffn_hidden_size: 128, num_attention_heads: 4, num_query_groups: 2, "
+        "vocab_size: 128, make_vocab_size_divisible_by: 64, max_position_embeddings: 96, "
+        "params_dtype: fp32, num_layers: 2"
+    )
+    teachers = (
+        f"teachers=[{{name: math, model: {{{model}}}, context: {{template: '{{hint}} "
+        f"{{prompt}}'}}}}, {{name: code, model: {{{model}}}}}]"
+    )
+    two = TINY.parent / "tiny_cpu_two_teachers.yaml"
+    cfg = load_config(
+        two,
+        [teachers, f"data.train={path}", "data.teacher_key=domain", "data.default_teacher=math"],
+    )
+    validate(cfg, 1)
+    train, _ = encoded_prompts(cfg, str(path), CharTokenizer())
+    assert train[0].example.field("hint") == "two" and train[1].example.field("hint") is None
+
+    def sets(prompts: list[EncodedPrompt]) -> PromptSets:
+        sampler = PromptSampler(len(prompts), prompts_per_step=1, dp_rank=0, dp_size=1, seed=0)
+        return PromptSets(prompts, sampler, [], 0)
+
+    check_context_fields(cfg, sets(train))  # the code row needs no hint
+    example = PromptExample("3 + 3 = ?", "6", 0, where="p.jsonl:3", source="math")
+    missing = [EncodedPrompt(example, [])]
+    with pytest.raises(DataError, match=r"p\.jsonl:3: teachers\[0\]\.context names \{hint\}"):
+        check_context_fields(cfg, sets(missing))
