@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -252,3 +252,30 @@ def host_info() -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": version("transformers"), "load_average": os.getloadavg(),
     }  # fmt: skip
+
+
+def say_measured(name: str, seed: int, found: dict[str, Any]) -> None:
+    """One line of a learning study's measures (its floats) as they come."""
+    shown = " ".join(f"{k} {v:.3f}" for k, v in found.items() if isinstance(v, float))
+    print(f"[{name} s{seed}] {shown}", flush=True)
+
+
+def mean_curves(
+    runs: Sequence[dict[str, Any]], measures: Sequence[str]
+) -> dict[str, dict[int, dict[str, float]]]:
+    """A learning study's curves (``runs``: one dict a run, with ``method`` and ``curve``: the
+    measures at each evaluated ``step``): per method, per step, each measure's mean over the
+    seeds and its standard deviation (``KEY_sd``, 0 for one seed)."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for method in dict.fromkeys(r["method"] for r in runs):
+        mine = [r for r in runs if r["method"] == method]
+        out[method] = {}
+        for step in sorted({c["step"] for r in mine for c in r["curve"]}):
+            at = [c for r in mine for c in r["curve"] if c["step"] == step]
+            row: dict[str, float] = {}
+            for key in measures:
+                values = [c[key] for c in at]
+                row[key] = statistics.fmean(values)
+                row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            out[method][step] = row
+    return out

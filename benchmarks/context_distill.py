@@ -54,6 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import common  # noqa: E402  (the checkout's benchmarks/, on the path above)
+from benchmarks.common import say_measured  # noqa: E402
+
 EXAMPLE = ROOT / "examples" / "smollm2_135m_context.yaml"
 SOURCES = {"train": "short_answers_train.jsonl", "eval": "short_answers_eval.jsonl"}
 SHOTS = 3  # worked examples the teacher sees, as earlier turns
@@ -196,13 +199,13 @@ def run_gndpo(s: Settings, seed: int, evaluate: Evaluator) -> dict[str, Any]:
         trainer = Trainer(cfg)
         c = trainer.c
         curve.append({"step": 0, **evaluate(c.student, c.student_groups)})
-        _say("gndpo", seed, curve[-1])
+        say_measured("gndpo", seed, curve[-1])
         for step in range(1, s.steps + 1):
             m = trainer.step()
             times.append({k: m[k] for k in ("time/teacher_logprobs", "time/old_logprobs")})
             if step % s.eval_interval == 0 or step == s.steps:
                 curve.append({"step": step, **evaluate(c.student, c.student_groups)})
-                _say("gndpo", seed, curve[-1])
+                say_measured("gndpo", seed, curve[-1])
         c.logger.close()
     finally:
         from megatron.core import parallel_state
@@ -238,7 +241,7 @@ def run_sft(s: Settings, seed: int, evaluate: Evaluator, data: list[dict[str, An
         def measure(step: int, metrics: dict[str, float] | None = None) -> None:
             if step == 0 or step % s.eval_interval == 0 or step == s.steps:
                 curve.append({"step": step, **evaluate(m.model, groups)})
-                _say("sft", seed, curve[-1])
+                say_measured("sft", seed, curve[-1])
 
         measure(0)
         multiple = sequence_multiple(m.model)
@@ -294,30 +297,13 @@ def prepare(s: Settings, tokenizer: Any, cfg: Any) -> dict[str, Any]:
     return found
 
 
-def _say(name: str, seed: int, found: dict[str, Any]) -> None:
-    shown = " ".join(f"{k} {v:.3f}" for k, v in found.items() if isinstance(v, float))
-    print(f"[{name} s{seed}] {shown} {found.get('examples', [])[:2]}", flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # The report
 
 
 def mean_curves(runs: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
     """Per method, per evaluated step: each measure's mean over seeds (and ``KEY_sd``)."""
-    out: dict[str, dict[int, dict[str, float]]] = {}
-    for method in dict.fromkeys(r["method"] for r in runs):
-        mine = [r for r in runs if r["method"] == method]
-        out[method] = {}
-        for step in sorted({c["step"] for r in mine for c in r["curve"]}):
-            at = [c for r in mine for c in r["curve"] if c["step"] == step]
-            row: dict[str, float] = {}
-            for key in MEASURES:
-                values = [c[key] for c in at]
-                row[key] = statistics.fmean(values)
-                row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
-            out[method][step] = row
-    return out
+    return common.mean_curves(runs, MEASURES)
 
 
 def markdown(runs: Sequence[dict[str, Any]], teacher: dict[str, Any]) -> str:
@@ -422,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = [json.loads(x) for x in curves.read_text().splitlines()] if curves.is_file() else []
     with distributed_world(alone="the benchmark"):
         teacher = prepare(s, tokenizer, cfg)
-        _say("teacher", SEED, teacher)
+        say_measured("teacher", SEED, teacher)
         for seed in range(SEED, SEED + args.seeds):
             for method in methods:
                 if any((r["method"], r["seed"]) == (method, seed) for r in done):

@@ -70,6 +70,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import common  # noqa: E402  (the checkout's benchmarks/, on the path above)
+from benchmarks.common import say_measured  # noqa: E402
+
 EXAMPLE = ROOT / "examples" / "smollm2_135m_to_10l.yaml"
 EVAL_DATA = ROOT / "examples" / "data" / "short_answers_eval.jsonl"
 ON_POLICY = ("gndpo", "opd", "tropd", "vopd")  # the trainer's estimators this study runs
@@ -367,7 +370,7 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
         def measure(step: int) -> None:
             curve.append({"step": step, **evaluate(c.student, c.student_groups, generator,
                                                    teacher)})  # fmt: skip
-            _say(method, seed, curve[-1])
+            say_measured(method, seed, curve[-1])
 
         if not offset:
             measure(0)
@@ -418,7 +421,7 @@ def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[
         def measure(step: int, metrics: dict[str, float] | None = None) -> None:
             if step == 0 or step % s.eval_interval == 0 or step == s.steps:
                 curve.append({"step": step, **evaluate(m.model, groups, generator, teacher)})
-                _say(method, seed, curve[-1])
+                say_measured(method, seed, curve[-1])
 
         measure(0)
         multiple = sequence_multiple(m.model)
@@ -473,14 +476,9 @@ def measure_starts(s: Settings, starts: dict[str, Path], evaluate: Evaluator,
             layers = json.loads(prune.read_text())["keep_layers"] if prune.is_file() else None
             out.append({"start": name, "dir": str(path), "keep_layers": layers, **found,
                         "seconds": time.perf_counter() - started})  # fmt: skip
-            _say(name, SEED, found)
+            say_measured(name, SEED, found)
             del net
     return out
-
-
-def _say(name: str, seed: int, found: dict[str, Any]) -> None:
-    shown = " ".join(f"{k} {v:.3f}" for k, v in found.items() if isinstance(v, float))
-    print(f"[{name} s{seed}] {shown}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,20 +487,7 @@ def _say(name: str, seed: int, found: dict[str, Any]) -> None:
 
 def mean_curves(runs: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
     """Per method, per evaluated step: each measure's mean over seeds (and ``KEY_sd``)."""
-    out: dict[str, dict[int, dict[str, float]]] = {}
-    for method in dict.fromkeys(r["method"] for r in runs):
-        mine = [r for r in runs if r["method"] == method]
-        steps = sorted({c["step"] for r in mine for c in r["curve"]})
-        out[method] = {}
-        for step in steps:
-            at = [c for r in mine for c in r["curve"] if c["step"] == step]
-            row: dict[str, float] = {}
-            for key in MEASURES:
-                values = [c[key] for c in at]
-                row[key] = statistics.fmean(values)
-                row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
-            out[method][step] = row
-    return out
+    return common.mean_curves(runs, MEASURES)
 
 
 def markdown(runs: Sequence[dict[str, Any]], teacher: dict[str, Any]) -> str:
