@@ -279,3 +279,39 @@ def mean_curves(
                 row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
             out[method][step] = row
     return out
+
+
+def plot_curves(
+    runs: Sequence[dict[str, Any]],
+    measures: Sequence[str],
+    panels: Sequence[tuple[str, str]],
+    colours: dict[str, str],
+    path: Path,
+    *,
+    reference: tuple[dict[str, float], str] | None = None,
+) -> None:
+    """One panel per ``(measure, title)`` of ``panels``: each run's curve faint, each method's
+    mean over seeds bold (``colours`` by method); ``reference``: a dashed level per panel (its
+    value by measure, and its label), e.g. the teacher's."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a CPU box
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    curves = mean_curves(runs, measures)
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for r in runs:
+            ax.plot([c["step"] for c in r["curve"]], [c[key] for c in r["curve"]],
+                    color=colours.get(r["method"]), alpha=0.25, lw=1)  # fmt: skip
+        for method, steps in curves.items():
+            ax.plot(list(steps), [v[key] for v in steps.values()], color=colours.get(method),
+                    lw=2, marker="o", ms=3, label=method)  # fmt: skip
+        if reference is not None:
+            ax.axhline(reference[0][key], color="black", ls="--", lw=1, label=reference[1])
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -335,30 +335,12 @@ def markdown(runs: Sequence[dict[str, Any]], teacher: dict[str, Any]) -> str:
 
 
 def plot(runs: Sequence[dict[str, Any]], teacher: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a CPU box
-    import matplotlib.pyplot as plt
-
     panels = (("exact", "answer alone (exact)"), ("task", "answer anywhere"),
               ("length", "answer length (tokens)"))  # fmt: skip
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     colours = {"gndpo": "tab:blue", "sft": "tab:green"}
-    curves = mean_curves(runs)
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        for r in runs:
-            ax.plot([c["step"] for c in r["curve"]], [c[key] for c in r["curve"]],
-                    color=colours.get(r["method"]), alpha=0.25, lw=1)  # fmt: skip
-        for method, steps in curves.items():
-            ax.plot(list(steps), [v[key] for v in steps.values()], color=colours.get(method),
-                    lw=2, marker="o", ms=3, label=method)  # fmt: skip
-        ax.axhline(teacher[key], color="black", ls="--", lw=1, label="with the examples")
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.plot_curves(
+        runs, MEASURES, panels, colours, path, reference=(teacher, "with the examples")
+    )
 
 
 # ---------------------------------------------------------------------------------------------

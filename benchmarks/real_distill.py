@@ -526,32 +526,13 @@ def markdown(runs: Sequence[dict[str, Any]], teacher: dict[str, Any]) -> str:
 
 
 def plot(runs: Sequence[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a CPU box
-    import matplotlib.pyplot as plt
-
     panels = (("reverse_kl", "held-out reverse KL (nats/token)"),
               ("agreement", "greedy answer = teacher's"), ("task", "task score (greedy)"),
               ("greedy_eos", "greedy answers ending in <|im_end|>"))  # fmt: skip
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     colours = {"gndpo": "tab:blue", "opd": "tab:orange", "kd": "tab:green",
                "kd_sampled": "tab:olive", "kd_gndpo": "tab:purple",
                "tropd": "tab:red", "vopd": "tab:brown", "kd_tropd": "tab:pink"}  # fmt: skip
-    curves = mean_curves(runs)
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        for r in runs:
-            ax.plot([c["step"] for c in r["curve"]], [c[key] for c in r["curve"]],
-                    color=colours.get(r["method"]), alpha=0.25, lw=1)  # fmt: skip
-        for method, steps in curves.items():
-            ax.plot(list(steps), [v[key] for v in steps.values()], color=colours.get(method),
-                    lw=2, marker="o", ms=3, label=method)  # fmt: skip
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.plot_curves(runs, MEASURES, panels, colours, path)
 
 
 # ---------------------------------------------------------------------------------------------
