@@ -352,30 +352,9 @@ COMPARED = ("loss", "grad_norm", "guidance/kl_mean", "advantage/mean", "divergen
 def _runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict[str, Any]:
     """Two steps of each run: the metrics, the student weights that did not move, and whether
     the teacher's did. The first run at 1 rank saves the initial weights of both models."""
-    from megatron_gndpo.checkpoint.dist import save_checkpoint
-    from tests.trainers import reset_megatron, snapshot, tiny_trainer
+    from tests.trainers import two_steps
 
-    out: dict[str, Any] = {}
-    for name, overrides in runs.items():
-        trainer = tiny_trainer(f"{root}/{name}", *overrides)
-        if world == 1 and not out:
-            save_checkpoint(f"{root}/init", 0, trainer.c.student)
-            save_checkpoint(f"{root}/teacher", 0, trainer.c.teacher.model)
-        student, teacher = snapshot(trainer.c.student), snapshot(trainer.c.teacher.model)
-        steps = [trainer.step() for _ in range(2)]
-        out[name] = {
-            "steps": steps,
-            "unchanged": [
-                n for n, p in trainer.c.student.named_parameters() if (p == student[n]).all()
-            ],
-            "teacher_moved": [
-                n for n, p in trainer.c.teacher.model.named_parameters()
-                if not (p == teacher[n]).all()
-            ],
-        }  # fmt: skip
-        trainer.c.logger.close()
-        reset_megatron()
-    return out
+    return two_steps(world, root, runs, saved=root)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from megatron_gndpo.engine.scoring import ScoreRequest, Scores
 from megatron_gndpo.methods import METHODS as REGISTRY
 from megatron_gndpo.methods import BaseMethod, StepBatch, Targets, build_method, config_names
 from tests.harness import run_distributed
-from tests.trainers import reset_megatron, snapshot, tiny_trainer
 
 METHODS = {
     "vopd": ["algorithm.estimator=vopd", "algorithm.vopd_top_k=8"],
@@ -63,29 +62,9 @@ COMPARED = ("grad_norm", "loss", "advantage/mean", "entropy/mean")
 
 def _runs(rank: int, world: int, root: str, runs: dict[str, list[str]]) -> dict[str, object]:
     """Two steps of each run, and whether every student weight moved and the teacher did not."""
-    from megatron_gndpo.checkpoint.dist import save_checkpoint
+    from tests.trainers import two_steps
 
-    out: dict[str, object] = {}
-    for name, overrides in runs.items():
-        trainer = tiny_trainer(f"{root}/{name}", *overrides)
-        if world == 1 and not out:  # megatron initialises other PP layouts differently
-            save_checkpoint(f"{root}/../init", 0, trainer.c.student)
-            save_checkpoint(f"{root}/../teacher", 0, trainer.c.teacher.model)
-        student, teacher = snapshot(trainer.c.student), snapshot(trainer.c.teacher.model)
-        steps = [trainer.step() for _ in range(2)]
-        out[name] = {
-            "steps": steps,
-            "unchanged": [
-                n for n, p in trainer.c.student.named_parameters() if (p == student[n]).all()
-            ],
-            "teacher_moved": [
-                n for n, p in trainer.c.teacher.model.named_parameters()
-                if not (p == teacher[n]).all()
-            ],
-        }  # fmt: skip
-        trainer.c.logger.close()
-        reset_megatron()
-    return out
+    return two_steps(world, root, runs, saved=f"{root}/..")
 
 
 def _check_prefix(name: str, result: dict) -> None:  # type: ignore[type-arg]

@@ -443,9 +443,10 @@ def test_a_run_locks_its_checkpoint_directory_too(tmp_path: Path) -> None:
 def test_a_lock_that_cannot_be_taken_over_or_created_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Probe 13: a stale lock that cannot be renamed (made immutable with ``chattr +i``) was a
-    PermissionError traceback from runlock._take. The rename fails here as it does on an
-    immutable file (chattr needs root and a file system that has the attribute)."""
+    """Probe 13: a stale lock that cannot be renamed was a PermissionError traceback from
+    runlock._take. Here the rename and the creation fail as they do on an immutable file or a
+    read-only directory, for any user; :func:`test_a_real_immutable_lock_is_one_line` makes the
+    file immutable for real (``chattr +i``, as root)."""
     import errno
 
     from megatron_gndpo.job import runlock
@@ -502,10 +503,10 @@ def test_a_full_disk_at_save_is_one_line_naming_the_disk_and_the_intact_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """Probe 9: a full disk at save printed 45 lines and two CheckpointException tracebacks.
-    CI cannot mount a small tmpfs (that needs root), so the write fails here as a full disk makes
-    it fail: ``OSError(ENOSPC)``, or torch's CheckpointException around its zip writer's
-    RuntimeError, which has no errno (what ``mount -t tmpfs -o size=3m`` as the run directory
-    gave), on a disk with nothing left."""
+    Both ways a full disk makes the write fail, each on its own: ``OSError(ENOSPC)``, and
+    torch's CheckpointException around its zip writer's RuntimeError, which has no errno (what a
+    real 3 MB tmpfs gives: :func:`test_a_real_full_disk_stops_a_run_in_one_line`, which needs
+    root), and the same failures on a disk with room, which keep their own errors."""
     import errno
     import shutil as shutil_module
     from collections import namedtuple
@@ -660,3 +661,54 @@ def test_a_hostile_session_on_a_real_run(tmp_path: Path) -> None:
     line = _one_error(_cli(*train, "trainer.steps=3", cwd=tmp_path))
     assert f"cannot load {step2}: {step2 / '.metadata'} holds a pickled posix.system" in line
     assert not marker.exists()
+
+
+def _as_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mount, chattr): CI runs as root")
+
+
+def test_a_real_full_disk_stops_a_run_in_one_line(tmp_path: Path) -> None:
+    """Probe 9 on a real disk: the tiny run saving every step on a 3 MB tmpfs fills it at step
+    2; one line names the disk and the intact step 1, which stays as it was."""
+    _as_root()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)])
+    if mounted.returncode != 0:
+        pytest.skip("this machine does not let root mount a tmpfs")
+    try:
+        run = disk / "run"
+        proc = _cli(
+            "train", f"logging.run_dir={run}", "checkpoint.save_interval=1", "trainer.steps=6",
+            cwd=tmp_path,
+        )  # fmt: skip
+        line = _one_error(proc)
+        saved = run / "checkpoints"
+        assert (
+            f"cannot save step 2: the disk of {saved} is full (mounted at {disk}, 3.0 MiB" in line
+        )
+        assert f"the newest checkpoint, {saved / 'iter_0000001'}, is intact" in line
+        assert not [p for p in saved.iterdir() if p.name.startswith("iter_0000002")]
+        assert (saved / "latest").read_text().strip() == "1"
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_real_immutable_lock_is_one_line(tmp_path: Path) -> None:
+    """Probe 13 for real: a stale lock made immutable (``chattr +i``) cannot be taken over; one
+    line says how to remove it."""
+    _as_root()
+    from megatron_gndpo.job import runlock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = tmp_path / runlock.LOCK_FILE
+    _holder(lock, pid=dead.pid)
+    if subprocess.run(["chattr", "+i", str(lock)], capture_output=True).returncode != 0:
+        pytest.skip("this file system has no immutable attribute")
+    try:
+        with pytest.raises(runlock.RunDirLockedError, match=r"cannot be taken over.*chattr -i"):
+            runlock.RunLock([tmp_path], "train").acquire()
+    finally:
+        subprocess.run(["chattr", "-i", str(lock)], check=True)
