@@ -74,12 +74,23 @@ def pushes(lt: torch.Tensor, ls: torch.Tensor, tokens: torch.Tensor, mask: torch
     stop_in_top = (top_ids == stop).any(-1).float()
     forward = lt[..., stop].exp() * stop_in_top - p_s * top_p.sum(-1)
     m = mask.float()
+    ends = m * (lt[..., stop].exp() > THRESHOLD).float()  # where the teacher would end
+    # the sequence-level reverse KL's sampled estimate: each token's score-to-go (its own and
+    # every later token's), so continuing is charged what the continuation costs
+    to_go = (score * m).flip(-1).cumsum(-1).flip(-1)
+    to_go_advantage = to_go - to_go[mask].mean()
+    per_answer = m / m.sum(-1, keepdim=True).clamp(min=1) * m.sum(-1).gt(0).sum()  # seq-mean
     return {
         "reverse_kl_exact": float((reverse * m).sum()),
+        "reverse_kl_exact_where_teacher_ends": float((reverse * ends).sum()),
+        "reverse_kl_exact_elsewhere": float((reverse * (m - ends)).sum()),
+        "reverse_kl_exact_seq_mean": float((reverse * per_answer).sum()),
         "sampled_score": float((advantage * (sampled_stop - p_s) * m).sum()),
         "sampled_score_from_stop_tokens": float((advantage * (1 - p_s) * sampled_stop * m).sum()),
         "sampled_score_from_other_tokens": float((-advantage * p_s * (1 - sampled_stop) * m).sum()),
+        "sampled_score_to_go": float((to_go_advantage * (sampled_stop - p_s) * m).sum()),
         "forward_kl_topk": float((forward * m).sum()),
+        "forward_kl_topk_where_teacher_ends": float((forward * ends).sum()),
     }
 
 

@@ -75,8 +75,27 @@ from benchmarks.common import say_measured  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "smollm2_135m_to_10l.yaml"
 EVAL_DATA = ROOT / "examples" / "data" / "short_answers_eval.jsonl"
-ON_POLICY = ("gndpo", "opd", "tropd", "vopd")  # the trainer's estimators this study runs
-KD_THEN = ("kd_gndpo", "kd_tropd")  # KD for --kd-steps, then the on-policy method after "kd_"
+_TOPK = "algorithm.estimator=topk_kd"
+# The on-policy methods this study runs: the trainer's config overrides for each.
+ON_POLICY: dict[str, tuple[str, ...]] = {
+    "gndpo": ("algorithm.estimator=gndpo",),
+    "opd": ("algorithm.estimator=opd",),
+    "tropd": ("algorithm.estimator=tropd",),
+    "vopd": ("algorithm.estimator=vopd",),
+    # GNDPO with each answer weighted alike (not each token): is the drift the aggregation's?
+    "gndpo_seqmean": ("algorithm.estimator=gndpo", "algorithm.aggregation=seq-mean-token-mean"),
+    # the divergences on the teacher's top-k (docs/methods/divergences.md), alone (GKD with
+    # lmbda = 1, NeMo-RL's distillation) or beside GNDPO's sampled-token policy gradient
+    "forward": (_TOPK, "algorithm.divergence.kind=forward"),
+    "mixed": (_TOPK, "algorithm.divergence.kind=mixed"),
+    "reverse_topk": (_TOPK, "algorithm.divergence.kind=reverse"),
+    "gndpo_forward": (_TOPK, "algorithm.divergence.kind=forward",
+                      "algorithm.divergence.policy_gradient=gndpo"),
+    "gndpo_mixed": (_TOPK, "algorithm.divergence.kind=mixed",
+                    "algorithm.divergence.policy_gradient=gndpo"),
+}  # fmt: skip
+# KD for --kd-steps, then the on-policy method after "kd_"
+KD_THEN = tuple(f"kd_{m}" for m in ON_POLICY)
 METHODS = (*ON_POLICY, "kd", "kd_sampled", *KD_THEN)
 MEASURES = ("reverse_kl", "agreement", "task", "greedy_eos", "sampled_eos", "greedy_length",
             "sampled_length")  # fmt: skip
@@ -108,12 +127,19 @@ def words(text: str) -> list[str]:
     return re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
 
 
+def first_sentence(text: str) -> str:
+    """``text`` up to its first full stop, question or exclamation mark, or line break."""
+    return next((part for part in re.split(r"[.!?\n]", text) if part.strip()), "")
+
+
 def task_score(task: str, response: str, reference: str) -> float:
     """1.0 when ``response`` answers the question: the sentence itself for ``repeat`` (case and
-    punctuation aside), otherwise the reference as a whole word or phrase anywhere in it."""
-    said, wanted = words(response), words(reference)
+    punctuation aside), otherwise the reference as a whole word or phrase in its first sentence
+    (so an answer that rambles on until it happens to say the reference scores nothing)."""
+    wanted = words(reference)
     if task == "repeat":
-        return float(said == wanted)
+        return float(words(response) == wanted)
+    said = words(first_sentence(response))
     n = len(wanted)
     return float(any(said[i : i + n] == wanted for i in range(len(said) - n + 1)))
 
@@ -236,11 +262,10 @@ class Settings:
     overrides: tuple[str, ...]  # dotted overrides of the example config, for every method
 
 
-def estimator(method: str) -> str:
-    """The trainer's ``algorithm.estimator`` for a study method: its on-policy part, or gndpo
-    (KD's runs read only the optimizer of the config)."""
-    on = method.removeprefix("kd_")
-    return on if on in ON_POLICY else "gndpo"
+def method_overrides(method: str) -> tuple[str, ...]:
+    """The trainer's overrides for a study method: its on-policy part's, or none (KD's runs read
+    only the optimizer of the config)."""
+    return ON_POLICY.get(method.removeprefix("kd_"), ())
 
 
 def run_config(s: Settings, method: str, seed: int) -> Any:
@@ -253,7 +278,7 @@ def run_config(s: Settings, method: str, seed: int) -> Any:
         *_architecture("model", s.student), *_architecture("teacher.model", s.teacher),
         f"checkpoint.init={s.student}", f"teacher.load={s.teacher}",
         f"data.tokenizer={s.tokenizer}", f"trainer.steps={s.steps}", f"trainer.seed={seed}",
-        f"algorithm.estimator={estimator(method)}",
+        *method_overrides(method),
         f"logging.run_dir={s.out / f'{method}_s{seed}'}", "trainer.eval_interval=0",
         "checkpoint.save_interval=0", "data.eval=null",
     ]  # fmt: skip
@@ -358,7 +383,7 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
     validate(cfg, 1)
     shutil.rmtree(cfg.logging.run_dir, ignore_errors=True)  # a fresh run, never a resume
     started = time.perf_counter()
-    curve, trained = [], []
+    curve, trained, ended = [], [], []
     try:
         trainer = Trainer(cfg)
         c = trainer.c
@@ -377,6 +402,7 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
         for step in range(offset + 1, offset + s.steps + 1):
             metrics = trainer.step()
             trained.append(metrics["tokens/step"])  # the response tokens sampled and trained on
+            ended.append(metrics["finished/frac"])  # the share of the step's samples that ended
             if step % s.eval_interval == 0 or step == offset + s.steps:
                 measure(step)
         c.logger.close()
@@ -386,7 +412,8 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
         parallel_state.destroy_model_parallel()
     return {"method": method, "seed": seed, "curve": curve,
             "seconds": time.perf_counter() - started,
-            "response_tokens_per_step": statistics.fmean(trained)}  # fmt: skip
+            "response_tokens_per_step": statistics.fmean(trained),
+            "ended_per_step": ended}  # fmt: skip
 
 
 def run_kd(s: Settings, method: str, seed: int, evaluate: Evaluator, data: list[dict[str, Any]],

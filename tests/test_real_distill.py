@@ -16,11 +16,14 @@ import pytest
 
 from benchmarks.real_distill import (
     EVAL_DATA,
+    EXAMPLE,
     MEASURES,
+    METHODS,
     Settings,
     load_questions,
     markdown,
     mean_curves,
+    method_overrides,
     run_kd_then,
     task_score,
     words,
@@ -62,6 +65,10 @@ def test_committed_prompt_files_are_the_generators() -> None:
         ("plural", "The plural of 'mouse' is mice", "mice", 1.0),
         ("repeat", "The cat sat on the mat", "The cat sat on the mat.", 1.0),
         ("repeat", "The cat sat on the mat today.", "The cat sat on the mat.", 0.0),
+        # the first sentence only: an answer that rambles until it says the reference is wrong
+        ("capital", "Lyon is a city. The capital of France is Paris.", "Paris", 0.0),
+        ("capital", "Paris\nIt is also the largest city", "Paris", 1.0),
+        ("plural", "Mice! That is the plural of mouse", "mice", 1.0),
     ],
 )
 def test_task_score(task: str, response: str, reference: str, right: float) -> None:
@@ -105,3 +112,13 @@ def test_kd_then_needs_both_parts(kd_steps: int, tmp_path: Path) -> None:
                  eval_interval=4, seeds=(1,), overrides=(), kd_steps=kd_steps)  # fmt: skip
     with pytest.raises(ValueError, match="0 < --kd-steps < --steps"):
         run_kd_then(s, "kd_tropd", 1, None, [], None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_a_valid_config(method: str) -> None:
+    """Each study method's overrides of the example config pass the trainer's checks (a typo in
+    a key or value fails here, not an hour into a study)."""
+    from megatron_gndpo.checks import validate
+    from megatron_gndpo.config.loader import load_config
+
+    validate(load_config(EXAMPLE, list(method_overrides(method))), 1)
