@@ -637,6 +637,8 @@ def _interrupted(command: str, saved: tuple[int, Path] | None = None) -> int:
                 ": the checkpoints already written are intact, and the same command resumes "
                 "from the newest (a single Ctrl-C during training saves the step first)"
             )
+        elif command == "compress":
+            resume = ": the finished stages are kept, and the same command resumes from the next"
         else:
             resume = ""
         print(f"megatron-gndpo: interrupted (Ctrl-C){resume}", file=sys.stderr, flush=True)

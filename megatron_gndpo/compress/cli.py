@@ -50,7 +50,8 @@ _OPTIONS = (
     option("--eval-interval", "evaluate every N steps (and at step 0 and the end; default 6)",
            type=int, default=6),
     option("--eval", "held-out questions: .jsonl with prompt, reference and task fields "
-           f"(default {DEFAULT_EVAL})", type=Path, default=DEFAULT_EVAL, dest="eval_file"),
+           f"(default {DEFAULT_EVAL})", type=Path, default=DEFAULT_EVAL, dest="eval_file",
+           metavar="FILE"),
     option("--eval-samples", "samples per held-out question for the reverse KL (default 2)",
            type=int, default=2),
     option("--config", "base trainer config (default examples/compress_smollm2.yaml); each "

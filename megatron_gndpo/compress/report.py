@@ -104,6 +104,8 @@ def plot(points: Sequence[dict[str, Any]], teacher: dict[str, float], path: Path
         ax.plot([x["step"] for x in points], [x[key] for x in points], color="black", lw=1)
         for stage, colour in colours.items():
             mine = [x for x in points if x["stage"] == stage]
+            if not mine:  # no warm-up asked for
+                continue
             ax.plot([x["step"] for x in mine], [x[key] for x in mine], "o", color=colour,
                     ms=4, label=stage)  # fmt: skip
         ax.axhline(teacher[key], color="black", ls="--", lw=1, label="teacher")
