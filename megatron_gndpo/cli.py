@@ -9,6 +9,8 @@
                         [--student pruned|sft] [--run-dir DIR]
     megatron-gndpo demo --stability [--quick] [--run-dir DIR] [--cache-dir DIR]
     megatron-gndpo prune --teacher CKPT --out DIR --num-layers N --calib-data PROMPTS
+    megatron-gndpo compress --teacher HF_DIR|CKPT --out DIR --layers N [--warmup-steps K]
+                            [--steps S] [--eval-interval E] [--eval FILE] [section.key=value ...]
 
 Without ``--config`` the embedded default is used: ``plan``/``config`` start from the release
 defaults with tiny models; ``train`` runs ``megatron_gndpo/configs/tiny_cpu.yaml`` (a tiny
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_gndpo.checks import validate
 from megatron_gndpo.cli_options import add_options, option
+from megatron_gndpo.compress import cli as compress_cli
 from megatron_gndpo.config import (
     Config,
     load_config,
@@ -217,6 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
         "neurons). One process; the student keeps the teacher's tokenizer (docs/PRUNING.md).",
     )
     prune_cli.add_arguments(p_prune)
+
+    p_compress = sub.add_parser(
+        "compress",
+        help="a teacher made into a smaller student and distilled on-policy, as one resumable "
+        "command: convert, prune, warm up, distil, evaluate, report",
+        description="Convert the teacher (a Hugging Face directory) or use its megatron "
+        "checkpoint, prune it to --layers, optionally warm the student up with sequence-level "
+        "KD (--warmup-steps), distil it on-policy through the trainer (--steps; the base "
+        "--config with the dotted overrides) and evaluate it on held-out questions at step 0, "
+        "every --eval-interval steps and at the end; the report (report.md, curves.png) goes "
+        "into --out. Each stage is skipped on a rerun once complete, so an interrupted run "
+        "resumes. One process (docs/PRUNING.md).",
+        **documented,
+    )
+    compress_cli.add_arguments(p_compress)
 
     p_launch = sub.add_parser(
         "launch",
@@ -556,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     handlers = {
         "plan": _cmd_plan, "config": _cmd_config, "train": _cmd_train, "demo": _cmd_demo,
-        "convert": _cmd_convert, "prune": prune_cli.main,
+        "convert": _cmd_convert, "prune": prune_cli.main, "compress": compress_cli.main,
     }  # fmt: skip
     if args.command == "convert":  # its options belong to the conversion's own parser
         args.rest = [*args.rest, *extra]
@@ -619,6 +637,8 @@ def _interrupted(command: str, saved: tuple[int, Path] | None = None) -> int:
                 ": the checkpoints already written are intact, and the same command resumes "
                 "from the newest (a single Ctrl-C during training saves the step first)"
             )
+        elif command == "compress":
+            resume = ": the finished stages are kept, and the same command resumes from the next"
         else:
             resume = ""
         print(f"megatron-gndpo: interrupted (Ctrl-C){resume}", file=sys.stderr, flush=True)

@@ -86,7 +86,10 @@ def test_config_is_a_leaf() -> None:
 def test_nothing_imports_the_cli_and_only_entry_points_import_the_trainer() -> None:
     assert [m for m, targets in GRAPH.items() if "megatron_gndpo.cli" in targets] == []
     users = {m for m, targets in GRAPH.items() if "megatron_gndpo.trainer" in targets}
-    assert {m for m in users if not _under(m, "megatron_gndpo.demo")} <= {"megatron_gndpo.cli"}
+    entry_points = ("megatron_gndpo.demo", "megatron_gndpo.compress")
+    assert {m for m in users if not any(_under(m, e) for e in entry_points)} <= {
+        "megatron_gndpo.cli"
+    }
 
 
 def test_only_the_trainer_imports_the_composition_root() -> None:
@@ -100,6 +103,7 @@ def test_only_the_trainer_imports_the_composition_root() -> None:
 _TOP = (
     "megatron_gndpo.trainer", "megatron_gndpo.components", "megatron_gndpo.evaluation",
     "megatron_gndpo.scorer", "megatron_gndpo.cli", "megatron_gndpo.demo", "megatron_gndpo.prune",
+    "megatron_gndpo.compress",
 )  # fmt: skip
 
 

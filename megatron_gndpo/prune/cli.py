@@ -72,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, *_OPTIONS)
 
 
-def _tokenizer_spec(teacher: str, given: str | None) -> str:
+def tokenizer_spec(teacher: str, given: str | None) -> str:
+    """``given``, else the teacher checkpoint's own tokenizer files (beside its root); a
+    UserError naming ``--tokenizer`` when there are none."""
     if given is not None:
         return given
     from megatron_gndpo.checkpoint.dist import resolve
@@ -111,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
         teacher_architecture(args.teacher, model), num_layers=args.num_layers or 0,
         keep_layers=args.keep_layers, ffn_hidden_size=args.ffn_hidden_size,
     )  # fmt: skip
-    tokenizer = load_tokenizer(_tokenizer_spec(args.teacher, args.tokenizer), setting="--tokenizer")
+    tokenizer = load_tokenizer(tokenizer_spec(args.teacher, args.tokenizer), setting="--tokenizer")
     examples = load_prompts(
         args.calib_data, prompt_key=args.calib_prompt_key,
         named_by=PromptOptions(file="--calib-data", prompt_key="--calib-prompt-key"),
