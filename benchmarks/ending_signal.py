@@ -60,9 +60,16 @@ def pushes(lt: torch.Tensor, ls: torch.Tensor, tokens: torch.Tensor, mask: torch
       ``lt - ls`` of the sampled token ``y``, clamped to ``±clip`` around the batch mean (GNDPO's
       baseline, before its division by the std): ``A (1[y = stop] - p_S(stop))``, split into the
       part the sampled stop tokens give and the part every other token gives;
+    - ``sampled_score_to_go``: the same with each token's score-to-go (its own score and every
+      later token's in the answer, less the batch mean): the sequence-level reverse KL's
+      estimate, which charges the decision not to stop with what the continuation costs;
     - ``forward_kl_topk``: ``Σ_{v ∈ top-k of p_T} p_T(v) (log p_T(v) - log p_S(v))`` at every
       position (a dense forward KL on the student's samples, TrOPD's outlier term):
       ``p_T(stop) 1[stop in top-k] - p_S(stop) Σ_{top-k} p_T``.
+
+    The exact reverse KL's and the forward KL's pushes are also given at the positions where
+    the teacher would end (``p_T(stop) > THRESHOLD``) and, for the reverse KL, elsewhere, and
+    with ``seq-mean-token-mean``'s weights (each answer alike, not each token).
     """
     p_s = ls[..., stop].exp()
     kl = (ls.exp() * (ls - lt)).sum(-1)
@@ -79,7 +86,9 @@ def pushes(lt: torch.Tensor, ls: torch.Tensor, tokens: torch.Tensor, mask: torch
     # every later token's), so continuing is charged what the continuation costs
     to_go = (score * m).flip(-1).cumsum(-1).flip(-1)
     to_go_advantage = to_go - to_go[mask].mean()
-    per_answer = m / m.sum(-1, keepdim=True).clamp(min=1) * m.sum(-1).gt(0).sum()  # seq-mean
+    # seq-mean-token-mean's weights: each answer alike, scaled to the token-mean's total weight
+    answers = m.sum(-1, keepdim=True)
+    per_answer = m / answers.clamp(min=1) * (m.sum() / answers.gt(0).sum())
     return {
         "reverse_kl_exact": float((reverse * m).sum()),
         "reverse_kl_exact_where_teacher_ends": float((reverse * ends).sum()),

@@ -51,18 +51,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_gndpo.checkpoint.load import load_model
+from megatron_gndpo.compress.answers import (  # noqa: F401  (the study's names for them)
+    Question,
+    first_sentence,
+    load_questions,
+    task_score,
+    words,
+)
+from megatron_gndpo.compress.evaluate import (
+    MEASURES,
+    Answers,
+    Evaluator,
+    greedy_answers,
+    rollout_answers,
+    sampling,
+    teacher_scorer,
+)
 from megatron_gndpo.parallel.world import one_process_world
 from megatron_gndpo.rollout.builtin import MegatronGenerator
 
@@ -97,152 +112,14 @@ ON_POLICY: dict[str, tuple[str, ...]] = {
 # KD for --kd-steps, then the on-policy method after "kd_"
 KD_THEN = tuple(f"kd_{m}" for m in ON_POLICY)
 METHODS = (*ON_POLICY, "kd", "kd_sampled", *KD_THEN)
-MEASURES = ("reverse_kl", "agreement", "task", "greedy_eos", "sampled_eos", "greedy_length",
-            "sampled_length")  # fmt: skip
 EVAL_SAMPLES = 2  # samples per held-out question for the reverse KL (128 in all)
 KD_SAMPLES = 2  # teacher answers per training question: the rows a trainer step samples
 SEED = 1234
 
 
 # ---------------------------------------------------------------------------------------------
-# The questions and how answers are scored
-
-
-@dataclasses.dataclass(frozen=True)
-class Question:
-    prompt: str
-    reference: str
-    task: str
-
-
-def load_questions(path: str | Path) -> list[Question]:
-    """``{"prompt", "reference", "task"}`` lines (examples/data/make_short_answers.py)."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [Question(**{k: r[k] for k in ("prompt", "reference", "task")})
-                for r in map(json.loads, f) if r]  # fmt: skip
-
-
-def words(text: str) -> list[str]:
-    """Lower-case words of ``text``; punctuation, quotes and spacing dropped."""
-    return re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
-
-
-def first_sentence(text: str) -> str:
-    """``text`` up to its first full stop, question or exclamation mark, or line break."""
-    return next((part for part in re.split(r"[.!?\n]", text) if part.strip()), "")
-
-
-def task_score(task: str, response: str, reference: str) -> float:
-    """1.0 when ``response`` answers the question: the sentence itself for ``repeat`` (case and
-    punctuation aside), otherwise the reference as a whole word or phrase in its first sentence
-    (so an answer that rambles on until it happens to say the reference scores nothing)."""
-    wanted = words(reference)
-    if task == "repeat":
-        return float(words(response) == wanted)
-    said = words(first_sentence(response))
-    n = len(wanted)
-    return float(any(said[i : i + n] == wanted for i in range(len(said) - n + 1)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring a model
-
-
-@dataclasses.dataclass(frozen=True)
-class Answers:
-    """Decoded responses (stop token left out), whether each ended with it, and lengths."""
-
-    texts: list[str]
-    finished: list[bool]
-    lengths: list[int]  # response tokens, the stop token included when present
-
-
-def _answers(rollout: Any, tokenizer: Any) -> Answers:
-    texts, lengths = [], []
-    for ids in rollout.responses():
-        lengths.append(len(ids))
-        texts.append(tokenizer.decode([t for t in ids if t != tokenizer.eos_id]))
-    return Answers(texts, [bool(f) for f in rollout.finished.tolist()], lengths)
-
-
-def sampling(max_new_tokens: int, eos_id: int, temperature: float, k: int = 1) -> Any:
-    from megatron_gndpo.rollout.base import SamplingParams
-
-    return SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=(eos_id,),
-        samples_per_prompt=k,
-    )  # fmt: skip
-
-
-def greedy_answers(generator: Any, ids: Sequence[Sequence[int]], tokenizer: Any,
-                   max_new_tokens: int) -> Answers:  # fmt: skip
-    """The generator's model's greedy answer to each prompt (``ids``, chat-templated)."""
-    from megatron_gndpo.rollout import greedy
-
-    answers = greedy.greedy_answers(
-        generator, ids, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
-        batch_size=max(len(ids), 1),
-    )  # fmt: skip
-    return Answers(
-        [tokenizer.decode([t for t in a.response if t != tokenizer.eos_id]) for a in answers],
-        [a.finished for a in answers], [len(a.response) for a in answers],
-    )  # fmt: skip
-
-
-# Scores ``[B, S]`` teacher log-probs of rows (tokens, lengths): a TeacherSet or LocalTeacher.
-TeacherLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class Evaluator:
-    """The held-out measures of the module docstring, the same for every method and start."""
-
-    def __init__(self, tokenizer: Any, questions: Sequence[Question], teacher: Answers,
-                 max_new_tokens: int, token_budget: int) -> None:  # fmt: skip
-        from megatron_gndpo import seeding
-
-        self.tok, self.questions, self.teacher = tokenizer, list(questions), teacher
-        self.max_new_tokens, self.token_budget = max_new_tokens, token_budget
-        self.ids = [tokenizer.apply_chat_template(q.prompt) for q in self.questions]
-        self.seeds = seeding.eval_seeds(SEED, 0, len(self.ids))  # the same at every evaluation
-
-    def __call__(self, net: Any, groups: Any, generator: Any,
-                 teacher: TeacherLogprobs) -> dict[str, float]:  # fmt: skip
-        greedy = greedy_answers(generator, self.ids, self.tok, self.max_new_tokens)
-        mine, theirs = [" ".join(words(t)) for t in greedy.texts], self.teacher.texts
-        params = sampling(self.max_new_tokens, self.tok.eos_id, 1.0, EVAL_SAMPLES)
-        rollout = generator.generate(self.ids, params, seeds=self.seeds)
-        sampled = _answers(rollout, self.tok)
-        return {
-            "agreement": statistics.fmean(
-                float(a == " ".join(words(b))) for a, b in zip(mine, theirs, strict=True)
-            ),
-            "task": statistics.fmean(
-                task_score(q.task, t, q.reference)
-                for q, t in zip(self.questions, greedy.texts, strict=True)
-            ),
-            "reverse_kl": self.reverse_kl(net, groups, rollout, teacher),
-            "greedy_eos": statistics.fmean(map(float, greedy.finished)),
-            "sampled_eos": statistics.fmean(map(float, sampled.finished)),
-            "greedy_length": statistics.fmean(greedy.lengths),
-            "sampled_length": statistics.fmean(sampled.lengths),
-        }
-
-    def reverse_kl(self, net: Any, groups: Any, rollout: Any, teacher: TeacherLogprobs) -> float:
-        """``Σ (log p_S - log p_T) / tokens`` over the sampled response tokens (the trainer's
-        ``eval/reverse_kl``, algorithms/metrics.py)."""
-        from megatron_gndpo.algorithms.metrics import sampled_eval_metrics
-        from megatron_gndpo.engine.scoring import score_tokens
-        from megatron_gndpo.models.logprob_head import TokenLogProbs
-
-        student = score_tokens(
-            net, groups, rollout.tokens, rollout.lengths,
-            head=TokenLogProbs(vocab_size=self.tok.vocab_size), token_budget=self.token_budget,
-        )  # fmt: skip
-        assert student is not None  # one stage
-        found = sampled_eval_metrics(
-            teacher(rollout.tokens, rollout.lengths), student, rollout.response_mask, None
-        )
-        return found["eval/reverse_kl"]
+# The questions, how answers are scored and the held-out measures: the package's own
+# (megatron_gndpo/compress/, which `megatron-gndpo compress` reports with).
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,25 +173,11 @@ def _architecture(section: str, checkpoint: Path) -> list[str]:
             f"{section}.ffn_hidden_size={model.ffn_hidden_size}"]  # fmt: skip
 
 
-def teacher_scorer(teacher: Any, groups: Any, vocab: int, budget: int) -> TeacherLogprobs:
-    from megatron_gndpo.engine.scoring import score_tokens
-    from megatron_gndpo.models.logprob_head import TokenLogProbs
-
-    head = TokenLogProbs(vocab_size=vocab)
-
-    def score(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        out = score_tokens(teacher, groups, tokens, lengths, head=head, token_budget=budget)
-        assert out is not None  # one stage
-        return out
-
-    return score
-
-
 def kd_data(rollout: Any, tokenizer: Any, questions: Sequence[Question]) -> dict[str, Any]:
     """The teacher's answers of ``rollout`` as SFT sequences (prompt ids + response ids, its
     ``<|im_end|>`` included when it wrote one), with how good they are."""
     starts = rollout.prompt_lengths.tolist()
-    answers = _answers(rollout, tokenizer)
+    answers = rollout_answers(rollout, tokenizer)
     asked = [questions[int(i)] for i in rollout.prompt_index.tolist()]
     return {
         "sequences": [{"tokens": rollout.tokens[i, :n].tolist(), "prompt_length": int(starts[i])}
@@ -614,7 +477,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with distributed_world(alone="the benchmark"):
         teacher = prepare(s, tokenizer, max_new)
         answers = Answers(**teacher["answers"])
-        evaluate = Evaluator(tokenizer, load_questions(EVAL_DATA), answers, max_new, budget)
+        evaluate = Evaluator(
+            tokenizer,
+            load_questions(EVAL_DATA),
+            answers,
+            max_new_tokens=max_new,
+            token_budget=budget,
+            samples=EVAL_SAMPLES,
+            seed=SEED,
+        )
         if args.starts:
             pairs = (x.split("=", 1) for x in args.starts.split(","))
             starts = {name: Path(path) for name, path in pairs}

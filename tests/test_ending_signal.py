@@ -52,6 +52,17 @@ def test_pushes_are_minus_the_gradients_on_the_stop_logit() -> None:
     parts = found["sampled_score_from_stop_tokens"] + found["sampled_score_from_other_tokens"]
     assert parts == pytest.approx(found["sampled_score"], rel=1e-5)
 
+    split = found["reverse_kl_exact_where_teacher_ends"] + found["reverse_kl_exact_elsewhere"]
+    assert split == pytest.approx(found["reverse_kl_exact"], rel=1e-5)
+    to_go = (score * m).flip(-1).cumsum(-1).flip(-1)
+    policy = -((to_go - to_go[mask].mean()) * picked * m).sum()
+    assert found["sampled_score_to_go"] == pytest.approx(stop_push(policy, z), rel=1e-5)
+    # seq-mean weights: every answer alike, the same total weight as the token mean
+    lengths = m.sum(-1, keepdim=True)
+    weights = m / lengths * (m.sum() / 3)
+    reverse = ((ls.exp() * (ls - lt)).sum(-1) * weights).sum()
+    assert found["reverse_kl_exact_seq_mean"] == pytest.approx(stop_push(reverse, z), rel=1e-5)
+
 
 def test_ending_measures_find_where_the_teacher_would_end() -> None:
     lt, z, tokens, mask = case(1)
