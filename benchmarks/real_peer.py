@@ -46,12 +46,14 @@ seed, not ours per prompt). ``OUT/curves.jsonl``: one line a run in real_distill
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,14 +170,29 @@ class HFEvaluator(real_distill.Evaluator):
 # The models and the checks
 
 
+@contextlib.contextmanager
+def megatron_world() -> Iterator[Any]:
+    """``one_process_world``'s groups, and this process's environment as it was once it ends:
+    the world leaves torchrun's variables behind, from which TRL (accelerate) would wrap the
+    student in a one-process DDP."""
+    from megatron_gndpo.parallel.world import one_process_world
+
+    environ = dict(os.environ)
+    try:
+        with one_process_world(seed=real_distill.SEED, alone="the benchmark") as groups:
+            yield groups
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def export_student(mcore: Path, target: Path) -> Path:
     """The mcore student as a Hugging Face (Llama) directory, once (its vocabulary, 49,152, is
     already a multiple of megatron's padding: nothing to cut)."""
     from megatron_gndpo.checkpoint.convert import convert_mcore_to_hf
-    from megatron_gndpo.parallel.world import distributed_world
 
     if not (target / "config.json").is_file():
-        with distributed_world(alone="the benchmark"):
+        with megatron_world():
             convert_mcore_to_hf(mcore, target, family="llama", dtype="fp32", tokenizer_dir=mcore)
     return target
 
@@ -206,11 +223,10 @@ def check_greedy(mcore: Path, hf_dir: Path, tok: Any, questions: Sequence[Any],
     from transformers import AutoModelForCausalLM
 
     from megatron_gndpo.checkpoint.load import load_model
-    from megatron_gndpo.parallel.world import one_process_world
     from megatron_gndpo.rollout.builtin import MegatronGenerator
 
     ids = [tok.apply_chat_template(q.prompt) for q in questions]
-    with one_process_world(seed=real_distill.SEED, alone="the benchmark") as groups:
+    with megatron_world() as groups:
         net = load_model(mcore, groups, frozen=True)
         generator = MegatronGenerator.for_model(net, groups, tok)
         ours = real_distill.greedy_answers(generator, ids, tok, max_new_tokens)
