@@ -44,7 +44,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -356,12 +356,60 @@ def _iwopd_trainer(student: Any, teacher: Any, hf_tok: Any, prompts: list[str],
 PEERS = {"trl": _distillation_trainer, "trl-iwopd": _iwopd_trainer}
 
 
+def train_peer(peer: str, teacher_dir: Path, student_dir: Path, hf_tok: Any,
+               prompts: Sequence[str], s: PeerSettings, seed: int, out: Path,
+               max_new_tokens: int, evaluator: Callable[[Any], Callable[[Any], dict[str, float]]],
+               changes: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """TRL's trainer ``peer`` (``PEERS``) from the exported models, one seed.
+
+    ``evaluator(teacher)`` measures the student at step 0, every ``s.eval_interval`` steps and
+    at the last, in eval mode and on a forked RNG (the training draws do not depend on how often
+    it measures). ``changes``: TrainingArguments over ``_common_args``'. Returns the ``curve``,
+    the ``seconds`` of training (its evaluations included), each evaluation's seconds
+    (``eval_seconds``) and TRL's logged metrics (``logs``, one dict a log)."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
+    evaluate = evaluator(teacher)
+    curve: list[dict[str, Any]] = []
+    evals: list[float] = []
+    logged: list[dict[str, Any]] = []
+
+    def measure(step: int, model: Any) -> None:
+        started, training = time.perf_counter(), model.training
+        model.eval()
+        with torch.random.fork_rng(devices=[]):
+            curve.append({"step": step, **evaluate(model)})
+        model.train(training)
+        evals.append(time.perf_counter() - started)
+
+    class Record(TrainerCallback):  # type: ignore[misc]
+        """The evaluations, into the curve, and TRL's logs."""
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step % s.eval_interval == 0 or state.global_step == s.steps:
+                measure(state.global_step, kw["model"])
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
+                   **kw: Any) -> None:  # fmt: skip
+            if logs:
+                logged.append({"step": state.global_step, **logs})
+
+    measure(0, student)
+    common = {**_common_args(s, seed, out / peer / f"s{seed}"), **(changes or {})}
+    trainer = PEERS[peer](student, teacher, hf_tok, _drawn_prompts(prompts, s, seed), s, common,
+                          max_new_tokens, Record())  # fmt: skip
+    started = time.perf_counter()
+    trainer.train()
+    return {"curve": curve, "seconds": time.perf_counter() - started, "eval_seconds": evals,
+            "logs": logged}  # fmt: skip
+
+
 def run_trl(teacher_dir: Path, student_dir: Path, task: Any, s: PeerSettings,
             out: Path, max_new_tokens: int, peer: str = "trl") -> list[dict[str, Any]]:  # fmt: skip
     """TRL's trainer ``peer`` (``PEERS``) on each seed, evaluated every interval by
     ``HFEvaluator``."""
-    from transformers import AutoModelForCausalLM, TrainerCallback
-
     from megatron_gndpo.data.tasks import chains
 
     tok = task.tokenizer
@@ -370,28 +418,14 @@ def run_trl(teacher_dir: Path, student_dir: Path, task: Any, s: PeerSettings,
     check_same_ids(hf_tok, tok, prompts[:64])
     runs = []
     for seed in s.seeds:
-        teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
-        student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
-        evaluate = HFEvaluator(tok, task.eval, teacher, max_new_tokens, seed)
-        curve = [{"step": 0, **evaluate(student)}]
 
-        class Evaluate(TrainerCallback):  # type: ignore[misc]
-            """This seed's evaluations every ``eval_interval`` steps, into its curve."""
+        def evaluator(teacher: Any, seed: int = seed) -> HFEvaluator:
+            return HFEvaluator(tok, task.eval, teacher, max_new_tokens, seed)
 
-            def __init__(self, curve: list[dict[str, Any]], evaluate: HFEvaluator) -> None:
-                self.curve, self.evaluate = curve, evaluate
-
-            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                if state.global_step % s.eval_interval == 0:
-                    self.curve.append({"step": state.global_step, **self.evaluate(kw["model"])})
-
-        common = _common_args(s, seed, out / peer / f"s{seed}")
-        trainer = PEERS[peer](student, teacher, hf_tok, _drawn_prompts(prompts, s, seed), s,
-                              common, max_new_tokens, Evaluate(curve, evaluate))  # fmt: skip
-        started = time.perf_counter()
-        trainer.train()
-        runs.append({"who": peer, "seed": seed, "curve": curve,
-                     "seconds": time.perf_counter() - started})  # fmt: skip
+        run = train_peer(peer, teacher_dir, student_dir, hf_tok, prompts, s, seed, out,
+                         max_new_tokens, evaluator)  # fmt: skip
+        runs.append({"who": peer, "seed": seed, "curve": run["curve"],
+                     "seconds": run["seconds"]})  # fmt: skip
     return runs
 
 
