@@ -99,6 +99,9 @@ ON_POLICY: dict[str, tuple[str, ...]] = {
     "vopd": ("algorithm.estimator=vopd",),
     # GNDPO with each answer weighted alike (not each token): is the drift the aggregation's?
     "gndpo_seqmean": ("algorithm.estimator=gndpo", "algorithm.aggregation=seq-mean-token-mean"),
+    # GNDPO to the teacher sharpened to temperature 0.5 (its greedy answer is what is measured;
+    # its samples at temperature 1 are mostly wrong): the evaluation's KL is to the teacher at 1
+    "gndpo_sharp": ("algorithm.estimator=gndpo", "teacher.temperature=0.5"),
     # the divergences on the teacher's top-k (docs/methods/divergences.md), alone (GKD with
     # lmbda = 1, NeMo-RL's distillation) or beside GNDPO's sampled-token policy gradient
     "forward": (_TOPK, "algorithm.divergence.kind=forward"),
@@ -254,6 +257,11 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
 
         def teacher(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             return c.teacher.score_batch(tokens, lengths).logprobs
+
+        if cfg.teacher.temperature != 1.0:  # measured against the teacher itself, as the others
+            teacher = teacher_scorer(load_model(s.teacher, c.student_groups, frozen=True),
+                                     c.student_groups, c.tokenizer.vocab_size,
+                                     cfg.trainer.scoring_token_budget)  # fmt: skip
 
         def measure(step: int) -> None:
             curve.append({"step": step, **evaluate(c.student, c.student_groups, generator,
