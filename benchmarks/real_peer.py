@@ -67,6 +67,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import learning_peer, real_distill  # noqa: E402
 from benchmarks.common import say_measured  # noqa: E402
+from megatron_gndpo.compress.evaluate import TeacherLogprobs  # noqa: E402
 from megatron_gndpo.rollout.base import InPlaceGenerator, Rollout, SamplingParams  # noqa: E402
 
 METHOD = "trl_gkd"
@@ -131,7 +132,7 @@ class HFGenerator(InPlaceGenerator):
         return rollout_from(out, width, prompts, k, params.stop_token_ids, self.pad_id)
 
 
-def token_logprobs(model: Any) -> real_distill.TeacherLogprobs:
+def token_logprobs(model: Any) -> TeacherLogprobs:
     """``(tokens [B, S] right-padded, lengths [B]) -> [B, S]``: ``log p(tokens[b, t] |
     tokens[b, :t])`` for ``1 <= t < lengths[b]``, 0 at t = 0 and at padding (``score_tokens``'
     layout), in float32."""
@@ -153,7 +154,7 @@ class HFEvaluator(real_distill.Evaluator):
     a transformers model (``net``) instead of megatron's ``score_tokens``."""
 
     def reverse_kl(self, net: Any, groups: Any, rollout: Any,
-                   teacher: real_distill.TeacherLogprobs) -> float:  # fmt: skip
+                   teacher: TeacherLogprobs) -> float:  # fmt: skip
         from megatron_gndpo.algorithms.metrics import sampled_eval_metrics
 
         student = token_logprobs(net)(rollout.tokens, rollout.lengths)
@@ -328,7 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"teacher's greedy answers = {args.reference}/teacher.json's on "
               f"{len(questions) - len(wrong)} of {len(questions)} questions"
               + (f"; differ on {wrong}" if wrong else ""))  # fmt: skip
-    evaluate = HFEvaluator(tok, questions, answers, args.max_new_tokens, 0)
+    evaluate = HFEvaluator(
+        tok,
+        questions,
+        answers,
+        max_new_tokens=args.max_new_tokens,
+        token_budget=0,
+        samples=real_distill.EVAL_SAMPLES,
+        seed=real_distill.SEED,
+    )
     s = learning_peer.PeerSettings(
         steps=args.steps, eval_interval=args.eval_interval, prompts_per_step=8,
         samples_per_prompt=2, lr=5e-5,

@@ -109,7 +109,9 @@ def test_a_model_measured_against_itself() -> None:
                  real_distill.Question("Capital?", "Paris", "capital")]  # fmt: skip
     ids = [tok.apply_chat_template(q.prompt) for q in questions]
     mine = real_distill.greedy_answers(real_peer.HFGenerator(model, tok.pad_id), ids, tok, 10)
-    evaluate = real_peer.HFEvaluator(tok, questions, mine, 10, 0)
+    evaluate = real_peer.HFEvaluator(
+        tok, questions, mine, max_new_tokens=10, token_budget=0, samples=2, seed=real_distill.SEED
+    )
     found = evaluate.measure(model, model)
     assert set(found) == set(real_distill.MEASURES)
     assert found["reverse_kl"] == pytest.approx(0.0, abs=1e-6)
