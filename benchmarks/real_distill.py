@@ -357,7 +357,7 @@ def run_kd_then(s: Settings, method: str, seed: int, evaluate: Evaluator,
               + on["response_tokens_per_step"] * rest.steps) / s.steps  # fmt: skip
     return {"method": method, "seed": seed, "curve": kd["curve"] + on["curve"],
             "seconds": kd["seconds"] + on["seconds"], "response_tokens_per_step": tokens,
-            "kd_steps": s.kd_steps}  # fmt: skip
+            "kd_steps": s.kd_steps, "ended_per_step": on["ended_per_step"]}  # fmt: skip
 
 
 def measure_starts(s: Settings, starts: dict[str, Path], evaluate: Evaluator,
