@@ -73,8 +73,8 @@ from megatron_gndpo.compress.evaluate import (
     MEASURES,
     Answers,
     Evaluator,
-    TeacherLogprobs,
     greedy_answers,
+    measured_teacher,
     rollout_answers,
     sampling,
     teacher_scorer,
@@ -256,14 +256,7 @@ def run_trainer(s: Settings, method: str, seed: int, evaluate: Evaluator, *,
         c = trainer.c
         generator = MegatronGenerator.for_model(c.student, c.student_groups, c.tokenizer)
 
-        def trained_against(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-            return c.teacher.score_batch(tokens, lengths).logprobs
-
-        teacher: TeacherLogprobs = trained_against
-        if cfg.teacher.temperature != 1.0:  # measured against the teacher itself, as the others
-            teacher = teacher_scorer(load_model(s.teacher, c.student_groups, frozen=True),
-                                     c.student_groups, c.tokenizer.vocab_size,
-                                     cfg.trainer.scoring_token_budget)  # fmt: skip
+        teacher = measured_teacher(c, cfg, s.teacher)
 
         def measure(step: int) -> None:
             curve.append({"step": step, **evaluate(c.student, c.student_groups, generator,

@@ -92,6 +92,20 @@ def teacher_scorer(teacher: Any, groups: Any, vocab: int, budget: int) -> Teache
     return score
 
 
+def measured_teacher(c: Any, cfg: Any, checkpoint: Any) -> TeacherLogprobs:
+    """What a trainer's student is measured against: the trainer's teacher (``c``, its built
+    :class:`~megatron_gndpo.components.Components`), or, where that teacher scores at another
+    temperature than 1 (``cfg.teacher.temperature``), the teacher itself loaded again from
+    ``checkpoint``, so that every evaluation compares with the same distribution."""
+    if cfg.teacher.temperature == 1.0:
+        return lambda tokens, lengths: c.teacher.score_batch(tokens, lengths).logprobs
+    from megatron_gndpo.checkpoint.load import load_model
+
+    teacher = load_model(checkpoint, c.student_groups, frozen=True)
+    return teacher_scorer(teacher, c.student_groups, c.tokenizer.vocab_size,
+                          cfg.trainer.scoring_token_budget)  # fmt: skip
+
+
 class Evaluator:
     """The held-out measures of the module docstring against the teacher's greedy ``teacher``
     answers to the same ``questions``."""

@@ -23,13 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megatron_gndpo.compress.evaluate import (
     Answers,
     Evaluator,
     TeacherLogprobs,
     greedy_answers,
+    measured_teacher,
     teacher_scorer,
 )
 from megatron_gndpo.compress.recipe import STAGES_DIR, Plan, trainer_config
@@ -229,7 +228,6 @@ def distill(p: Plan, evaluate: Evaluator, start: Path) -> Result:
     from megatron.core import parallel_state
 
     from megatron_gndpo.checkpoint.convert import saved_model
-    from megatron_gndpo.checkpoint.load import load_model
     from megatron_gndpo.checks import validate
     from megatron_gndpo.config import save_dir, save_resolved
     from megatron_gndpo.rollout.builtin import MegatronGenerator
@@ -251,14 +249,7 @@ def distill(p: Plan, evaluate: Evaluator, start: Path) -> Result:
         c = trainer.c
         generator = MegatronGenerator.for_model(c.student, c.student_groups, c.tokenizer)
 
-        def trained_against(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-            return c.teacher.score_batch(tokens, lengths).logprobs
-
-        teacher: TeacherLogprobs = trained_against
-        if cfg.teacher.temperature != 1.0:  # measured against the teacher itself, as at step 0
-            plain = load_model(p.teacher_checkpoint, c.student_groups, frozen=True)
-            teacher = teacher_scorer(plain, c.student_groups, c.tokenizer.vocab_size,
-                                     cfg.trainer.scoring_token_budget)  # fmt: skip
+        teacher = measured_teacher(c, cfg, p.teacher_checkpoint)
 
         with progress(r.steps, "distill", True) as bar:
             for step in range(1, r.steps + 1):
