@@ -112,6 +112,15 @@ ON_POLICY: dict[str, tuple[str, ...]] = {
                       "algorithm.divergence.policy_gradient=gndpo"),
     "gndpo_mixed": (_TOPK, "algorithm.divergence.kind=mixed",
                     "algorithm.divergence.policy_gradient=gndpo"),
+    # the forward KL to the teacher cooled to temperature 0.3 on the student's own answers: close
+    # to DAgger (the teacher's next token at every state the student visits), the on-policy
+    # counterpart of KD on the teacher's greedy answers
+    "forward_cold": (_TOPK, "algorithm.divergence.kind=forward", "teacher.temperature=0.3"),
+    "gndpo_forward_cold": (_TOPK, "algorithm.divergence.kind=forward", "teacher.temperature=0.3",
+                           "algorithm.divergence.policy_gradient=gndpo"),
+    # RLVR: GRPO on the task's own reward (the reference in the first sentence), no teacher
+    "rlvr": ("algorithm.estimator=grpo", "data.answer_key=reference",
+             "data.answer_match=first_sentence"),
 }  # fmt: skip
 # KD for --kd-steps, then the on-policy method after "kd_"
 KD_THEN = tuple(f"kd_{m}" for m in ON_POLICY)

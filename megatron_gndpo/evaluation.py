@@ -44,6 +44,7 @@ def evaluate(
     seed: int = 0,
     replay: bool = False,
     vision: bool = False,
+    answer_match: str = "final",
 ) -> dict[str, float]:
     """Greedy accuracy on ``prompts`` (the whole held-out set; each data-parallel rank of
     ``groups`` generates its share, the counts summed over the DP x CP group), answers of at most
@@ -51,10 +52,11 @@ def evaluate(
     ``scorer``, also k samples per prompt at temperature 1 (``params``' other settings; seeds
     from ``seed`` and each prompt's place in the set): their accuracy and the per-token reverse
     KL to the teacher (``replay``: an MoE student's pass replays the sampler's experts).
-    ``vision``: a vision-language student (the prompts' images go along). Every rank calls it."""
+    ``vision``: a vision-language student (the prompts' images go along). ``answer_match``: how
+    an answer is checked (data.answer_match; rewards/rollout.py). Every rank calls it."""
     accuracy = greedy_accuracy(
         generator, tokenizer, prompts, groups, max_new_tokens=params.max_new_tokens,
-        stop_token_ids=params.stop_token_ids, vision=vision,
+        stop_token_ids=params.stop_token_ids, vision=vision, answer_match=answer_match,
     )  # fmt: skip
     out = {"eval/accuracy": accuracy}
     # every replica must hold a prompt: the teacher's scoring spans all ranks
@@ -62,7 +64,7 @@ def evaluate(
         sampling = dataclasses.replace(params, temperature=1.0, samples_per_prompt=samples)
         out |= _sampled(
             generator, tokenizer, prompts, groups, sampling, scorer, seed, replay=replay,
-            vision=vision,
+            vision=vision, answer_match=answer_match,
         )  # fmt: skip
     return out
 
@@ -77,6 +79,7 @@ def greedy_accuracy(
     stop_token_ids: Sequence[int],
     batch_size: int | None = None,
     vision: bool = False,
+    answer_match: str = "final",
 ) -> float:
     """The share of ``prompts`` whose greedy answer states their reference answer: each
     data-parallel rank of ``groups`` answers its share, ``batch_size`` prompts at a time (None:
@@ -89,7 +92,8 @@ def greedy_accuracy(
     for start in range(0, len(mine), size):
         batch = mine[start : start + size]
         rollout = generate_for(generator, batch, plain, [0] * len(batch), vision=vision)
-        rewards = rollout_rewards(rollout, batch, tokenizer)  # greedy: the seeds are unused
+        # greedy: the seeds are unused
+        rewards = rollout_rewards(rollout, batch, tokenizer, match=answer_match)
         if rewards is not None:
             correct += torch.tensor([float(rewards.sum()), float(len(rewards))])
     dist.all_reduce(correct, group=groups.dp_cp)
@@ -107,6 +111,7 @@ def _sampled(
     *,
     replay: bool,
     vision: bool,
+    answer_match: str,
 ) -> dict[str, float]:
     """:func:`sampled_eval_metrics` of ``params.samples_per_prompt`` samples of each of this
     rank's held-out prompts (each rank holds some); every rank calls it. A prompt's seeds follow
@@ -115,7 +120,7 @@ def _sampled(
     mine = [prompts[i] for i in places]
     seeds = [seeding.eval_seeds(seed, i, 1)[0] for i in places]
     rollout = generate_for(generator, mine, params, seeds, vision=vision)
-    rewards = rollout_rewards(rollout, mine, tokenizer)
+    rewards = rollout_rewards(rollout, mine, tokenizer, match=answer_match)
     routes = scorer.teachers.routes(mine, rollout.prompt_index)
     scored = scorer.score(rollout, mine, routes, replay=replay)
     spans = {}

@@ -243,7 +243,7 @@ class Trainer:
         return evaluation.evaluate(
             c.generator, c.tokenizer, c.data.eval, c.student_groups, self.params,
             scorer=c.scorer, samples=t.eval_samples, seed=t.seed, replay=self._replays(),
-            vision=self.cfg.model.vision is not None,
+            vision=self.cfg.model.vision is not None, answer_match=self.cfg.data.answer_match,
         )  # fmt: skip
 
     def _replays(self) -> bool:
@@ -291,7 +291,7 @@ class Trainer:
 
     def _rewards(self, rollout: Rollout, prompts: list[EncodedPrompt]) -> torch.Tensor | None:
         """Each row's verifiable reward (None when the prompts have no answers)."""
-        return rollout_rewards(rollout, prompts, self.c.tokenizer)
+        return rollout_rewards(rollout, prompts, self.c.tokenizer, match=self.cfg.data.answer_match)
 
     def _filter(
         self, rollout: Rollout, rewards: torch.Tensor | None

@@ -107,6 +107,16 @@ def compressed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return tmp, run_distributed(_compress_body, 1, (str(tmp),), timeout_s=300)[0]
 
 
+def test_the_rows_a_short_sft_run_reads_are_known_before_it() -> None:
+    from megatron_gndpo.data.sampler import PromptSampler
+    from megatron_gndpo.sft import drawn_rows
+
+    rows = drawn_rows(9, steps=2, batch_size=4, seed=3)
+    sampler = PromptSampler(9, prompts_per_step=4, dp_rank=0, dp_size=1, seed=3)
+    assert rows == sorted({i for _ in range(2) for i in sampler.next_step()}) and len(rows) == 8
+    assert drawn_rows(9, steps=3, batch_size=4, seed=3) == list(range(9))  # past an epoch: all
+
+
 def test_every_stage_writes_its_output_and_the_report_has_the_measures(
     compressed: tuple[Path, dict[str, Any]],
 ) -> None:
@@ -119,6 +129,8 @@ def test_every_stage_writes_its_output_and_the_report_has_the_measures(
     prune = json.loads((run / "pruned" / "prune.json").read_text())
     assert prune["num_layers"] == 2 and prune["importance"] == "cosine"
     assert (run / "warmup" / "model_config.yaml").is_file()
+    # one warm-up step of 4 sequences: the teacher answered those 4 of the 9 prompts only
+    assert json.loads((run / "stages" / "warmup.json").read_text())["sequences"] == 4
     assert (run / "distill" / "checkpoints" / "latest").read_text().strip() == "2"
     assert sorted(p.stem for p in (run / "stages").iterdir()) == [
         "baseline",

@@ -14,6 +14,7 @@ from megatron_gndpo.rewards import (
     math_verify_available,
     normalize_answer,
     reward,
+    short_answer_reward,
     verifiable,
 )
 
@@ -157,3 +158,59 @@ def test_missing_math_verify(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_math_verify_match(predicted: str, reference: str, expected: bool) -> None:
     assert answers_match(predicted, reference) is expected
     assert answers_match(predicted, reference, use_math_verify=True) is expected
+
+
+# ------------------------------------------------------------------ short answers (first sentence)
+
+
+@pytest.mark.parametrize(
+    ("text", "reference", "expected"),
+    [
+        ("Paris. It is also big.", "Paris", 1.0),
+        ("It is big. Paris.", "Paris", 0.0),  # a later sentence never scores
+        ("Parisian food", "Paris", 0.0),  # a whole word only
+        ("It is New York, I think", "new york", 1.0),  # a phrase
+        ("The cat sat!", "The cat sat.", 1.0),  # a sentence: punctuation and case aside
+        ("The cat sat. The cat sat.", "The cat sat.", 0.0),  # a sentence said once, nothing more
+        ("", "Paris", 0.0),
+        ("anything", "", 0.0),  # an empty reference is never said
+    ],
+)
+def test_short_answer_reward(text: str, reference: str, expected: float) -> None:
+    assert short_answer_reward(text, reference) == expected
+
+
+def test_short_answer_reward_whole_overrides_the_reference_form() -> None:
+    assert short_answer_reward("a cat sat. a cat sat.", "a cat sat") == 1.0  # a phrase
+    assert short_answer_reward("a cat sat. a cat sat.", "a cat sat", whole=True) == 0.0
+    assert short_answer_reward("Yes, the cat sat", "The cat sat.", whole=False) == 1.0
+
+
+def test_rollout_rewards_match_as_data_answer_match_says() -> None:
+    """The trainer's reward: ``final`` reads the stated final answer (a later sentence counts),
+    ``first_sentence`` the short answer at the start only."""
+    import torch
+
+    from megatron_gndpo.data.datasets import EncodedPrompt, PromptExample
+    from megatron_gndpo.rewards.rollout import rollout_rewards
+    from megatron_gndpo.rollout.base import Rollout
+
+    class Chars:  # a tokenizer of one id per character
+        def decode(self, ids: list[int]) -> str:
+            return "".join(map(chr, ids))
+
+    texts = ["7. Or 8.", "It is 8. The answer is 7"]
+    width = 2 + max(map(len, texts))
+    tokens = torch.zeros(2, width, dtype=torch.long)
+    for i, t in enumerate(texts):
+        tokens[i, 2 : 2 + len(t)] = torch.tensor([ord(c) for c in t])
+    rollout = Rollout(
+        tokens, torch.full((2,), 2), torch.tensor([2 + len(t) for t in texts]),
+        torch.zeros(2, width), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool),
+    )  # fmt: skip
+    prompts = [EncodedPrompt(PromptExample("x?", "7", 0), [0, 0])]
+    final = rollout_rewards(rollout, prompts, Chars())  # type: ignore[arg-type]
+    first = rollout_rewards(rollout, prompts, Chars(), match="first_sentence")  # type: ignore[arg-type]
+    assert final is not None and first is not None
+    assert final.tolist() == [0.0, 1.0]  # the last number / the text after "answer is"
+    assert first.tolist() == [1.0, 0.0]

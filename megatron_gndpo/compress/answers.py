@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 from megatron_gndpo.errors import DataError, MissingFileError
+from megatron_gndpo.rewards.short_answer import first_sentence, short_answer_reward, words
+
+__all__ = ["Question", "first_sentence", "load_questions", "same_answer", "task_score", "words"]
 
 FIELDS = ("prompt", "reference", "task")
 # The task whose answer is the reference itself (the question asks to repeat a sentence).
@@ -60,26 +62,12 @@ def load_questions(path: str | Path, *, option: str = "--eval") -> list[Question
     return questions
 
 
-def words(text: str) -> list[str]:
-    """Lower-case words of ``text``; punctuation, quotes and spacing dropped."""
-    return re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
-
-
-def first_sentence(text: str) -> str:
-    """``text`` up to its first full stop, question or exclamation mark, or line break."""
-    return next((part for part in re.split(r"[.!?\n]", text) if part.strip()), "")
-
-
 def task_score(task: str, response: str, reference: str) -> float:
     """1.0 when ``response`` answers the question: the sentence itself for ``repeat`` (case and
     punctuation aside), otherwise the reference as a whole word or phrase in its first sentence
-    (so an answer that rambles on until it happens to say the reference scores nothing)."""
-    wanted = words(reference)
-    if task == REPEAT:
-        return float(words(response) == wanted)
-    said = words(first_sentence(response))
-    n = len(wanted)
-    return float(any(said[i : i + n] == wanted for i in range(len(said) - n + 1)))
+    (so an answer that rambles on until it happens to say the reference scores nothing); the
+    trainer's reward with ``data.answer_match=first_sentence`` (rewards/short_answer.py)."""
+    return short_answer_reward(response, reference, whole=task == REPEAT)
 
 
 def same_answer(a: str, b: str) -> bool:

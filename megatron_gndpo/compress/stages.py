@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,21 @@ def _due(step: int, last: int, interval: int) -> bool:
 # warm-up and distillation
 
 
+class _Rows(Sequence[Any]):
+    """``n`` rows of which only those made are held: the ones a seeded run reads."""
+
+    def __init__(self, n: int, made: dict[int, Any]) -> None:
+        self.n, self.made = n, made
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        if i not in self.made:
+            raise IndexError(f"row {i} was not made: only the rows the steps draw are")
+        return self.made[i]
+
+
 def warmup(p: Plan, evaluate: Evaluator) -> Result:
     """Sequence-level KD (Kim & Rush 2016): SFT of the pruned student on the teacher's greedy
     answers to the training prompts, as many sequences a step as a trainer step samples and
@@ -180,10 +195,14 @@ def warmup(p: Plan, evaluate: Evaluator) -> Result:
     from megatron_gndpo.engine.scoring import sequence_multiple
     from megatron_gndpo.rollout import greedy
     from megatron_gndpo.rollout.builtin import MegatronGenerator
-    from megatron_gndpo.sft import SFTSequence, build_sft_model, micro_batch, run_sft
+    from megatron_gndpo.sft import SFTSequence, build_sft_model, drawn_rows, micro_batch, run_sft
 
     r, cfg, tok = p.request, p.config, _tokenizer(p)
     steps, seed = r.warmup_steps, cfg.trainer.seed
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    # the teacher answers only the prompts the warm-up's steps read (a few steps of a large
+    # training set need a few batches of answers, not one for every prompt)
+    rows = drawn_rows(len(p.train_prompts), steps=steps, batch_size=batch, seed=seed)
     out = _fresh(p.stage_dir("warmup"))
     pruned = p.stage_dir("pruned")
     model_cfg = dataclasses.replace(saved_model(pruned).model, params_dtype=cfg.model.params_dtype)
@@ -192,10 +211,12 @@ def warmup(p: Plan, evaluate: Evaluator) -> Result:
         teacher = load_model(p.teacher_checkpoint, groups, frozen=True)
         answers = greedy.greedy_answers(
             MegatronGenerator.for_model(teacher, groups, tok),
-            [tok.apply_chat_template(x) for x in p.train_prompts],
+            [tok.apply_chat_template(p.train_prompts[i]) for i in rows],
             max_new_tokens=cfg.rollout.max_response_length, stop_token_ids=(tok.eos_id,),
         )  # fmt: skip
-        sequences = [SFTSequence(tuple(a.ids), a.prompt_length) for a in answers]
+        made = {i: SFTSequence(tuple(a.ids), a.prompt_length)
+                for i, a in zip(rows, answers, strict=True)}  # fmt: skip
+        sequences = _Rows(len(p.train_prompts), made)
         score = teacher_scorer(teacher, groups, tok.vocab_size, cfg.trainer.scoring_token_budget)
         m = build_sft_model(model_cfg, ParallelConfig(), groups, cfg.optimizer,
                             vocab_size=tok.vocab_size, steps=steps, seed=seed,
@@ -211,14 +232,14 @@ def warmup(p: Plan, evaluate: Evaluator) -> Result:
         multiple = sequence_multiple(m.model)
         run_sft(
             m, sequences, lambda batch: micro_batch(batch, tok.pad_id, multiple), steps=steps,
-            batch_size=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
-            micro_batch_size=cfg.trainer.micro_batch_size, seed=seed, on_step=on_step,
+            batch_size=batch, micro_batch_size=cfg.trainer.micro_batch_size, seed=seed,
+            on_step=on_step,
         )  # fmt: skip
         bar.close()
         out.mkdir(parents=True)
         save_checkpoint(out, steps, m.model, model_config=model_cfg, tokenizer=p.tokenizer)
         describe_checkpoints(out, model_cfg)  # the distillation reads its architecture
-    return {"checkpoint": str(out), "curve": curve, "sequences": len(sequences),
+    return {"checkpoint": str(out), "curve": curve, "sequences": len(rows),
             "teacher_eos": sum(a.finished for a in answers) / len(answers)}  # fmt: skip
 
 

@@ -701,6 +701,12 @@ class DataConfig:
     """Column holding the prompt text."""
     answer_key: str = "answer"
     """Column holding the reference answer (for verifiable rewards and evaluation)."""
+    answer_match: Literal["final", "first_sentence"] = "final"
+    """How a response is checked against its reference answer (the verifiable reward and the
+    evaluation's accuracy): final, the final answer it states (the last \\boxed{}, the text after
+    "answer is", else its last number); first_sentence, a short answer (a word, a name) as a
+    whole word or phrase of its first sentence, or a reference that is itself a sentence as the
+    whole response (rewards/short_answer.py), so rambling on never earns the reward."""
     tokenizer: Annotated[str | None, PATH] = None
     """SentencePiece model file or Hugging Face tokenizer directory; null for the built-in
     task's tokenizer."""

@@ -33,7 +33,10 @@ _DONE, _FAILED, _ABORTED, _CRASHED = -1, -2, -3, -4
 # The exit code of a rank the watchdog ends because another rank crashed: not 2, which tells
 # `megatron-gndpo launch` that an error was printed already (it then names the crashed rank).
 FOLLOWED_A_CRASH_EXIT = 1
-_CRASH_GRACE_S = 2.0  # at least this long after a rank marked itself crashed
+# At least this long after a rank marked itself crashed: its interpreter still prints its
+# traceback and tears down its process groups, which took over 2 s on a loaded 2-core machine
+# (the follower then exited first and was named as the failure).
+_CRASH_GRACE_S = 10.0
 _REPORT_WAIT_S = 5.0  # how long a rank waits for rank 0 to report the same error
 
 

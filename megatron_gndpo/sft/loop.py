@@ -234,6 +234,20 @@ def check_batching(
         )
 
 
+def _sampler(n: int, batch_size: int, dp_rank: int, dp_size: int, seed: int) -> PromptSampler:
+    return PromptSampler(
+        n, prompts_per_step=batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed
+    )
+
+
+def drawn_rows(n: int, *, steps: int, batch_size: int, seed: int) -> list[int]:
+    """The rows of ``n`` sequences that :func:`run_sft` reads in ``steps`` steps of
+    ``batch_size`` from ``seed`` (every data-parallel rank's), in order of index: the sequences
+    a caller must make (e.g. a teacher's answers) when it makes them for a short run only."""
+    sampler = _sampler(n, batch_size, 0, 1, seed)
+    return sorted({i for _ in range(steps) for i in sampler.next_step()})
+
+
 def run_sft[S: SFTSequence](
     m: SFTModel,
     sequences: Sequence[S],
@@ -251,10 +265,7 @@ def run_sft[S: SFTSequence](
     ``targets``, ``mask``, and whatever the family's model call also reads). Returns the
     per-step metrics.
     """
-    sampler = PromptSampler(
-        len(sequences), prompts_per_step=batch_size, dp_rank=m.groups.coords["dp"],
-        dp_size=m.groups.layout.dp, seed=seed,
-    )  # fmt: skip
+    sampler = _sampler(len(sequences), batch_size, m.groups.coords["dp"], m.groups.layout.dp, seed)
     history = []
     for step in range(1, steps + 1):
         mine = [sequences[i] for i in sampler.next_step()]
