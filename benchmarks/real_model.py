@@ -45,6 +45,7 @@ from common import VLLMPeer, git, host_info, process_world, sync, table, wait_fo
 from megatron_gndpo.checkpoint import hf_mapping
 from megatron_gndpo.checkpoint.convert import HFCheckpoint, fill_from_hf, read_hf_config
 from megatron_gndpo.config.schema import ParallelConfig
+from megatron_gndpo.engine.host_memory import reuse_freed_memory
 from megatron_gndpo.engine.scoring import score_tokens
 from megatron_gndpo.models.logprob_head import TokenLogProbs
 from megatron_gndpo.real.fetch import SMOLLM2_135M, fetch
@@ -75,6 +76,11 @@ def main() -> None:
     p.add_argument("--out", default="real_model.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    with reuse_freed_memory():  # as the commands that build models run (engine/host_memory.py)
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     stages = args.stages.split(",")
     hf_dir = Path(args.model_dir) if args.model_dir else fetch(SMOLLM2_135M, log=lambda _: None)
     host_before = host_info()

@@ -605,10 +605,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             args.overrides = [*args.overrides, *extra]
     from megatron_gndpo.compat import notices
+    from megatron_gndpo.engine.host_memory import reuse_freed_memory
 
     installed = notices.quiet_known_notices()  # every command; before megatron-core's import
+    computes = args.command in ("train", "demo", "compress", "prune")  # they build models
     try:
-        return handlers[args.command](args)
+        with reuse_freed_memory() if computes else contextlib.nullcontext():
+            return handlers[args.command](args)
     except UserError as err:
         from megatron_gndpo.job.watchdog import report_error
 

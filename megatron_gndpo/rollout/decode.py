@@ -10,7 +10,8 @@ parameters, with far fewer ops:
 
 - megatron's own modules where they hold no wiring (the embedding, the norms, q/k norms);
 - each linear from its weight: ``x @ W^T``, the all-reduce a row-parallel layer does, the bias
-  (:class:`_Linear`; on the CPU through oneDNN with the weight packed once per generate);
+  (:class:`_Linear`; on the CPU through oneDNN with the weight packed once per generate, or
+  MKL for a few rows on an Intel CPU);
 - keys rotated once, as they are written into a slot cache ``[slots, ng, S, hn]``;
 - each row at its own position: a prefill writes whole prompts (right-padded, causal), a decode
   step writes one position per row and attends to that row's cached keys only;
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -461,16 +463,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
 
 
-# torch's CPU matmul goes to MKL, whose small-batch GEMMs were 2-3x slower than oneDNN's on the
-# 2-core AMD hosts measured (benchmarks/results/); oneDNN with weights reordered for it is also
-# what torch.compile's CPU backend and vLLM's CPU backend run.
-def _onednn(weight: torch.Tensor) -> bool:
-    """Whether ``weight``'s GEMMs go through oneDNN with a packed copy (fp32 on the CPU)."""
+# Which CPU GEMM a decode step's linears run, by host and rows a step (measured: oneDNN on
+# weights reordered for it, as torch.compile's and vLLM's CPU backends run, or torch's matmul,
+# i.e. MKL). On the 2-core AMD EPYC hosts of benchmarks/results/rollout-cpu-2026-12-02.md MKL's
+# small GEMMs were 2-3x slower than oneDNN's; on the 2-core Intel Xeon (AVX-512) host of
+# real-model-cpu-2026-12-08.md MKL's are faster below 8 rows (SmolLM2-135M decode, tokens/s
+# MKL / oneDNN: 1.31 at 1 row, 1.65 at 2, 1.13 at 4) and slower from 8 (0.90 at 8, 0.93 at 16).
+# A fixed rule, not a timing at run time: the same host takes the same path every run, so a
+# seeded rollout stays reproducible.
+_MKL_BELOW_ROWS = 8
+
+
+@functools.cache
+def _intel_cpu() -> bool:
+    """Whether this host's CPU is Intel's (MKL's own fast paths; Linux's /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.split(":")[-1].strip() == "GenuineIntel"
+                       for line in f if line.startswith("vendor_id"))  # fmt: skip
+    except OSError:
+        return False
+
+
+def _onednn(weight: torch.Tensor, rows: int) -> bool:
+    """Whether ``weight``'s GEMMs at ``rows`` rows a step go through oneDNN with a packed copy
+    (fp32 on the CPU; not for few rows on an Intel CPU, where MKL's are faster)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and not (rows < _MKL_BELOW_ROWS and _intel_cpu())
     )
 
 
@@ -502,7 +525,7 @@ class _Linear:
         cls, weight: torch.Tensor, rows: int, bias: torch.Tensor | None = None, group: Any = None
     ) -> _Linear:
         packed = None
-        if _onednn(weight):  # ``rows``: the GEMMs' expected row count, oneDNN's blocking hint
+        if _onednn(weight, rows):  # ``rows``: the GEMMs' expected row count, oneDNN's blocking hint
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
         return cls(weight, bias, group, packed)
 
