@@ -281,6 +281,10 @@ def mean_curves(
     return out
 
 
+# for methods a study gives no colour (tab:* are the studies' own)
+_SPARE_COLOURS = ("tab:cyan", "black", "gold", "teal", "navy", "magenta", "lime", "maroon")
+
+
 def plot_curves(
     runs: Sequence[dict[str, Any]],
     measures: Sequence[str],
@@ -300,6 +304,8 @@ def plot_curves(
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     curves = mean_curves(runs, measures)
+    spare = iter(c for c in _SPARE_COLOURS if c not in colours.values())
+    colours = {**{m: next(spare, "gray") for m in curves if m not in colours}, **colours}
     for ax, (key, title) in zip(axes, panels, strict=True):
         for r in runs:
             ax.plot([c["step"] for c in r["curve"]], [c[key] for c in r["curve"]],
