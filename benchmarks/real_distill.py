@@ -118,6 +118,10 @@ ON_POLICY: dict[str, tuple[str, ...]] = {
     "forward_cold": (_TOPK, "algorithm.divergence.kind=forward", "teacher.temperature=0.3"),
     "gndpo_forward_cold": (_TOPK, "algorithm.divergence.kind=forward", "teacher.temperature=0.3",
                            "algorithm.divergence.policy_gradient=gndpo"),
+    # the same at a fifth of the learning rate: after KD, a smaller step from KD's plateau
+    "gndpo_forward_cold_lr1e5": (_TOPK, "algorithm.divergence.kind=forward",
+                                 "teacher.temperature=0.3",
+                                 "algorithm.divergence.policy_gradient=gndpo", "optimizer.lr=1e-5"),
     # RLVR: GRPO on the task's own reward (the reference in the first sentence), no teacher
     "rlvr": ("algorithm.estimator=grpo", "data.answer_key=reference",
              "data.answer_match=first_sentence"),
@@ -350,7 +354,8 @@ def run_kd_then(s: Settings, method: str, seed: int, evaluate: Evaluator,
     if not 0 < s.kd_steps < s.steps:
         raise ValueError(f"{method} needs 0 < --kd-steps < --steps; got {s.kd_steps}, {s.steps}")
     saved = s.out / f"{method}_s{seed}_kd"
-    kd = run_kd(dataclasses.replace(s, steps=s.kd_steps), method, seed, evaluate, data,
+    # KD's own settings (the on-policy method's overrides, e.g. its learning rate, are its own)
+    kd = run_kd(dataclasses.replace(s, steps=s.kd_steps), "kd", seed, evaluate, data,
                 tokenizer, save=saved)  # fmt: skip
     rest = dataclasses.replace(s, student=saved, steps=s.steps - s.kd_steps)
     on = run_trainer(rest, method, seed, evaluate, offset=s.kd_steps)
