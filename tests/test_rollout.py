@@ -264,3 +264,20 @@ def test_uncovered_model_falls_back_to_megatrons_static_path(one_process: dict[s
     lean, uncovered = one_process["lean"], one_process["uncovered"]
     assert torch.equal(lean.tokens, uncovered.tokens)
     torch.testing.assert_close(lean.sampler_logprobs, uncovered.sampler_logprobs, rtol=0, atol=1e-5)
+
+
+def test_decode_gemm_path_by_host_and_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN with a packed weight, except below 8 rows on an Intel CPU (MKL's GEMMs are faster
+    there); both paths compute the same linear."""
+    from megatron_gndpo.rollout import decode
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    weight, x = torch.randn(96, 64), torch.randn(4, 64)
+    for intel, packed_rows in ((True, (8, 16)), (False, (1, 4, 8, 16))):
+        monkeypatch.setattr(decode, "_intel_cpu", lambda intel=intel: intel)
+        for rows in (1, 4, 8, 16):
+            linear = decode._Linear.plain(weight, rows)
+            assert (linear.packed is not None) == (rows in packed_rows), (intel, rows)
+            torch.testing.assert_close(linear(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert decode._onednn(weight.bfloat16(), 16) is False  # fp32 only
