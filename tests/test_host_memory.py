@@ -6,6 +6,7 @@ changes how glibc serves the next block."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -61,8 +62,6 @@ PAGES = 160 * (1 << 20) // 4096  # what one step allocates, in 4 KiB pages
 
 
 def _measure(env: dict[str, str] | None = None) -> dict[str, int]:
-    import os
-
     run = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True,
                          env={**os.environ, **(env or {})}, check=True, timeout=120)  # fmt: skip
     return json.loads(run.stdout.splitlines()[-1])
